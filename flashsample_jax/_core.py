@@ -1,0 +1,81 @@
+"""Pieces every backend shares: logits of a vocabulary slice, the per-element
+score, and the (score, index) combine rule.
+
+The combine rule reproduces ``jnp.argmax``: NaN beats every number (the first
+NaN wins, as in ``jnp.argmax``), otherwise the larger score wins, and ties go
+to the lower vocabulary id. It is associative and commutative, so candidates
+can be reduced in any order: chunk by chunk, tile by tile, shard by shard.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashsample_jax import noise
+
+
+def logits(hidden, weight, layout: str) -> jax.Array:
+  """f32 logits ``[B, Vc]`` of ``hidden [B, D]`` against a weight slice.
+
+  Args:
+    hidden: ``[B, D]``.
+    weight: ``[Vc, D]`` for layout "vd", ``[D, Vc]`` for "dv".
+    layout: "vd" or "dv".
+  """
+  contract = 1 if layout == "vd" else 0
+  return lax.dot_general(
+      hidden, weight, (((1,), (contract,)), ((), ())),
+      preferred_element_type=jnp.float32)
+
+
+def scores(l, gid, k0, k1, ctr_hi, ctr_lo, temperature, vocab_size):
+  """Per-element scores whose row argmax is the sampled token.
+
+  Sampled rows: ``l / T + gumbel``; greedy rows (``T == 0``): ``l``. Ids at or
+  above ``vocab_size`` get ``-inf``.
+
+  Args:
+    l: f32 logits ``[B, Vc]``.
+    gid: int32 global vocabulary ids ``[Vc]`` (or broadcastable to ``l``).
+    k0, k1, ctr_hi, ctr_lo, temperature: ``[B]`` per-row noise and
+      temperature (see ``Problem``).
+    vocab_size: logical vocabulary (static int or scalar array).
+  """
+  col = lambda x: x[:, None]
+  hi, lo = noise.add_u32(col(ctr_hi), col(ctr_lo), gid.astype(jnp.uint32))
+  g = noise.gumbel(col(k0), col(k1), hi, lo)
+  t = col(temperature)
+  greedy = t == 0
+  # Division, not multiplication by 1/T: the reference divides, and the two
+  # round differently unless T is a power of two.
+  s = jnp.where(greedy, l, l / jnp.where(greedy, 1.0, t) + g)
+  return jnp.where(gid < vocab_size, s, -jnp.inf)
+
+
+def better(s_new, i_new, s_old, i_old):
+  """True where candidate ``(s_new, i_new)`` beats ``(s_old, i_old)``."""
+  nan_new, nan_old = jnp.isnan(s_new), jnp.isnan(s_old)
+  same = (s_new == s_old) | (nan_new & nan_old)
+  return (s_new > s_old) | (nan_new & ~nan_old) | (same & (i_new < i_old))
+
+
+def combine(a, b):
+  """Best of two ``(score, index)`` candidate pairs, elementwise."""
+  take_b = better(b[0], b[1], a[0], a[1])
+  return jnp.where(take_b, b[0], a[0]), jnp.where(take_b, b[1], a[1])
+
+
+def reduce_candidates(score, index, axis: int = 0):
+  """Reduces stacked candidates along ``axis`` with :func:`combine`."""
+  return lax.reduce((score, index), (jnp.array(-jnp.inf, score.dtype),
+                                     jnp.array(jnp.iinfo(index.dtype).max, index.dtype)),
+                    lambda a, b: combine(a, b), (axis,))
+
+
+def row_best(s, gid):
+  """Best ``(score, global id)`` of each row of a score block ``[B, Vc]``."""
+  j = jnp.argmax(s, axis=1)  # first max, first NaN: the combine rule
+  best = jnp.take_along_axis(s, j[:, None], axis=1)[:, 0]
+  return best, jnp.broadcast_to(gid, s.shape[-1:])[j].astype(jnp.int32)

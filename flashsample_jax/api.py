@@ -1,0 +1,107 @@
+"""Public entry point: :func:`sample`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from flashsample_jax import _validate, xla_backend
+
+# Every backend name, in the order ``backend="auto"`` tries them. Tests and
+# benchmarks iterate over this tuple.
+Backend = Literal["mosaic", "xla"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+
+def _mosaic_module():
+  # Imported lazily: the kernel module pulls in Pallas Mosaic GPU, which a
+  # CPU-only user of the xla backend never needs to import.
+  from pallas_kernels import mosaic_sm90
+  return mosaic_sm90
+
+
+def _check_supported(name: str, p: _validate.Problem) -> None:
+  """Raises NotImplementedError if backend ``name`` cannot run ``p`` here."""
+  if name == "mosaic":
+    _mosaic_module().check_supported(p)
+  elif name != "xla":
+    raise AssertionError(name)  # internal: names come from BACKENDS
+
+
+def _candidates(name: str, p: _validate.Problem, *, vocab_offset=0):
+  if name == "mosaic":
+    return _mosaic_module().candidates(p, vocab_offset=vocab_offset)
+  return xla_backend.candidates(p, vocab_offset=vocab_offset)
+
+
+def resolve_backend(backend: str, p: _validate.Problem) -> str:
+  """The backend that will run ``p``: ``backend`` itself, or auto's pick."""
+  _validate.check_backend_name(backend, BACKENDS)
+  if backend != "auto":
+    _check_supported(backend, p)
+    return backend
+  for name in BACKENDS:
+    try:
+      _check_supported(name, p)
+    except NotImplementedError:
+      continue
+    return name
+  raise AssertionError("the xla backend supports every valid problem")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("weight_layout", "vocab_size", "backend"))
+def _sample(hidden, weight, key, temperature, *, weight_layout, vocab_size, backend):
+  p = _validate.prepare(hidden, weight, key, temperature=temperature,
+                        weight_layout=weight_layout, vocab_size=vocab_size)
+  _, token = _candidates(backend, p)
+  return token
+
+
+def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
+           vocab_size=None, backend="auto"):
+  """Samples one token per row from ``softmax(hidden @ W.T / T)``.
+
+  Never writes the ``[B, V]`` logits to device memory. Returns exactly the
+  tokens of :func:`flashsample_jax.reference.sample`, i.e. of
+  ``jax.random.categorical(key, logits / T)`` (per-row keys: vmapped), for
+  the same key.
+
+  Args:
+    hidden: ``[B, D]`` bf16, f16 or f32 hidden states; cast to ``weight``'s
+      dtype before the product.
+    weight: the LM head, ``[V, D]`` for ``weight_layout="vd"`` (tied
+      embeddings, PyTorch checkpoints) or ``[D, V]`` for ``"dv"`` (a Flax
+      ``nnx.Linear`` kernel). Never transposed in memory.
+    key: a typed threefry key (``jax.random.key``): a scalar key gives one
+      stream for the batch, a ``[B]`` key array one stream per row. Raw
+      ``uint32[2]`` / ``uint32[B, 2]`` key data is accepted too.
+    temperature: a float or a ``[B]`` array. ``0`` makes that row greedy
+      (argmax of the logits, lowest id on ties); rows may mix.
+    weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
+    vocab_size: the logical vocabulary when ``weight`` has padding rows;
+      ids ``>= vocab_size`` are never returned. Default: all rows.
+    backend: ``"auto"`` or one of :data:`BACKENDS`.
+
+  Returns:
+    int32 token ids ``[B]``.
+
+  Raises:
+    TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).
+    ValueError: mismatched shapes, an unknown backend or layout, a
+      ``vocab_size`` out of range, a negative or NaN concrete temperature.
+    NotImplementedError: the named backend cannot run these arguments on this
+      device (``"auto"`` then picks another).
+  """
+  p = _validate.prepare(hidden, weight, key, temperature=temperature,
+                        weight_layout=weight_layout, vocab_size=vocab_size)
+  name = resolve_backend(backend, p)
+  if p.batch == 0:
+    return jnp.zeros((0,), jnp.int32)
+  if isinstance(temperature, (int, float)):
+    temperature = jnp.float32(temperature)
+  return _sample(hidden, weight, key, temperature, weight_layout=weight_layout,
+                 vocab_size=vocab_size, backend=name)

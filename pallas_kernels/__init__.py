@@ -1,0 +1,1 @@
+"""Pallas kernels behind flashsample_jax's backends, one module per backend/arch."""
