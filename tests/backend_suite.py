@@ -1,0 +1,131 @@
+"""One test base that every backend subclasses (STYLE.md).
+
+A subclass sets ``backend`` and may override :meth:`run` (to enter an
+interpret-mode context, say) and the shape tables. Every exact-input test
+demands 100% identical tokens to ``flashsample_jax.reference.sample``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashsample_jax as fs
+from tests import inputs
+
+
+class BackendSuite:
+  backend: str = ""
+  # (B, D, V) triples small enough for the slowest subclass (interpret mode).
+  shapes = [(1, 64, 200), (5, 64, 1000), (16, 128, 517), (37, 64, 2048)]
+  dtypes = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+  def run(self, hidden, weight, key, **kw):
+    return fs.sample(hidden, weight, key, backend=self.backend, **kw)
+
+  def check_exact(self, hidden, weight, key, **kw):
+    got = np.asarray(self.run(hidden, weight, key, **kw))
+    want = np.asarray(fs.reference.sample(hidden, weight, key, **kw))
+    assert got.dtype == np.int32 and got.shape == want.shape
+    mismatch = np.nonzero(got != want)[0]
+    assert mismatch.size == 0, (
+        f"{mismatch.size}/{want.size} rows differ, e.g. row {mismatch[0]}: "
+        f"got {got[mismatch[0]]}, want {want[mismatch[0]]}")
+    return got
+
+  # -- exact inputs: 100% identical tokens --------------------------------
+
+  @pytest.mark.parametrize("layout", ["vd", "dv"])
+  def test_scalar_key(self, layout):
+    for i, (b, d, v) in enumerate(self.shapes):
+      h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=i)
+      t = inputs.pow2_temperatures(b, seed=i)
+      self.check_exact(h, w, jax.random.key(i), temperature=t,
+                       weight_layout=layout)
+
+  @pytest.mark.parametrize("layout", ["vd", "dv"])
+  def test_per_row_keys(self, layout):
+    for i, (b, d, v) in enumerate(self.shapes):
+      h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=10 + i)
+      self.check_exact(h, w, inputs.row_keys(b, seed=i), temperature=1.0,
+                       weight_layout=layout)
+
+  def test_greedy_and_mixed_rows(self):
+    b, d, v = self.shapes[-1]
+    h, w = inputs.exact_inputs(b, d, v, seed=3)
+    self.check_exact(h, w, jax.random.key(0), temperature=0.0)
+    t = inputs.pow2_temperatures(b, greedy_every=3, seed=3)
+    self.check_exact(h, w, jax.random.key(0), temperature=t)
+    self.check_exact(h, w, inputs.row_keys(b), temperature=t)
+
+  def test_greedy_ties_take_lowest_id(self):
+    # All-zero weight: every logit ties, greedy must return id 0, and an
+    # all-equal row with duplicated winners must return the first.
+    b, d, v = 8, 64, 300
+    h, w = inputs.exact_inputs(b, d, v, seed=4)
+    w = w.at[:].set(0).at[123].set(1).at[250].set(1)
+    h = jnp.abs(h) + 1
+    tok = self.check_exact(h, w, jax.random.key(0), temperature=0.0)
+    assert (tok == 123).all()
+
+  def test_padded_vocab(self):
+    for layout in ("vd", "dv"):
+      h, w = inputs.exact_inputs(9, 64, 700, layout=layout, seed=5)
+      # Make the padding rows attractive: they must still never be returned.
+      big = jnp.asarray(100, w.dtype)
+      w = w.at[650:].set(big) if layout == "vd" else w.at[:, 650:].set(big)
+      h = jnp.abs(h) + 1
+      for t in (1.0, 0.0):
+        tok = self.check_exact(h, w, jax.random.key(1), temperature=t,
+                               weight_layout=layout, vocab_size=650)
+        assert (tok < 650).all()
+      self.check_exact(h, w, inputs.row_keys(9), weight_layout=layout,
+                       vocab_size=650)
+
+  def test_dtypes(self):
+    for dt in self.dtypes:
+      h, w = inputs.exact_inputs(6, 64, 400, dtype=dt, seed=6)
+      self.check_exact(h, w, jax.random.key(2), temperature=0.5)
+
+  def test_under_jit_with_traced_arguments(self):
+    h, w = inputs.exact_inputs(8, 64, 512, seed=7)
+    t = inputs.pow2_temperatures(8, greedy_every=4, seed=7)
+    f = jax.jit(lambda h, w, k, t: self.run(h, w, k, temperature=t))
+    for keys in (jax.random.key(3), inputs.row_keys(8, seed=3)):
+      want = fs.reference.sample(h, w, keys, temperature=t)
+      np.testing.assert_array_equal(f(h, w, keys, t), want)
+
+  def test_decode_loop_in_scan(self):
+    # A decode loop: each step samples with a fresh key and feeds the token's
+    # embedding back as the next hidden state.
+    b, d, v = 4, 64, 256
+    h0, w = inputs.exact_inputs(b, d, v, seed=8)
+
+    def loop(sampler):
+      def step(carry, key):
+        h = carry
+        tok = sampler(h, w, key, temperature=2.0)
+        return w[tok], tok
+      keys = jax.random.split(jax.random.key(4), 6)
+      return jax.lax.scan(step, h0, keys)[1]
+
+    got = jax.jit(lambda: loop(self.run))()
+    want = jax.jit(lambda: loop(fs.reference.sample))()
+    np.testing.assert_array_equal(got, want)
+
+  # -- random inputs: >= 99.9% agreement ------------------------------------
+
+  random_shapes = [(64, 128, 4099), (32, 256, 3000)]
+
+  def test_random_inputs_agree(self):
+    agree = total = 0
+    for i, (b, d, v) in enumerate(self.random_shapes):
+      h, w = inputs.random_inputs(b, d, v, seed=20 + i)
+      for keys in (jax.random.key(i), inputs.row_keys(b, seed=i)):
+        got = np.asarray(self.run(h, w, keys, temperature=0.7))
+        want = np.asarray(fs.reference.sample(h, w, keys, temperature=0.7))
+        agree += int((got == want).sum())
+        total += got.size
+    assert agree / total >= 0.999, f"{agree}/{total} rows agree"
