@@ -1,7 +1,20 @@
-"""Shared pytest setup: GPU tests skip cleanly where there is no GPU."""
+"""Shared pytest setup.
 
-import jax
-import pytest
+* 8 host CPU devices, so the sharding tests can build 1/2/4/8-way meshes
+  (must be set before jax is imported; harmless for the other tests, which
+  use the first device).
+* GPU tests (marked ``gpu``) skip cleanly where there is no GPU; on the H100
+  run them with ``pytest -m gpu``.
+"""
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def has_gpu() -> bool:
