@@ -39,9 +39,10 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KS_PARITY = 0x1BD11BDA
 
 # Bounds of mode-"low" Gumbel noise in float32: u is in [tiny, 1 - 2**-23].
-# g(tiny) = -log(-log(1.1754944e-38)) = -4.4804; g(1 - 2**-23) = 15.9424.
-# Used only to document (and, later, to skip) tiles that cannot win.
-GUMBEL_MIN = -4.48
+# g(tiny) = -log(-log(1.1754944e-38)) = -4.46977; g(1 - 2**-23) = 15.94238.
+# Rounded outwards; they bound how far below a row's best logit an element
+# can be and still win (the skip idea of DESIGN.md section 3).
+GUMBEL_MIN = -4.47
 GUMBEL_MAX = 15.95
 
 
