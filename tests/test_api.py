@@ -1,0 +1,48 @@
+"""The public API: backend selection and the every-backend contract."""
+
+import jax
+import numpy as np
+import pytest
+
+import flashsample_jax as fs
+from tests import inputs
+from tests.conftest import is_sm90
+
+
+def test_backend_names_are_one_literal():
+  from typing import get_args
+  assert fs.BACKENDS == get_args(fs.Backend)
+  assert "xla" in fs.BACKENDS and "mosaic" in fs.BACKENDS
+
+
+@pytest.mark.parametrize("backend", ("auto", *fs.BACKENDS))
+def test_every_backend_equals_reference_or_declines(backend):
+  # On this device each backend either returns the reference's tokens or
+  # raises NotImplementedError (and then "auto" must not pick it).
+  h, w = inputs.exact_inputs(5, 64, 300)
+  key = jax.random.key(1)
+  want = fs.reference.sample(h, w, key, temperature=0.5)
+  try:
+    got = fs.sample(h, w, key, temperature=0.5, backend=backend)
+  except NotImplementedError:
+    assert backend != "auto"
+    from flashsample_jax._validate import prepare
+    assert fs.resolve_backend("auto", prepare(h, w, key)) != backend
+    return
+  np.testing.assert_array_equal(got, want)
+
+
+def test_auto_picks_mosaic_only_on_hopper():
+  from flashsample_jax._validate import prepare
+  h, w = inputs.exact_inputs(5, 64, 300)
+  p = prepare(h, w, jax.random.key(0))
+  assert fs.resolve_backend("auto", p) == ("mosaic" if is_sm90() else "xla")
+
+
+def test_d_not_multiple_of_64_falls_back_to_xla():
+  from flashsample_jax._validate import prepare
+  h, w = inputs.exact_inputs(5, 40, 300)
+  p = prepare(h, w, jax.random.key(0))
+  assert fs.resolve_backend("auto", p) == "xla"
+  np.testing.assert_array_equal(fs.sample(h, w, jax.random.key(0)),
+                                fs.reference.sample(h, w, jax.random.key(0)))
