@@ -1,0 +1,198 @@
+"""Flax heads (flashsample_jax.flax_heads) against the reference and the modules.
+
+Exact inputs (tests/inputs.py) make every logit an exact small integer, so the
+fused tokens must equal both the reference's and those of
+``jax.random.categorical`` on what the Flax module itself computes, on 100%
+of rows.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flashsample_jax as fs
+from flashsample_jax import flax_heads
+from tests import inputs
+
+B, D, V = 12, 64, 1000
+
+
+def _linear(weight_dv, *, bias=False, **kw):
+  head = nnx.Linear(D, weight_dv.shape[1], use_bias=bias, param_dtype=weight_dv.dtype,
+                    rngs=nnx.Rngs(0), **kw)
+  head.kernel[...] = weight_dv
+  return head
+
+
+def _embed(weight_vd):
+  embed = nnx.Embed(weight_vd.shape[0], D, param_dtype=weight_vd.dtype, rngs=nnx.Rngs(0))
+  embed.embedding[...] = weight_vd
+  return embed
+
+
+def _module_tokens(logits, key, temperature):
+  """``jax.random.categorical`` on a module's own logits (vmapped per-row keys)."""
+  lt = logits.astype(jnp.float32) / temperature
+  if key.ndim:
+    return jax.vmap(jax.random.categorical)(key.reshape(-1), lt.reshape(-1, lt.shape[-1])
+                                            ).reshape(lt.shape[:-1])
+  return jax.random.categorical(key, lt)
+
+
+def _keys():
+  return [jax.random.key(7), inputs.row_keys(B, seed=7)]
+
+
+def _assert_same(got, want):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == np.int32 and got.shape == want.shape
+  mismatch = np.nonzero(got.reshape(-1) != want.reshape(-1))[0]
+  assert mismatch.size == 0, f"{mismatch.size}/{want.size} rows differ"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nnx_linear(dtype):
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=dtype, seed=1)
+  # bf16 logits of up to 9*D would round: ask the module for f32 output.
+  head = _linear(w, preferred_element_type=jnp.float32)
+  t = inputs.pow2_temperatures(B, seed=1)
+  for key in _keys():
+    got = flax_heads.sample_from_linear(head, h, key, temperature=t)
+    _assert_same(got, fs.reference.sample(h, w, key, temperature=t, weight_layout="dv"))
+    _assert_same(got, _module_tokens(head(h), key, t[:, None]))
+  assert flax_heads.head_weight(head)[0] is head.kernel[...]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nnx_embed_tied(dtype):
+  h, w = inputs.exact_inputs(B, D, V, layout="vd", dtype=dtype, seed=2)
+  embed = _embed(w)
+  for key in _keys():
+    got = flax_heads.sample_from_embed(embed, h, key, temperature=0.5)
+    _assert_same(got, fs.reference.sample(h, w, key, temperature=0.5))
+    # attend() returns logits in the param dtype; exact in f32 only.
+    if dtype == jnp.float32:
+      _assert_same(got, _module_tokens(embed.attend(h), key, 0.5))
+    _assert_same(got, _module_tokens(flax_heads.logits(embed, h), key, 0.5))
+
+
+def test_linen_dense_and_embed_params():
+  h, w_dv = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=3)
+  dense = nn.Dense(V, use_bias=False)
+  variables = {"params": {"kernel": w_dv}}
+  emb = nn.Embed(V, D)
+  evars = {"params": {"embedding": w_dv.T}}
+  for key in _keys():
+    got = flax_heads.sample_from_params(variables, h, key, temperature=2.0)
+    _assert_same(got, fs.reference.sample(h, w_dv, key, temperature=2.0, weight_layout="dv"))
+    _assert_same(got, _module_tokens(dense.apply(variables, h), key, 2.0))
+    # Unwrapped params and the tied embedding of the same matrix agree too.
+    _assert_same(flax_heads.sample_from_params(variables["params"], h, key, temperature=2.0), got)
+    got_e = flax_heads.sample_from_params(evars, h, key, temperature=2.0)
+    _assert_same(got_e, got)
+    _assert_same(got_e, _module_tokens(emb.apply(evars, h, method=emb.attend), key, 2.0))
+
+
+def test_linen_boxed_params():
+  h, w_dv = inputs.exact_inputs(B, D, V, layout="dv", seed=4)
+  boxed = {"kernel": nn.Partitioned(w_dv, names=(None, "vocab"))}
+  key = jax.random.key(4)
+  _assert_same(flax_heads.sample_from_params(boxed, h, key),
+               fs.reference.sample(h, w_dv, key, weight_layout="dv"))
+
+
+def test_kwargs_pass_through():
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=5)
+  head = _linear(w)
+  # Make the padding columns attractive: vocab_size must exclude them.
+  head.kernel[...] = w.at[:, 900:].set(3)
+  h = jnp.abs(h) + 1
+  t = inputs.pow2_temperatures(B, greedy_every=3, seed=5)
+  key = jax.random.key(5)
+  got = flax_heads.sample_from_head(head, h, key, temperature=t, vocab_size=900,
+                                    backend="xla")
+  assert (np.asarray(got) < 900).all()
+  _assert_same(got, fs.reference.sample(h, head.kernel[...], key, temperature=t,
+                                        vocab_size=900, weight_layout="dv"))
+
+
+def test_leading_dimensions_flatten_exactly():
+  # [B, T, D] hidden states: categorical on [B, T, V] logits is the same draw.
+  b, t = 3, 5
+  h, w = inputs.exact_inputs(b * t, D, V, layout="dv", dtype=jnp.float32, seed=6)
+  h = h.reshape(b, t, D)
+  head = _linear(w)
+  temp = jnp.asarray(inputs.pow2_temperatures(b * t, seed=6)).reshape(b, t)
+  for key in (jax.random.key(6), jax.random.split(jax.random.key(6), (b, t))):
+    got = flax_heads.sample_from_head(head, h, key, temperature=temp)
+    assert got.shape == (b, t)
+    _assert_same(got, _module_tokens(head(h), key, temp[..., None]))
+
+
+def test_under_jit_in_a_decode_loop():
+  # The helper inside an nnx.jit-ed step that takes the module as an argument.
+  h0, w = inputs.exact_inputs(4, D, 256, layout="vd", dtype=jnp.float32, seed=8)
+  embed = _embed(w)
+
+  @nnx.jit
+  def loop(embed, h0, key):
+    def step(h, k):
+      tok = flax_heads.sample_from_embed(embed, h, k, temperature=2.0)
+      return embed(tok), tok
+    return jax.lax.scan(step, h0, jax.random.split(key, 6))[1]
+
+  @jax.jit
+  def ref_loop(w, h0, key):
+    def step(h, k):
+      tok = jax.random.categorical(k, (h @ w.T) / 2.0)
+      return w[tok], tok
+    return jax.lax.scan(step, h0, jax.random.split(key, 6))[1]
+
+  _assert_same(loop(embed, h0, jax.random.key(8)), ref_loop(w, h0, jax.random.key(8)))
+
+
+def test_no_transpose_of_the_weight():
+  # The [D, V] kernel must be read in place: no transpose (or copy) in the jaxpr.
+  h, w = inputs.exact_inputs(4, D, V, layout="dv", seed=9)
+  f = lambda w, h, k: flax_heads.sample_from_params({"kernel": w}, h, k, backend="xla")
+  jaxpr = jax.make_jaxpr(f)(w, h, jax.random.key(0))
+
+  text = str(jaxpr)  # includes the loop bodies' jaxprs
+  assert "transpose" not in text
+  assert "dot_general" in text
+
+
+def test_bias_raises_not_implemented():
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=10)
+  with pytest.raises(NotImplementedError, match="bias"):
+    flax_heads.sample_from_linear(_linear(w, bias=True), h, jax.random.key(0))
+  with pytest.raises(NotImplementedError, match="bias"):
+    flax_heads.sample_from_params({"kernel": w, "bias": jnp.zeros((V,))}, h,
+                                  jax.random.key(0))
+
+
+def test_bad_arguments():
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=11)
+  head = _linear(w)
+  key = jax.random.key(0)
+  with pytest.raises(TypeError, match="weight_layout"):
+    flax_heads.sample_from_head(head, h, key, weight_layout="vd")
+  with pytest.raises(TypeError, match="nnx.Linear"):
+    flax_heads.sample_from_head(object(), h, key)
+  with pytest.raises(TypeError, match="nnx.Embed"):
+    flax_heads.sample_from_embed(head, h, key)
+  with pytest.raises(TypeError, match="nnx.Linear"):
+    flax_heads.sample_from_linear(_embed(w.T), h, key)
+  with pytest.raises(ValueError, match="exactly one"):
+    flax_heads.sample_from_params({"kernel": w, "embedding": w.T}, h, key)
+  with pytest.raises(ValueError, match="exactly one"):
+    flax_heads.sample_from_params({"scale": w}, h, key)
+  with pytest.raises(ValueError):  # D mismatch, reported by sample()
+    flax_heads.sample_from_head(head, h[:, :32], key)
+  with pytest.raises(ValueError, match=r"\[B, D\]"):
+    flax_heads.sample_from_head(head, h[0], key)
