@@ -5,8 +5,10 @@
 writing the ``[B, V]`` logits to device memory.
 """
 
-from flashsample_jax import noise, reference
+from flashsample_jax import noise, reference, sharding
 from flashsample_jax.api import BACKENDS, Backend, resolve_backend, sample
+from flashsample_jax.sharding import sample_sharded
 
-__all__ = ["sample", "Backend", "BACKENDS", "resolve_backend", "reference", "noise"]
+__all__ = ["sample", "sample_sharded", "Backend", "BACKENDS", "resolve_backend",
+           "reference", "noise", "sharding"]
 __version__ = "0.1.0"

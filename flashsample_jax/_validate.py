@@ -46,6 +46,12 @@ class Problem:
     vocab_size: logical vocabulary; ids ``>= vocab_size`` are never returned.
     per_row_keys: whether the user passed one key per row.
     key: the user's key (typed or raw), kept for the reference.
+    vocab_shards: how many vocabulary shards the logical vocabulary is split
+      into (1 unless ``weight`` is one shard of a vocabulary-parallel head);
+      ``vocab_size`` may then be up to ``vocab_shards * weight_rows``.
+    row_offset: global index of ``hidden``'s first row (non-zero when the
+      batch is sharded); a scalar key's base counters are
+      ``(row_offset + b) * vocab_size``. An int or an int32 scalar array.
   """
 
   hidden: jax.Array
@@ -59,6 +65,8 @@ class Problem:
   vocab_size: int
   per_row_keys: bool
   key: Any
+  vocab_shards: int = 1
+  row_offset: Any = 0
 
   @property
   def batch(self) -> int:
@@ -160,14 +168,34 @@ def _temperature(temperature, batch: int) -> jax.Array:
   return jnp.asarray(temperature, dtype=jnp.float32)
 
 
+def _row_offset(row_offset) -> jax.Array:
+  """``row_offset`` as a uint32 scalar; checks concrete values."""
+  if isinstance(row_offset, bool):
+    raise TypeError(f"row_offset={row_offset!r} must be an int or an integer scalar")
+  if isinstance(row_offset, (int, np.integer)):
+    if not 0 <= row_offset < 2**32:
+      raise ValueError(f"{row_offset=} must be in [0, 2**32)")
+    return jnp.uint32(row_offset)
+  if (not hasattr(row_offset, "dtype") or row_offset.ndim != 0
+      or not jnp.issubdtype(row_offset.dtype, jnp.integer)):
+    raise TypeError(f"row_offset={row_offset!r} must be an int or an integer scalar")
+  return jnp.asarray(row_offset).astype(jnp.uint32)
+
+
 def check_backend_name(backend, names: tuple[str, ...]) -> None:
   if not isinstance(backend, str) or backend not in ("auto", *names):
     raise ValueError(f"{backend=} must be 'auto' or one of {names}")
 
 
 def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-            vocab_size=None) -> Problem:
+            vocab_size=None, vocab_shards=1, row_offset=0) -> Problem:
   """Checks every argument and builds the canonical :class:`Problem`.
+
+  ``vocab_shards`` and ``row_offset`` serve vocabulary- and batch-sharded
+  callers (``flashsample_jax.sharding``): ``weight`` then holds one of
+  ``vocab_shards`` equal vocabulary shards, ``vocab_size`` is the global
+  logical vocabulary (default ``vocab_shards * weight_rows``), and ``hidden``
+  holds the rows ``row_offset ...`` of the global batch.
 
   Raises:
     TypeError: an argument has the wrong type or dtype.
@@ -191,15 +219,21 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     raise ValueError(
         f"hidden.shape={tuple(hidden.shape)} and weight.shape="
         f"{tuple(weight.shape)} need D >= 1 and V >= 1")
+  if (isinstance(vocab_shards, bool) or not isinstance(vocab_shards, (int, np.integer))
+      or vocab_shards < 1):
+    raise ValueError(f"{vocab_shards=} must be a Python int >= 1")
+  vocab_shards = int(vocab_shards)
+  total_rows = rows * vocab_shards
   if vocab_size is None:
-    vocab_size = rows
+    vocab_size = total_rows
   elif isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
     raise TypeError(f"vocab_size={vocab_size!r} must be a Python int or None")
   vocab_size = int(vocab_size)
-  if not 1 <= vocab_size <= rows:
+  if not 1 <= vocab_size <= total_rows:
+    shards = f" times {vocab_shards} vocabulary shards" if vocab_shards > 1 else ""
     raise ValueError(
-        f"{vocab_size=} must be in [1, {rows}] (the rows of weight for "
-        f"{weight_layout=})")
+        f"{vocab_size=} must be in [1, {total_rows}] (the rows of weight for "
+        f"{weight_layout=}{shards})")
   if vocab_size >= 2**31:
     raise ValueError(f"{vocab_size=} must be < 2**31")
   k0, k1, per_row = _key_words(key, batch)
@@ -208,7 +242,7 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     ctr_hi = jnp.zeros((batch,), jnp.uint32)
     ctr_lo = jnp.zeros((batch,), jnp.uint32)
   else:
-    rows_ids = jnp.arange(batch, dtype=jnp.uint32)
+    rows_ids = jnp.arange(batch, dtype=jnp.uint32) + _row_offset(row_offset)
     ctr_hi, ctr_lo = noise.mul_u32_wide(rows_ids, np.uint32(vocab_size))
   if not jax.config.jax_threefry_partitionable:
     raise NotImplementedError(
@@ -217,4 +251,5 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   return Problem(
       hidden=hidden.astype(weight.dtype), weight=weight, k0=k0, k1=k1,
       ctr_hi=ctr_hi, ctr_lo=ctr_lo, temperature=temp, layout=weight_layout,
-      vocab_size=vocab_size, per_row_keys=per_row, key=key)
+      vocab_size=vocab_size, per_row_keys=per_row, key=key,
+      vocab_shards=vocab_shards, row_offset=row_offset)

@@ -62,7 +62,7 @@ def _sample(hidden, weight, key, temperature, *, weight_layout, vocab_size, back
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-           vocab_size=None, backend="auto"):
+           vocab_size=None, backend="auto", vocab_axis=None, batch_axis=None):
   """Samples one token per row from ``softmax(hidden @ W.T / T)``.
 
   Never writes the ``[B, V]`` logits to device memory. Returns exactly the
@@ -83,8 +83,21 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       (argmax of the logits, lowest id on ties); rows may mix.
     weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
     vocab_size: the logical vocabulary when ``weight`` has padding rows;
-      ids ``>= vocab_size`` are never returned. Default: all rows.
+      ids ``>= vocab_size`` are never returned. Default: all rows. With
+      ``vocab_axis``, the GLOBAL vocabulary (default: shards x local rows).
     backend: ``"auto"`` or one of :data:`BACKENDS`.
+    vocab_axis: inside ``jax.shard_map`` only: the mesh axis name (or tuple
+      of names) the vocabulary is sharded over, ``weight`` being this
+      shard's contiguous slice (shard ``i`` of ``n`` holds global ids
+      ``i * rows ... (i + 1) * rows - 1``). Each shard scores its slice with
+      global ids and noise counters, then one all-gather of O(B) bytes over
+      the axis combines the candidates (see :mod:`flashsample_jax.sharding`).
+      Every shard returns the same tokens, equal to the unsharded call's.
+    batch_axis: inside ``jax.shard_map`` only: the mesh axis name(s) the
+      batch is sharded over, ``hidden`` (and per-row keys, a ``[B]``
+      temperature) being this shard's rows. A scalar key then keys row ``b``
+      by its GLOBAL index (shard index x local rows + ``b``), so tokens do
+      not change with the data-parallel degree.
 
   Returns:
     int32 token ids ``[B]``.
@@ -92,10 +105,18 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   Raises:
     TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).
     ValueError: mismatched shapes, an unknown backend or layout, a
-      ``vocab_size`` out of range, a negative or NaN concrete temperature.
+      ``vocab_size`` out of range, a negative or NaN concrete temperature,
+      a ``vocab_axis``/``batch_axis`` that is not an axis of the enclosing
+      ``shard_map`` (or both naming one axis).
     NotImplementedError: the named backend cannot run these arguments on this
       device (``"auto"`` then picks another).
   """
+  if vocab_axis is not None or batch_axis is not None:
+    from flashsample_jax import sharding
+    return sharding.sample_in_shard_map(
+        hidden, weight, key, temperature=temperature,
+        weight_layout=weight_layout, vocab_size=vocab_size, backend=backend,
+        vocab_axis=vocab_axis, batch_axis=batch_axis)
   p = _validate.prepare(hidden, weight, key, temperature=temperature,
                         weight_layout=weight_layout, vocab_size=vocab_size)
   name = resolve_backend(backend, p)
