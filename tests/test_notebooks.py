@@ -101,10 +101,15 @@ def _write_perf_fixtures(out: Path) -> None:
   """Made-up results in each layout the performance notebook's loader accepts."""
   bs = [1, 4, 16, 64]
   meta = {"gpu": "Test GPU", "jax_version": "0.11.2", "date": "2026-01-01T00:00:00+00:00"}
-  # Wide records with a floor series, {"meta", "results"}.
-  (out / "sampler_test-wide.json").write_text(json.dumps({"meta": meta, "results": [
-      {"shape": s, "batch": b, "fused_us": 410 + b, "xla_us": 430 + 2 * b, "floor_us": 407}
-      for s in ("S", "L") for b in bs]}))
+  # benchmarks/bench_sampler.py's layout: flat meta, "rows", batch "B", a floor
+  # column and a provider that failed (None).
+  (out / "sampler_test-wide.json").write_text(json.dumps({
+      "gpu": "Test GPU", "jax": "0.11.2", "date": "2026-01-01T00:00:00+00:00",
+      "read_bandwidth_Bps": 3.06e12, "shapes": {"S": [4096, 151936]}, "rows": [
+          {"shape": s, "D": 4096, "V": 151936, "B": b, "floor_us": 407.0,
+           "mosaic_us": 410.0 + b, "mosaic_samples": [410.0, 411.0],
+           "xla_baseline_us": 430.0 + 2 * b, "xla_us": None}
+          for s in ("S", "L") for b in bs]}))
   # Long records (provider + median_us), a bare list, floor as a provider.
   (out / "sampler_test-long.json").write_text(json.dumps([
       {"shape": "S", "batch": b, "provider": p, "median_us": us}
