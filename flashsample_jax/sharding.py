@@ -252,10 +252,10 @@ def _sample_sharded(hidden, weight, key, temperature, *, mesh, weight_layout,
                       vocab_size=vocab_size, backend=backend,
                       vocab_axis=vocab_axes, batch_axis=batch_axes)
 
-  # check_vma=False: the backends' loop carries start from constants that
-  # are not typed as varying over the mesh axes (lax.fori_loop then rejects
-  # the carry under check_vma=True). Replication of the tokens over the
-  # vocab axis holds by construction (every shard reduces the same gathered
+  # check_vma=False: the xla backend is vma-clean (tested with
+  # check_vma=True inside a user's shard_map), but a pallas_call's outputs
+  # carry no variance typing. Replication of the tokens over the vocab axis
+  # holds by construction (every shard reduces the same gathered
   # candidates), and tests check it.
   return jax.shard_map(per_shard, mesh=mesh,
                        in_specs=(h_spec, w_spec, k_spec, t_spec),

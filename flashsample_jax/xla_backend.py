@@ -38,7 +38,7 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
     chunk: vocabulary rows per step; default :func:`chunk_size`.
   """
   rows = p.weight_rows
-  vc = chunk or chunk_size(p.batch, rows)
+  vc = min(chunk or chunk_size(p.batch, rows), rows)
   axis = 0 if p.layout == "vd" else 1
   offset = jnp.asarray(vocab_offset, jnp.int32)
 
@@ -55,9 +55,12 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
     return _core.combine(best, block(w, start, vc))
 
   n_full = rows // vc
-  init = (jnp.full((p.batch,), -jnp.inf, jnp.float32),
-          jnp.full((p.batch,), jnp.iinfo(jnp.int32).max, jnp.int32))
-  best = lax.fori_loop(0, n_full, body, init) if n_full else init
+  # The first chunk seeds the loop carry (rather than constants): the carry
+  # then varies over the same shard_map axes as the data, which
+  # shard_map(check_vma=True) requires of a loop.
+  best = block(lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
+  if n_full > 1:
+    best = lax.fori_loop(1, n_full, body, best)
   tail = rows - n_full * vc
   if tail:
     w = lax.slice_in_dim(p.weight, n_full * vc, rows, axis=axis)

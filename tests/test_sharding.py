@@ -358,12 +358,6 @@ def test_validation_errors_name_the_argument():
     inside(vocab_axis="tp", vocab_size=300)
 
 
-@pytest.mark.xfail(
-    reason="xla_backend.candidates starts its fori_loop carry from constants "
-    "that are not pcast to the mesh axes the weight varies over, so "
-    "lax.fori_loop rejects the carry under shard_map(check_vma=True); needs a "
-    "pcast of the initial carry in xla_backend.py (reported). "
-    "sample_sharded and check_vma=False work today.", strict=False)
 def test_inside_shard_map_with_check_vma():
   b, d, v = 8, 64, 512
   h, w = inputs.exact_inputs(b, d, v, seed=15)
