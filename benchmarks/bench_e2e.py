@@ -56,6 +56,8 @@ def parse_args(argv=None):
   p.add_argument("--prompt-len", type=int, default=None, help="default 64; smoke 8")
   p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 2)")
   p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--backend", default="auto",
+                 help="flashsample_jax backend of the fused sampler (auto, mosaic, xla)")
   p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
   p.add_argument("--name", default=None, help="file stem suffix (default: the device)")
   a = p.parse_args(argv)
@@ -97,7 +99,8 @@ def bench(args) -> dict:
       for name in _model.SAMPLERS:
         bar.set_postfix_str(f"{cfg_name} B={b}: compile {name}")
         decs[name] = _model.Decoding(cfg, graphdef, state, batch=b, tokens=args.tokens,
-                                     prompt_len=args.prompt_len, sampler=name)
+                                     prompt_len=args.prompt_len, sampler=name,
+                                     backend=args.backend)
       runs = {name: [] for name in _model.SAMPLERS}
       for r in range(args.repeats):
         for name, dec in decs.items():  # interleaved, so drift hits both alike
@@ -114,6 +117,7 @@ def bench(args) -> dict:
         rows.append(dict(
             config=cfg_name, params=cfg.params, dim=cfg.dim, vocab=cfg.vocab,
             tied=cfg.tied, batch=b, sampler=name,
+            fused_backend=_model.fused_backend(cfg, b, args.backend) if name == "fused" else None,
             tpot_ms=statistics.median(tpots), tpot_ms_runs=tpots,
             tokens_per_s=b / (statistics.median(tpots) / 1e3),
             prefill_ms=statistics.median(1e3 * r.prefill_s for r in runs[name]),
@@ -140,8 +144,8 @@ def markdown(res: dict) -> str:
       f"{res['repeats']} runs. fused = flashsample_jax.sample (auto); xla = f32 logits + "
       "jax.random.categorical.",
       "",
-      "| config | B | fused TPOT ms | xla TPOT ms | speedup | fused tokens/s | xla tokens/s | same tokens |",
-      "|---|---|---|---|---|---|---|---|",
+      "| config | B | fused backend | fused TPOT ms | xla TPOT ms | speedup | fused tokens/s | xla tokens/s | same tokens |",
+      "|---|---|---|---|---|---|---|---|---|",
   ]
   by = {(r["config"], r["batch"], r["sampler"]): r for r in res["rows"]}
   for (cfg, b, s), r in by.items():
@@ -149,7 +153,7 @@ def markdown(res: dict) -> str:
       continue
     x = by[(cfg, b, "xla")]
     lines.append(
-        f"| {cfg} | {b} | {r['tpot_ms']:.3f} | {x['tpot_ms']:.3f} | "
+        f"| {cfg} | {b} | {r['fused_backend']} | {r['tpot_ms']:.3f} | {x['tpot_ms']:.3f} | "
         f"{x['tpot_ms'] / r['tpot_ms']:.3f}x | {r['tokens_per_s']:,.0f} | "
         f"{x['tokens_per_s']:,.0f} | {100 * r['same_tokens_rows']:.0f}% |")
   return "\n".join(lines) + "\n"
@@ -168,6 +172,9 @@ def plot(res: dict, path: Path) -> None:
                   key=lambda r: r["batch"])
       ax.plot([r["batch"] for r in rs], [r["tpot_ms"] for r in rs], style, label=s)
     ax.set_xscale("log", base=2)
+    bs = sorted({r["batch"] for r in res["rows"]})
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.minorticks_off()
     ax.set_xlabel("batch B")
     ax.set_ylabel("time per output token (ms)")
     ax.set_title(cfg)

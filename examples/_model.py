@@ -228,15 +228,16 @@ def empty_cache(cfg: Config, batch: int, length: int):
   return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
-def next_token(model: Decoder, hidden, key, temperature, sampler: str):
+def next_token(model: Decoder, hidden, key, temperature, sampler: str, backend: str = "auto"):
   """One token per row from ``softmax(head(hidden) / T)``.
 
-  "fused": :func:`flashsample_jax.sample` (backend "auto") on the head as
-  stored, never writing the ``[B, V]`` logits. "xla": materialize the f32
-  logits, then ``jax.random.categorical``. Same key, same tokens.
+  "fused": :func:`flashsample_jax.sample` (``backend``, default "auto") on the
+  head as stored, never writing the ``[B, V]`` logits. "xla": materialize the
+  f32 logits, then ``jax.random.categorical``. Same key, same tokens.
   """
   if sampler == "fused":
-    return flax_heads.sample_from_head(model.head, hidden, key, temperature=temperature)
+    return flax_heads.sample_from_head(model.head, hidden, key, temperature=temperature,
+                                       backend=backend)
   if sampler == "xla":
     logits = flax_heads.logits(model.head, hidden)
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
@@ -255,12 +256,12 @@ def _prefill_fn(graphdef):
 
 
 @functools.lru_cache(maxsize=None)
-def _step_fn(graphdef, sampler: str):
+def _step_fn(graphdef, sampler: str, backend: str):
   @functools.partial(jax.jit, donate_argnums=(2, 3))
   def step(state, hidden, k_cache, v_cache, pos, key, temperature):
     """Samples the token at ``pos`` from ``hidden``, then runs it through the model."""
     model = nnx.merge(graphdef, state)
-    tok = next_token(model, hidden, jax.random.fold_in(key, pos), temperature, sampler)
+    tok = next_token(model, hidden, jax.random.fold_in(key, pos), temperature, sampler, backend)
     h, k_cache, v_cache = model(tok[:, None], k_cache, v_cache, pos)
     return tok, h[:, -1], k_cache, v_cache
   return step
@@ -289,7 +290,7 @@ class Decoding:
   """
 
   def __init__(self, cfg: Config, graphdef, state, *, batch: int, tokens: int,
-               prompt_len: int, sampler: str):
+               prompt_len: int, sampler: str, backend: str = "auto"):
     if sampler not in SAMPLERS:
       raise ValueError(f"{sampler=} must be one of {SAMPLERS}")
     self.cfg, self.state = cfg, state
@@ -300,7 +301,7 @@ class Decoding:
     self._prefill = _prefill_fn(graphdef).lower(
         state, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), kc, vc).compile()
     h = jax.ShapeDtypeStruct((batch, cfg.dim), jnp.dtype(cfg.dtype))
-    self._step = _step_fn(graphdef, sampler).lower(
+    self._step = _step_fn(graphdef, sampler, backend).lower(
         state, h, kc, vc, i32, jax.random.key(0), jnp.float32(1)).compile()
     self.compile_s = time.perf_counter() - t0
 
@@ -332,7 +333,26 @@ class Decoding:
 
 
 def generate(cfg: Config, graphdef, state, *, batch: int, tokens: int, prompt_len: int,
-             sampler: str, seed: int = 0, temperature: float = 1.0) -> Result:
+             sampler: str, seed: int = 0, temperature: float = 1.0,
+             backend: str = "auto") -> Result:
   """Compiles, prefills a random prompt and decodes ``tokens`` tokens per row."""
   return Decoding(cfg, graphdef, state, batch=batch, tokens=tokens, prompt_len=prompt_len,
-                  sampler=sampler).run(seed=seed, temperature=temperature)
+                  sampler=sampler, backend=backend).run(seed=seed, temperature=temperature)
+
+
+def fused_backend(cfg: Config, batch: int, backend: str = "auto") -> str:
+  """The backend ``backend`` resolves to for this model's head at ``batch`` rows."""
+  import flashsample_jax as fs
+  from flashsample_jax import _validate
+  picked = []
+
+  def probe(h, w):
+    layout = "vd" if cfg.tied else "dv"
+    picked.append(fs.resolve_backend(backend, _validate.prepare(
+        h, w, jax.random.key(0), weight_layout=layout)))
+    return h
+
+  w_shape = (cfg.vocab, cfg.dim) if cfg.tied else (cfg.dim, cfg.vocab)
+  jax.eval_shape(probe, jax.ShapeDtypeStruct((batch, cfg.dim), jnp.dtype(cfg.dtype)),
+                 jax.ShapeDtypeStruct(w_shape, jnp.dtype(cfg.dtype)))
+  return picked[0]

@@ -38,6 +38,8 @@ def parse_args(argv=None):
   p.add_argument("--prompt-len", type=int, default=16, help="random prompt length")
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--backend", default="auto",
+                 help="flashsample_jax backend of the fused sampler (auto, mosaic, xla)")
   p.add_argument("--show", type=int, default=2, help="rows of tokens to print")
   args = p.parse_args(argv)
   for name in ("batch", "tokens", "prompt_len"):
@@ -60,10 +62,11 @@ def main(argv=None) -> int:
   results = {}
   for name in samplers:
     dec = _model.Decoding(cfg, graphdef, state, batch=args.batch, tokens=args.tokens,
-                          prompt_len=args.prompt_len, sampler=name)
+                          prompt_len=args.prompt_len, sampler=name, backend=args.backend)
     r = dec.run(seed=args.seed, temperature=args.temperature)
     results[name] = r
-    print(f"[{name}] B={args.batch} N={args.tokens} prompt={args.prompt_len}: "
+    tag = f"{name}: {_model.fused_backend(cfg, args.batch, args.backend)}" if name == "fused" else name
+    print(f"[{tag}] B={args.batch} N={args.tokens} prompt={args.prompt_len}: "
           f"TPOT {r.tpot_ms:.3f} ms, {r.tokens_per_s:,.0f} tokens/s "
           f"(compile {dec.compile_s:.1f} s, prefill {1e3 * r.prefill_s:.1f} ms)")
     for b in range(min(args.show, args.batch)):
