@@ -1,0 +1,52 @@
+"""Timing helpers shared by the benchmarks (DESIGN.md section 4, METHOD.md).
+
+JAX exposes no device events, so a timed sample is a block of ``inner``
+back-to-back asynchronous calls between two host clock reads, synchronized
+at both ends; dispatch overlaps the device work, so the per-call time is the
+device time plus any launch gap XLA leaves. The median over ``reps`` blocks
+is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def first_call_seconds(f, *args) -> float:
+  """Wall time of the first call (trace, compile, run) of a fresh jit."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  return time.perf_counter() - t0
+
+
+def median_us(f, *args, warmup: int = 5, reps: int = 15, inner: int = 10):
+  """Median microseconds per call of ``f(*args)`` after ``warmup`` calls."""
+  for _ in range(warmup):
+    out = f(*args)
+  jax.block_until_ready(out)
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      out = f(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner * 1e6)
+  return statistics.median(samples), samples
+
+
+def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
+  """Device read bandwidth in bytes/s: a large ``jnp.sum`` over ``gib`` GiB.
+
+  The sum reads every byte once and writes a scalar; its time is the
+  weight-read floor's denominator (DESIGN.md section 4).
+  """
+  import jax.numpy as jnp
+  n = int(gib * 2**30) // 2
+  x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
+  f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+  us, _ = median_us(f, x, reps=reps, inner=5)
+  del x
+  return n * 2 / (us * 1e-6)
