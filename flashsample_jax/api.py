@@ -8,7 +8,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from flashsample_jax import _validate, xla_backend
+from flashsample_jax import _validate, controls as _controls, xla_backend
 
 # Every backend name, in the order ``backend="auto"`` tries them. Tests and
 # benchmarks iterate over this tuple.
@@ -23,9 +23,15 @@ def _mosaic_module():
   return mosaic_sm90
 
 
-def _check_supported(name: str, p: _validate.Problem) -> None:
+def _check_supported(name: str, p: _validate.Problem,
+                     c: _controls.Controls | None = None) -> None:
   """Raises NotImplementedError if backend ``name`` cannot run ``p`` here."""
   if name == "mosaic":
+    if c is not None and c.active:
+      raise NotImplementedError(
+          "the mosaic backend does not implement sampling controls (top_k, "
+          "top_p, min_p, logit_bias, allowed_mask, softcap, num_samples, "
+          "return_logprobs) yet; the xla backend does")
     _mosaic_module().check_supported(p)
   elif name != "xla":
     raise AssertionError(name)  # internal: names come from BACKENDS
@@ -37,15 +43,16 @@ def _candidates(name: str, p: _validate.Problem, *, vocab_offset=0):
   return xla_backend.candidates(p, vocab_offset=vocab_offset)
 
 
-def resolve_backend(backend: str, p: _validate.Problem) -> str:
+def resolve_backend(backend: str, p: _validate.Problem,
+                    c: _controls.Controls | None = None) -> str:
   """The backend that will run ``p``: ``backend`` itself, or auto's pick."""
   _validate.check_backend_name(backend, BACKENDS)
   if backend != "auto":
-    _check_supported(backend, p)
+    _check_supported(backend, p, c)
     return backend
   for name in BACKENDS:
     try:
-      _check_supported(name, p)
+      _check_supported(name, p, c)
     except NotImplementedError:
       continue
     return name
@@ -53,16 +60,36 @@ def resolve_backend(backend: str, p: _validate.Problem) -> str:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("weight_layout", "vocab_size", "backend"))
-def _sample(hidden, weight, key, temperature, *, weight_layout, vocab_size, backend):
+    jax.jit, static_argnames=("weight_layout", "vocab_size", "backend",
+                              "num_samples", "return_logprobs"))
+def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
+            backend, num_samples, return_logprobs):
   p = _validate.prepare(hidden, weight, key, temperature=temperature,
                         weight_layout=weight_layout, vocab_size=vocab_size)
-  _, token = _candidates(backend, p)
-  return token
+  c = _controls.prepare_controls(
+      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
+      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+  if not c.active:
+    _, token = _candidates(backend, p)
+    return token
+  tokens, out, _ = xla_backend.sample_with_controls(p, c)
+  if c.allowed_mask is not None:
+    empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
+    tokens = jnp.where(empty, -1, tokens)
+    if out is not None:
+      nan = lambda a: jnp.where(empty, jnp.nan, a)
+      out = _controls.SampleOutput(tokens, nan(out.logprob),
+                                   nan(out.logprob_truncated), out.logsumexp)
+  if out is not None:
+    return out if num_samples is not None else jax.tree.map(lambda a: a[0], out)
+  return tokens if num_samples is not None else tokens[0]
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-           vocab_size=None, backend="auto", vocab_axis=None, batch_axis=None):
+           vocab_size=None, backend="auto", vocab_axis=None, batch_axis=None,
+           top_k=None, top_p=None, min_p=None, logit_bias=None,
+           allowed_mask=None, softcap=None, num_samples=None,
+           return_logprobs=False):
   """Samples one token per row from ``softmax(hidden @ W.T / T)``.
 
   Never writes the ``[B, V]`` logits to device memory. Returns exactly the
@@ -98,9 +125,24 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       temperature) being this shard's rows. A scalar key then keys row ``b``
       by its GLOBAL index (shard index x local rows + ``b``), so tokens do
       not change with the data-parallel degree.
+    top_k: int or int ``[B]``: keep the k largest tempered logits (ties at
+      the k-th value kept); 0 = off. Exact rules: :mod:`flashsample_jax.controls`.
+    top_p: float or ``[B]`` in (0, 1]: nucleus after top-k; 1 = off.
+    min_p: float or ``[B]`` in [0, 1]: keep ids with probability >= min_p x
+      the row's top probability; 0 = off.
+    logit_bias: f32 ``[vocab_size]`` added to the (soft-capped) logits.
+    allowed_mask: uint32/int32 ``[B, ceil(vocab_size / 32)]`` bitmask, bit
+      ``v % 32`` of word ``v // 32`` allows id ``v`` (grammar-constrained
+      decoding). A row that allows no id returns ``-1``.
+    softcap: ``c`` for logit soft-capping ``c * tanh(l / c)`` (Gemma 2).
+    num_samples: S samples per row from one pass over W: tokens ``[S, B]``
+      equal to ``jax.random.categorical(key, l, shape=(S, B))``.
+    return_logprobs: also return log-probabilities (see Returns).
 
   Returns:
-    int32 token ids ``[B]``.
+    int32 token ids ``[B]`` (``[S, B]`` with ``num_samples``). With
+    ``return_logprobs=True``, a :class:`flashsample_jax.SampleOutput`
+    ``(tokens, logprob, logprob_truncated, logsumexp)``.
 
   Raises:
     TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).
@@ -111,7 +153,12 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     NotImplementedError: the named backend cannot run these arguments on this
       device (``"auto"`` then picks another).
   """
+  ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
+             allowed_mask=allowed_mask, softcap=softcap)
   if vocab_axis is not None or batch_axis is not None:
+    if any(v is not None for v in ctl.values()) or num_samples or return_logprobs:
+      raise NotImplementedError(
+          "sampling controls are not supported with vocab_axis/batch_axis yet")
     from flashsample_jax import sharding
     return sharding.sample_in_shard_map(
         hidden, weight, key, temperature=temperature,
@@ -119,10 +166,14 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
         vocab_axis=vocab_axis, batch_axis=batch_axis)
   p = _validate.prepare(hidden, weight, key, temperature=temperature,
                         weight_layout=weight_layout, vocab_size=vocab_size)
-  name = resolve_backend(backend, p)
+  c = _controls.prepare_controls(
+      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
+      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+  name = resolve_backend(backend, p, c)
   if p.batch == 0:
     return jnp.zeros((0,), jnp.int32)
   if isinstance(temperature, (int, float)):
     temperature = jnp.float32(temperature)
-  return _sample(hidden, weight, key, temperature, weight_layout=weight_layout,
-                 vocab_size=vocab_size, backend=name)
+  return _sample(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
+                 vocab_size=vocab_size, backend=name, num_samples=num_samples,
+                 return_logprobs=return_logprobs)

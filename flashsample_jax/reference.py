@@ -1,8 +1,11 @@
 """The checker: materializes the logits and calls ``jax.random.categorical``.
 
-This is not a backend; it is what every backend is tested against, written
-with nothing of this package but argument checking, so a bug in the noise or
-streaming code cannot hide in it. It holds the full ``[B, V]`` logits.
+This is not a backend; it is what every backend is tested against. It holds
+the full ``[B, V]`` logits and uses nothing of this package's noise or
+streaming code, so a bug there cannot hide in it. The truncation rules
+(top-k, top-p, min-p) are written once, on materialized rows, in
+:func:`flashsample_jax.controls.keep_mask`: that function *is* their
+definition, and the streaming backends are tested against it.
 """
 
 from __future__ import annotations
@@ -10,52 +13,104 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashsample_jax import _validate
+from flashsample_jax import _validate, controls as _controls
 
 
-def transformed_logits(p: _validate.Problem) -> jax.Array:
-  """Untempered f32 logits ``[B, vocab_size]`` (DESIGN.md section 1 order)."""
+def transformed_logits(p: _validate.Problem, c: _controls.Controls | None = None):
+  """Transformed, untempered f32 logits ``[B, vocab_size]``.
+
+  ``l = hidden @ W.T`` in f32, then soft-cap, bias and the allowed mask in
+  the order of :mod:`flashsample_jax.controls`.
+  """
   contract = 1 if p.layout == "vd" else 0
   l = jax.lax.dot_general(p.hidden, p.weight, (((1,), (contract,)), ((), ())),
                           preferred_element_type=jnp.float32)
-  return l[:, :p.vocab_size]
+  x = l[:, :p.vocab_size]
+  if c is None:
+    return x
+  if c.softcap is not None:
+    x = c.softcap * jnp.tanh(x / c.softcap)
+  if c.logit_bias is not None:
+    x = x + c.logit_bias[None, :]
+  if c.allowed_mask is not None:
+    ids = jnp.arange(p.vocab_size)
+    words = c.allowed_mask[:, ids // 32]
+    allowed = ((words >> (ids % 32).astype(jnp.uint32)) & 1) == 1
+    x = jnp.where(allowed, x, -jnp.inf)
+  return x
 
 
-@jax.jit(static_argnames=("weight_layout", "vocab_size", "backend"))
-def _sample(hidden, weight, key, temperature, *, weight_layout, vocab_size, backend):
-  del backend
+def _categorical(p, logits, samples):
+  """``[S, B]`` draws of ``jax.random.categorical`` (vmapped for row keys)."""
+  if p.per_row_keys:
+    draw = lambda k, row: jax.random.categorical(k, row, shape=(samples,))
+    return jax.vmap(draw)(p.key, logits).T
+  return jax.random.categorical(p.key, logits, shape=(samples, p.batch))
+
+
+@jax.jit(static_argnames=("weight_layout", "vocab_size", "num_samples",
+                          "return_logprobs"))
+def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
+            num_samples, return_logprobs):
   p = _validate.prepare(hidden, weight, key, temperature=temperature,
                         weight_layout=weight_layout, vocab_size=vocab_size)
-  l = transformed_logits(p)
-  t = p.temperature[:, None]
-  lt = l / jnp.where(t == 0, 1.0, t)
-  if p.per_row_keys:
-    sampled = jax.vmap(jax.random.categorical)(p.key, lt)
-  else:
-    sampled = jax.random.categorical(p.key, lt)
-  greedy = jnp.argmax(l, axis=-1)
-  return jnp.where(p.temperature == 0, greedy, sampled).astype(jnp.int32)
+  c = _controls.prepare_controls(
+      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
+      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+  x = transformed_logits(p, c)
+  t_col = p.temperature[:, None]
+  greedy = p.temperature == 0
+  # Greedy rows keep T = 1 for their log-probabilities.
+  t = x / jnp.where(t_col == 0, 1.0, t_col)
+  kept = jnp.where(_controls.keep_mask(t, c), t, -jnp.inf) if c.truncates else t
+  tokens = jnp.where(greedy[None, :], jnp.argmax(x, axis=-1)[None, :],
+                     _categorical(p, kept, c.samples)).astype(jnp.int32)   # [S, B]
+  if c.allowed_mask is not None:
+    tokens = jnp.where(_controls.none_allowed(c.allowed_mask, p.vocab_size)[None, :],
+                       -1, tokens)
+  out = tokens if num_samples is not None else tokens[0]
+  if not return_logprobs:
+    return out
+  lse = jax.nn.logsumexp(t, axis=-1)
+  lse_kept = jax.nn.logsumexp(kept, axis=-1)
+  t_tok = jnp.take_along_axis(t[None], jnp.maximum(tokens, 0)[..., None], axis=2)[..., 0]
+  t_tok = jnp.where(tokens < 0, jnp.nan, t_tok)
+  lp = _controls.SampleOutput(tokens=tokens, logprob=t_tok - lse,
+                              logprob_truncated=t_tok - lse_kept,
+                              logsumexp=jnp.broadcast_to(lse, tokens.shape))
+  if num_samples is None:
+    lp = jax.tree.map(lambda a: a[0], lp)
+  return lp
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-           vocab_size=None, backend="auto"):
+           vocab_size=None, backend="auto", top_k=None, top_p=None, min_p=None,
+           logit_bias=None, allowed_mask=None, softcap=None, num_samples=None,
+           return_logprobs=False):
   """Reference sampler with the signature of :func:`flashsample_jax.sample`.
 
   Computes ``l = hidden @ W.T`` in f32, keeps the first ``vocab_size``
-  columns, and returns ``jax.random.categorical(key, l / T)`` per row
-  (``jax.vmap``-ed over per-row keys), or ``argmax(l)`` where ``T == 0``.
+  columns, applies the controls (:mod:`flashsample_jax.controls`), and returns
+  ``jax.random.categorical(key, kept / T)`` per row (``jax.vmap``-ed over
+  per-row keys), or ``argmax`` where ``T == 0``.
 
   Args: as :func:`flashsample_jax.sample`; ``backend`` is checked and ignored.
 
   Returns:
-    int32 token ids ``[B]``.
+    As :func:`flashsample_jax.sample`.
   """
   from flashsample_jax.api import BACKENDS
   _validate.check_backend_name(backend, BACKENDS)
   # Check eagerly, outside jit, so concrete values are inspected.
-  _validate.prepare(hidden, weight, key, temperature=temperature,
-                    weight_layout=weight_layout, vocab_size=vocab_size)
+  p = _validate.prepare(hidden, weight, key, temperature=temperature,
+                        weight_layout=weight_layout, vocab_size=vocab_size)
+  ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
+             allowed_mask=allowed_mask, softcap=softcap)
+  _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                             rows=p.weight_rows, num_samples=num_samples,
+                             return_logprobs=return_logprobs, **ctl)
   if isinstance(temperature, (int, float)):
     temperature = jnp.float32(temperature)
-  return _sample(hidden, weight, key, temperature, weight_layout=weight_layout,
-                 vocab_size=vocab_size, backend=backend)
+  return _sample(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
+                 vocab_size=vocab_size, num_samples=num_samples,
+                 return_logprobs=return_logprobs)

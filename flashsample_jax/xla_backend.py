@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashsample_jax import _core
+from flashsample_jax import _core, controls, noise
 from flashsample_jax._validate import Problem
 
 # Elements of the [B, Vc] chunk: 2**20 f32 values (4 MiB of logits plus as
@@ -28,6 +28,32 @@ def chunk_size(batch: int, rows: int) -> int:
   return min(c, rows)
 
 
+def _stream(p: Problem, block, combine, vc: int):
+  """Folds ``block(w_chunk, start, width)`` over the vocabulary with ``combine``.
+
+  The first chunk seeds the loop carry (rather than constants): the carry
+  then varies over the same shard_map axes as the data, which
+  shard_map(check_vma=True) requires of a loop.
+  """
+  rows = p.weight_rows
+  axis = 0 if p.layout == "vd" else 1
+
+  def body(i, state):
+    start = i * vc
+    w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
+    return combine(state, block(w, start, vc))
+
+  n_full = rows // vc
+  state = block(lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
+  if n_full > 1:
+    state = lax.fori_loop(1, n_full, body, state)
+  tail = rows - n_full * vc
+  if tail:
+    w = lax.slice_in_dim(p.weight, n_full * vc, rows, axis=axis)
+    state = combine(state, block(w, n_full * vc, tail))
+  return state
+
+
 def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
   """Best ``(score f32 [B], global id int32 [B])`` over ``p.weight``'s rows.
 
@@ -37,9 +63,7 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
       when ``weight`` is one shard of a vocabulary-sharded head).
     chunk: vocabulary rows per step; default :func:`chunk_size`.
   """
-  rows = p.weight_rows
-  vc = min(chunk or chunk_size(p.batch, rows), rows)
-  axis = 0 if p.layout == "vd" else 1
+  vc = min(chunk or chunk_size(p.batch, p.weight_rows), p.weight_rows)
   offset = jnp.asarray(vocab_offset, jnp.int32)
 
   def block(w, start, width):
@@ -49,20 +73,219 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
                      p.vocab_size)
     return _core.row_best(s, gid)
 
-  def body(i, best):
-    start = i * vc
-    w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
-    return _core.combine(best, block(w, start, vc))
+  return _stream(p, block, _core.combine, vc)
 
-  n_full = rows // vc
-  # The first chunk seeds the loop carry (rather than constants): the carry
-  # then varies over the same shard_map axes as the data, which
-  # shard_map(check_vma=True) requires of a loop.
-  best = block(lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
-  if n_full > 1:
-    best = lax.fori_loop(1, n_full, body, best)
-  tail = rows - n_full * vc
-  if tail:
-    w = lax.slice_in_dim(p.weight, n_full * vc, rows, axis=axis)
-    best = _core.combine(best, block(w, n_full * vc, tail))
-  return best
+
+# -- sampling controls ---------------------------------------------------------
+
+# Candidates kept per row for truncation (top-k / top-p / min-p): the M
+# largest tempered logits. Rows whose kept set the candidates cannot certify
+# take the exact materialized fallback (see sample_with_controls).
+CANDIDATES = 128
+
+
+def _sample_counters(p: Problem, s: int):
+  """Base noise counters ``(hi, lo) [B]`` of sample ``s`` (DESIGN.md section 1).
+
+  Scalar key: ``(s * B + row) * vocab_size``; per-row keys: ``s * vocab_size``.
+  """
+  if s == 0:
+    return p.ctr_hi, p.ctr_lo
+  if p.per_row_keys:
+    hi, lo = noise.mul_u32_wide(jnp.uint32(s), jnp.uint32(p.vocab_size))
+    return jnp.broadcast_to(hi, (p.batch,)), jnp.broadcast_to(lo, (p.batch,))
+  rows = jnp.arange(p.batch, dtype=jnp.uint32) + jnp.uint32(s * p.batch)
+  return noise.mul_u32_wide(rows, jnp.uint32(p.vocab_size))
+
+
+def _tempered(p: Problem, x):
+  t = p.temperature[:, None]
+  return x / jnp.where(t == 0, 1.0, t)          # greedy rows: T = 1
+
+
+def _perturbed(p: Problem, x, t, gid, s: int):
+  """Scores whose argmax is sample ``s``: ``t + g`` (greedy rows: ``x``)."""
+  hi, lo = _sample_counters(p, s)
+  hi, lo = noise.add_u32(hi[:, None], lo[:, None], gid.astype(jnp.uint32))
+  g = noise.gumbel(p.k0[:, None], p.k1[:, None], hi, lo)
+  return jnp.where(p.temperature[:, None] == 0, x, t + g)
+
+
+def _lse_merge(a, b):
+  """Merges online log-sum-exp states ``(max, sum of exp(t - max))``."""
+  m = jnp.maximum(a[0], b[0])
+  scale = lambda mx: jnp.where(m == -jnp.inf, 0.0, jnp.exp(mx - m))
+  return m, a[1] * scale(a[0]) + b[1] * scale(b[0])
+
+
+def _topm_merge(a, b, m: int):
+  """The ``m`` largest of two candidate lists; ties keep ``a`` (lower ids) first."""
+  vals = jnp.concatenate([a[0], b[0]], axis=1)
+  ids = jnp.concatenate([a[1], b[1]], axis=1)
+  vals, j = lax.top_k(vals, m)
+  return vals, jnp.take_along_axis(ids, j, axis=1)
+
+
+def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
+  """Thresholds of the truncation rules from the top-M candidates.
+
+  Returns ``(keep [B, M], certified [B])``: which candidates survive every
+  rule, and whether that set is exactly the rows' kept set (every rule's
+  threshold is known from the candidates, and at least one rule's kept set
+  lies inside them). Mirrors :func:`controls.keep_mask`.
+  """
+  b, m = cand_t.shape
+  top = cand_t[:, :1]
+  keep = jnp.ones((b, m), bool)
+  known = jnp.ones((b,), bool)
+  inside = jnp.zeros((b,), bool)
+  active = jnp.zeros((b,), bool)
+  last = cand_t[:, -1]
+  in_k = jnp.ones((b,), bool)
+  if c.top_k is not None:
+    k = c.top_k
+    on = k > 0
+    thr = jnp.take_along_axis(cand_t, jnp.clip(k - 1, 0, m - 1)[:, None], axis=1)[:, 0]
+    thr = jnp.where(k > m, -jnp.inf, thr)           # only used when complete
+    keep &= ~on[:, None] | (cand_t >= thr[:, None])
+    known &= ~on | (k <= m) | complete
+    in_k = ~on | complete | ((k <= m) & (last < thr))
+    inside |= on & in_k
+    active |= on
+  if c.top_p is not None:
+    pp = c.top_p
+    on = pp < 1
+    tk = jnp.where(keep, cand_t, -jnp.inf)
+    # The normalizer: over the top-k set when it lies in the candidates,
+    # else (top-k off) over the whole row, from the online log-sum-exp.
+    z_list = jnp.sum(jnp.exp(tk - top), axis=1)
+    z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
+    k_on = (c.top_k > 0) if c.top_k is not None else jnp.zeros((b,), bool)
+    z = jnp.where(k_on, z_list, z_all)
+    q = jnp.exp(tk - top) / z[:, None]
+    before = jnp.cumsum(q, axis=1) - q
+    n = jnp.maximum(jnp.sum(before < pp[:, None], axis=1), 1)
+    thr = jnp.take_along_axis(tk, (n - 1)[:, None], axis=1)[:, 0]
+    keep &= ~on[:, None] | (tk >= thr[:, None])
+    # The nucleus edge lies in the list if a listed id already has mass
+    # >= p ranked before it (the mass before an id only grows down the list).
+    edge_inside = jnp.any((tk > -jnp.inf) & (before >= pp[:, None]), axis=1)
+    known &= ~on | (k_on & in_k) | (~k_on & edge_inside) | complete
+    inside |= on & (complete | (last < thr))
+    active |= on
+  if c.min_p is not None:
+    mp = c.min_p
+    on = mp > 0
+    ok = jnp.exp(cand_t - top) >= mp[:, None]
+    keep &= ~on[:, None] | ok
+    inside |= on & (complete | (jnp.exp(last - top[:, 0]) < mp))
+    active |= on
+  certified = ~active | (known & (inside | complete))
+  return keep, certified, active
+
+
+def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None = None):
+  """Tokens ``[S, B]`` (and log-probabilities) with sampling controls.
+
+  One streaming pass over the vocabulary keeps, per row: the best perturbed
+  score of each sample (with its tempered logit), an online log-sum-exp of
+  the tempered logits, and (with truncation) the top-M tempered logits.
+  Truncated rows are then decided on the candidates, whose noise is
+  recomputed from their ids. A row whose kept set the candidates cannot
+  certify (a nucleus wider than M ids, say) falls back to an exact
+  materialized path; ``lax.cond`` skips it when no row needs it.
+
+  Returns:
+    ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``.
+  """
+  samples = c.samples
+  vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
+  m = min(CANDIDATES, p.weight_rows)
+
+  def block(w, start, width):
+    gid = start + lax.iota(jnp.int32, width)
+    x = controls.transform(_core.logits(p.hidden, w, p.layout), gid, c, p.vocab_size)
+    t = _tempered(p, x)
+    best = []
+    for s in range(samples):
+      sc = _perturbed(p, x, t, gid, s)
+      j = jnp.argmax(sc, axis=1)
+      pick = lambda a: jnp.take_along_axis(a, j[:, None], axis=1)[:, 0]
+      best.append((pick(sc), gid[j], pick(t)))
+    mx = jnp.max(t, axis=1)
+    lse = (mx, jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
+                                 jnp.exp(t - mx[:, None])), axis=1))
+    state = {"best": best, "lse": lse}
+    if c.truncates:
+      vals, j = lax.top_k(t, min(m, width))
+      if width < m:
+        pad = ((0, 0), (0, m - width))
+        vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+        j = jnp.pad(j, pad, constant_values=width - 1)
+      state["cand"] = (vals, gid[j])
+    return state
+
+  def combine(a, b):
+    best = []
+    for (s1, i1, t1), (s2, i2, t2) in zip(a["best"], b["best"]):
+      take = _core.better(s2, i2, s1, i1)
+      best.append((jnp.where(take, s2, s1), jnp.where(take, i2, i1),
+                   jnp.where(take, t2, t1)))
+    out = {"best": best, "lse": _lse_merge(a["lse"], b["lse"])}
+    if c.truncates:
+      out["cand"] = _topm_merge(a["cand"], b["cand"], m)
+    return out
+
+  st = _stream(p, block, combine, vc)
+  tokens = jnp.stack([i for _, i, _ in st["best"]])          # [S, B]
+  t_tok = jnp.stack([t for _, _, t in st["best"]])
+  lse_all = st["lse"][0] + jnp.log(st["lse"][1])
+  lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
+  fallback = jnp.zeros((p.batch,), bool)
+  if c.truncates:
+    cand_t, cand_i = st["cand"]
+    complete = (m >= p.weight_rows) | (cand_t[:, -1] == -jnp.inf)
+    keep, certified, active = _certify(p, c, cand_t, st["lse"], complete)
+    kept_t = jnp.where(keep, cand_t, -jnp.inf)
+    sampled = p.temperature != 0
+    use = active & sampled & (st["lse"][0] > -jnp.inf)
+    new_tok, new_t = [], []
+    for s in range(samples):
+      sc = _perturbed(p, kept_t, kept_t, cand_i, s)
+      j = jnp.argmax(sc, axis=1)
+      new_tok.append(jnp.take_along_axis(cand_i, j[:, None], axis=1)[:, 0])
+      new_t.append(jnp.take_along_axis(cand_t, j[:, None], axis=1)[:, 0])
+    tokens = jnp.where(use[None], jnp.stack(new_tok), tokens)
+    t_tok = jnp.where(use[None], jnp.stack(new_t), t_tok)
+    lse_kept = jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept)
+    fallback = ~certified
+    tokens, t_tok, lse_kept = lax.cond(
+        jnp.any(fallback),
+        lambda: _materialized(p, c, fallback, tokens, t_tok, lse_kept),
+        lambda: (tokens, t_tok, lse_kept))
+  out = None
+  if c.return_logprobs:
+    out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],
+                                logprob_truncated=t_tok - lse_kept,
+                                logsumexp=jnp.broadcast_to(lse_all, tokens.shape))
+  return tokens, out, fallback
+
+
+def _materialized(p: Problem, c: controls.Controls, rows, tokens, t_tok, lse_kept):
+  """The exact path for ``rows``: full logits, :func:`controls.keep_mask`."""
+  gid = lax.iota(jnp.int32, p.weight_rows)
+  x = controls.transform(_core.logits(p.hidden, p.weight, p.layout), gid, c,
+                         p.vocab_size)[:, :p.vocab_size]
+  gid = gid[:p.vocab_size]
+  t = _tempered(p, x)
+  kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
+  new_tok, new_t = [], []
+  for s in range(c.samples):
+    sc = _perturbed(p, x, kept, gid, s)
+    j = jnp.argmax(sc, axis=1)
+    new_tok.append(j.astype(jnp.int32))
+    new_t.append(jnp.take_along_axis(t, j[:, None], axis=1)[:, 0])
+  r = rows[None]
+  return (jnp.where(r, jnp.stack(new_tok), tokens),
+          jnp.where(r, jnp.stack(new_t), t_tok),
+          jnp.where(r, jax.nn.logsumexp(kept, axis=1)[None], lse_kept))

@@ -1,0 +1,257 @@
+"""Sampling controls: their validation and their exact meaning.
+
+Order of the transforms (DESIGN.md section 1), for row ``b`` and id ``v``:
+
+1. ``x = l``                                  f32 logits ``hidden @ W.T``
+2. ``x = c * tanh(x / c)``                     ``softcap=c`` (Gemma 2)
+3. ``x = x + logit_bias[v]``                   ``logit_bias [V]``
+4. ``x = -inf`` where ``v`` is not allowed     ``allowed_mask``, and ids >= vocab_size
+5. ``t = x / T[b]``                            temperature (greedy rows: argmax of ``x``)
+
+Truncation of sampled rows, on the tempered ``t``:
+
+* ``top_k[b] = k > 0``: keep ids with ``t >= `` the k-th largest ``t`` of the row
+  (ties at the k-th value are all kept, so a row may keep more than k ids).
+* ``top_p[b] = p < 1``: on ``q = softmax(t)`` restricted to what top-k kept,
+  sort ids by ``t`` descending (ties by id); keep an id if the probability
+  mass ranked strictly before it is ``< p`` (so the most probable id is
+  always kept), and also every id whose ``t`` equals the last kept one's.
+* ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
+  least ``m`` times the row's top probability. The top id is never removed
+  by any rule, so min-p's order among the rules does not matter.
+
+The token is then ``argmax(t + gumbel)`` over the kept ids, with the same
+noise counters as without truncation: the result equals
+``jax.random.categorical(key, where(kept, t, -inf))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Controls:
+  """Validated controls; ``None`` fields are off.
+
+  Attributes:
+    top_k: int32 ``[B]`` (0 = off for that row) or None.
+    top_p: f32 ``[B]`` (1 = off) or None.
+    min_p: f32 ``[B]`` (0 = off) or None.
+    logit_bias: f32 ``[vocab_size]`` or None.
+    allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]``; bit ``v % 32`` of word
+      ``v // 32`` set means id ``v`` is allowed. None: all allowed.
+    softcap: f32 scalar or None.
+    num_samples: static int or None (None: tokens ``[B]``; S: ``[S, B]``).
+    return_logprobs: static bool.
+  """
+
+  top_k: Any = None
+  top_p: Any = None
+  min_p: Any = None
+  logit_bias: Any = None
+  allowed_mask: Any = None
+  softcap: Any = None
+  num_samples: int | None = None
+  return_logprobs: bool = False
+
+  @property
+  def truncates(self) -> bool:
+    return any(x is not None for x in (self.top_k, self.top_p, self.min_p))
+
+  @property
+  def transforms(self) -> bool:
+    return any(x is not None for x in (self.logit_bias, self.allowed_mask, self.softcap))
+
+  @property
+  def active(self) -> bool:
+    return (self.truncates or self.transforms or self.num_samples is not None
+            or self.return_logprobs)
+
+  @property
+  def samples(self) -> int:
+    return self.num_samples or 1
+
+
+def _concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
+  """A scalar or ``[B]`` control as a ``[B]`` array; range-checks concrete values."""
+  if value is None:
+    return None
+  if isinstance(value, bool):
+    raise TypeError(f"{name}={value!r} must be a number or a [B] array")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    if integer and not isinstance(value, (int, np.integer)):
+      raise TypeError(f"{name}={value!r} must be an int or an int [B] array")
+    arr = np.asarray(value, np.int32 if integer else np.float32)
+    if not integer and math.isnan(float(value)):
+      raise ValueError(f"{name}={value} must not be NaN")
+    value = jnp.broadcast_to(jnp.asarray(arr), (batch,))
+  else:
+    if not hasattr(value, "dtype"):
+      raise TypeError(f"{name} must be a number or an array, got {type(value).__name__}")
+    kind_ok = (jnp.issubdtype(value.dtype, jnp.integer) if integer else
+               (jnp.issubdtype(value.dtype, jnp.floating)
+                or jnp.issubdtype(value.dtype, jnp.integer))) and value.dtype != jnp.bool_
+    if not kind_ok:
+      raise TypeError(f"{name}.dtype={value.dtype} must be "
+                      f"{'an integer' if integer else 'a float'} dtype")
+    if value.ndim == 0:
+      value = jnp.broadcast_to(value, (batch,))
+    elif value.shape != (batch,):
+      raise ValueError(f"{name} must be a scalar or have shape [B]=({batch},), got "
+                       f"{name}.shape={tuple(value.shape)}")
+    value = jnp.asarray(value, jnp.int32 if integer else jnp.float32)
+  if _concrete(value):
+    v = np.asarray(value)
+    bad = (np.isnan(v) if not integer else np.zeros(v.shape, bool))
+    bad |= (v <= lo) if lo_open else (v < lo)
+    bad |= v > hi
+    if bad.any():
+      i = int(np.argmax(bad))
+      rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+      raise ValueError(f"{name}[{i}]={v[i]} must be in {rng} ({off})")
+  return value
+
+
+def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
+                     top_p=None, min_p=None, logit_bias=None, allowed_mask=None,
+                     softcap=None, num_samples=None, return_logprobs=False) -> Controls:
+  """Checks the control arguments of :func:`flashsample_jax.sample`."""
+  top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
+                   off="0 turns top-k off")
+  top_p = _per_row("top_p", top_p, batch, integer=False, lo=0.0, hi=1.0,
+                   lo_open=True, off="1 turns top-p off")
+  min_p = _per_row("min_p", min_p, batch, integer=False, lo=0.0, hi=1.0,
+                   off="0 turns min-p off")
+  if logit_bias is not None:
+    if not hasattr(logit_bias, "dtype") or not jnp.issubdtype(logit_bias.dtype, jnp.floating):
+      raise TypeError(f"logit_bias must be a float array [V], got "
+                      f"{getattr(logit_bias, 'dtype', type(logit_bias).__name__)}")
+    if logit_bias.shape not in ((vocab_size,), (rows,)):
+      raise ValueError(f"logit_bias.shape={tuple(logit_bias.shape)} must be "
+                       f"[vocab_size]=({vocab_size},) (or the weight's {rows} rows)")
+    logit_bias = jnp.asarray(logit_bias, jnp.float32)[:vocab_size]
+  if allowed_mask is not None:
+    words = -(-vocab_size // 32)
+    if not hasattr(allowed_mask, "dtype") or allowed_mask.dtype not in (
+        jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32)):
+      raise TypeError(f"allowed_mask.dtype="
+                      f"{getattr(allowed_mask, 'dtype', type(allowed_mask).__name__)}"
+                      " must be uint32 or int32 (a packed bitmask)")
+    if allowed_mask.shape != (batch, words):
+      raise ValueError(f"allowed_mask.shape={tuple(allowed_mask.shape)} must be "
+                       f"[B, ceil(vocab_size / 32)]=({batch}, {words})")
+    allowed_mask = jax.lax.bitcast_convert_type(allowed_mask, jnp.uint32) \
+        if allowed_mask.dtype == jnp.int32 else jnp.asarray(allowed_mask)
+  if softcap is not None:
+    if isinstance(softcap, bool) or not (
+        isinstance(softcap, (int, float, np.integer, np.floating))
+        or (hasattr(softcap, "dtype") and getattr(softcap, "ndim", 1) == 0)):
+      raise TypeError(f"softcap={softcap!r} must be a positive float scalar")
+    if _concrete(softcap) and not float(softcap) > 0:
+      raise ValueError(f"softcap={float(softcap)} must be > 0 (None turns it off)")
+    softcap = jnp.asarray(softcap, jnp.float32)
+  if num_samples is not None:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
+      raise TypeError(f"num_samples={num_samples!r} must be a Python int or None")
+    if num_samples < 1:
+      raise ValueError(f"{num_samples=} must be >= 1")
+    num_samples = int(num_samples)
+  if not isinstance(return_logprobs, bool):
+    raise TypeError(f"return_logprobs={return_logprobs!r} must be a bool")
+  return Controls(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
+                  allowed_mask=allowed_mask, softcap=softcap,
+                  num_samples=num_samples, return_logprobs=return_logprobs)
+
+
+def allowed_bits(allowed_mask, gid):
+  """Whether ids ``gid`` (int32, ``[Vc]``) are allowed: bool ``[B, Vc]``."""
+  word = jnp.take(allowed_mask, gid // 32, axis=1, mode="clip")
+  return ((word >> (gid % 32).astype(jnp.uint32)) & jnp.uint32(1)) == 1
+
+
+def transform(l, gid, c: Controls, vocab_size):
+  """Steps 1-4 of the module docstring on a block: ``x [B, Vc]``."""
+  x = l
+  if c.softcap is not None:
+    x = c.softcap * jnp.tanh(x / c.softcap)
+  if c.logit_bias is not None:
+    x = x + jnp.take(c.logit_bias, gid, mode="clip")[None, :]
+  valid = gid < vocab_size
+  if c.allowed_mask is not None:
+    valid = valid & allowed_bits(c.allowed_mask, gid)
+  return jnp.where(valid, x, -jnp.inf)
+
+
+def none_allowed(allowed_mask, vocab_size: int):
+  """Rows of ``allowed_mask`` that allow no id below ``vocab_size``: bool ``[B]``."""
+  words = allowed_mask.shape[1]
+  ids_in_word = vocab_size - 32 * jnp.arange(words)          # ids of each word < V
+  full = jnp.uint32(0xFFFFFFFF)
+  valid_bits = jnp.where(ids_in_word >= 32, full,
+                         (jnp.uint32(1) << jnp.clip(ids_in_word, 0, 31).astype(jnp.uint32))
+                         - jnp.uint32(1))
+  return ~jnp.any((allowed_mask & valid_bits[None, :]) != 0, axis=1)
+
+
+def keep_mask(t, c: Controls):
+  """The truncation rules of the module docstring on materialized rows.
+
+  Args:
+    t: tempered transformed logits ``[B, V]`` (``-inf`` where not allowed).
+    c: the controls.
+
+  Returns:
+    bool ``[B, V]``: ids that survive top-k, top-p and min-p.
+  """
+  keep = jnp.ones(t.shape, bool)
+  v = t.shape[1]
+  if c.top_k is not None:
+    k = c.top_k[:, None]
+    desc = -jnp.sort(-t, axis=1)
+    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, v - 1), axis=1)
+    keep &= (k <= 0) | (t >= kth)
+  if c.top_p is not None:
+    tk = jnp.where(keep, t, -jnp.inf)
+    order = jnp.argsort(-tk, axis=1, stable=True)         # descending, ties by id
+    ts = jnp.take_along_axis(tk, order, axis=1)
+    q = jnp.exp(ts - ts[:, :1])
+    q = q / jnp.sum(q, axis=1, keepdims=True)
+    before = jnp.cumsum(q, axis=1) - q                    # mass ranked before
+    n = jnp.maximum(jnp.sum(before < c.top_p[:, None], axis=1), 1)
+    thr = jnp.take_along_axis(ts, (n - 1)[:, None], axis=1)
+    keep &= (c.top_p[:, None] >= 1) | (tk >= thr)
+  if c.min_p is not None:
+    m = jnp.max(t, axis=1, keepdims=True)
+    keep &= (c.min_p[:, None] <= 0) | (jnp.exp(t - m) >= c.min_p[:, None])
+  return keep
+
+
+class SampleOutput(NamedTuple):
+  """What :func:`flashsample_jax.sample` returns with ``return_logprobs=True``.
+
+  Shapes are ``[B]`` (or ``[S, B]`` with ``num_samples=S``). Log-probabilities
+  are of the tempered distribution (greedy rows: temperature 1), ``NaN`` for
+  rows with no allowed token.
+
+  Attributes:
+    tokens: int32 sampled ids (``-1`` where ``allowed_mask`` allows nothing).
+    logprob: ``log softmax(t)[token]`` before truncation.
+    logprob_truncated: the same after top-k/top-p/min-p (renormalized).
+    logsumexp: ``logsumexp(t)`` of the row, before truncation.
+  """
+
+  tokens: Any
+  logprob: Any
+  logprob_truncated: Any
+  logsumexp: Any
