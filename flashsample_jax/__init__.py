@@ -13,3 +13,11 @@ from flashsample_jax.sharding import sample_sharded
 __all__ = ["sample", "sample_sharded", "SampleOutput", "Backend", "BACKENDS",
            "resolve_backend", "reference", "noise", "sharding", "controls"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # flax_heads imports flax, which users of the plain API need not install.
+  if name == "flax_heads":
+    import importlib
+    return importlib.import_module("flashsample_jax.flax_heads")
+  raise AttributeError(f"module 'flashsample_jax' has no attribute {name!r}")

@@ -29,9 +29,8 @@ What differs from calling the module:
   casting ``W`` to another dtype would write a converted copy of the head to
   device memory, which is what this package exists to avoid. Store the head in
   the dtype you want it read in (``param_dtype=jnp.bfloat16``).
-* Heads with a bias raise ``NotImplementedError``: ``sample()`` has no
-  additive logit bias yet, and folding the bias into ``W`` (an extra row) would
-  copy the whole head.
+* A head's bias ``[V]`` becomes ``sample()``'s ``logit_bias`` (added in f32 to
+  the f32 logits); a ``logit_bias`` passed by the caller is added to it first.
 """
 
 from __future__ import annotations
@@ -57,13 +56,15 @@ def _array(x) -> jax.Array:
   return x
 
 
-def _no_bias(bias, what: str) -> None:
-  if bias is not None:
-    raise NotImplementedError(
-        f"{what} has a bias; flashsample_jax.sample has no additive logit bias "
-        "yet, and folding it into the weight would copy the whole head. Build "
-        "the head with use_bias=False (LLM heads have none), or materialize "
-        "the logits for this model.")
+def head_bias(head) -> jax.Array | None:
+  """The head's bias ``[V]`` (``nnx.Linear(use_bias=True)``, Linen ``bias``), or None."""
+  if isinstance(head, nnx.Linear):
+    return None if head.bias is None else _array(head.bias)
+  if isinstance(head, Mapping):
+    params = head["params"] if set(head) == {"params"} else head
+    bias = params.get("bias")
+    return None if bias is None else _array(bias)
+  return None
 
 
 def head_weight(head) -> tuple[jax.Array, str]:
@@ -82,10 +83,8 @@ def head_weight(head) -> tuple[jax.Array, str]:
     TypeError: ``head`` is none of the above.
     ValueError: a parameter dict has both or neither of ``kernel`` and
       ``embedding``.
-    NotImplementedError: the head has a bias (see the module docstring).
   """
   if isinstance(head, nnx.Linear):
-    _no_bias(head.bias, f"nnx.Linear({head.in_features}, {head.out_features})")
     return _array(head.kernel), "dv"
   if isinstance(head, nnx.Embed):
     return _array(head.embedding), "vd"
@@ -99,7 +98,6 @@ def head_weight(head) -> tuple[jax.Array, str]:
           "a Linen head's params must hold exactly one of 'kernel' [D, V] "
           f"(nn.Dense) and 'embedding' [V, D] (nn.Embed); got keys {sorted(params)}")
     if has_kernel:
-      _no_bias(params.get("bias"), "the Linen Dense head (params['bias'])")
       return _array(params["kernel"]), "dv"
     return _array(params["embedding"]), "vd"
   raise TypeError(
@@ -151,7 +149,6 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array:
 
   Raises:
     TypeError: ``weight_layout`` was passed, or ``head`` is not a head.
-    NotImplementedError: the head has a bias.
     Anything :func:`flashsample_jax.sample` raises for bad arguments.
   """
   if "weight_layout" in kwargs:
@@ -164,6 +161,11 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array:
         f"hidden must have shape [B, D] or [..., D], got "
         f"{getattr(hidden, 'shape', type(hidden).__name__)}")
   hidden2, key, kwargs, lead = _flatten_rows(hidden, key, kwargs)
+  bias = head_bias(head)
+  if bias is not None:
+    extra = kwargs.get("logit_bias")
+    bias = bias.astype(jnp.float32)
+    kwargs = {**kwargs, "logit_bias": bias if extra is None else bias + extra}
   tokens = api.sample(hidden2, weight, key, weight_layout=layout, **kwargs)
   return tokens if lead is None else tokens.reshape(lead)
 
@@ -196,7 +198,9 @@ def logits(head, hidden) -> jax.Array:
   """
   weight, layout = head_weight(head)
   contract = 1 if layout == "vd" else 0
-  return jax.lax.dot_general(
+  l = jax.lax.dot_general(
       jnp.asarray(hidden).astype(weight.dtype), weight,
       (((hidden.ndim - 1,), (contract,)), ((), ())),
       preferred_element_type=jnp.float32)
+  bias = head_bias(head)
+  return l if bias is None else l + bias.astype(jnp.float32)

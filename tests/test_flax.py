@@ -167,13 +167,25 @@ def test_no_transpose_of_the_weight():
   assert "dot_general" in text
 
 
-def test_bias_raises_not_implemented():
+def test_head_bias_is_the_logit_bias():
   h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=10)
-  with pytest.raises(NotImplementedError, match="bias"):
-    flax_heads.sample_from_linear(_linear(w, bias=True), h, jax.random.key(0))
-  with pytest.raises(NotImplementedError, match="bias"):
-    flax_heads.sample_from_params({"kernel": w, "bias": jnp.zeros((V,))}, h,
-                                  jax.random.key(0))
+  bias = jnp.asarray(np.random.default_rng(10).integers(-3, 4, V), jnp.bfloat16)
+  head = _linear(w, bias=True)
+  head.bias[...] = bias
+  key = jax.random.key(0)
+  want = fs.reference.sample(h, w, key, weight_layout="dv",
+                             logit_bias=bias.astype(jnp.float32))
+  np.testing.assert_array_equal(flax_heads.sample_from_linear(head, h, key), want)
+  # Integer logits and bias: the module's own output is exact too.
+  np.testing.assert_array_equal(_module_tokens(head(h), key, 1.0), want)
+  params = {"kernel": w, "bias": bias}
+  np.testing.assert_array_equal(flax_heads.sample_from_params(params, h, key), want)
+  # A caller's logit_bias adds to the head's.
+  extra = jnp.ones((V,), jnp.float32)
+  np.testing.assert_array_equal(
+      flax_heads.sample_from_params(params, h, key, logit_bias=extra),
+      fs.reference.sample(h, w, key, weight_layout="dv",
+                          logit_bias=bias.astype(jnp.float32) + extra))
 
 
 def test_bad_arguments():
