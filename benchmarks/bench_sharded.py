@@ -86,7 +86,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flashsample_jax as fs  # noqa: E402
-from flashsample_jax import _validate  # noqa: E402
 
 
 def device_name() -> str:
@@ -144,8 +143,7 @@ def resolved_backend(b, d, v_local, backend):
   picked = []
 
   def probe(h, w):
-    p = _validate.prepare(h, w, jax.random.key(0))
-    picked.append(fs.resolve_backend(backend, p))
+    picked.append(fs.which_backend(h, w, jax.random.key(0), backend=backend))
     return h
 
   jax.eval_shape(probe, jax.ShapeDtypeStruct((b, d), jnp.bfloat16),

@@ -343,13 +343,12 @@ def generate(cfg: Config, graphdef, state, *, batch: int, tokens: int, prompt_le
 def fused_backend(cfg: Config, batch: int, backend: str = "auto") -> str:
   """The backend ``backend`` resolves to for this model's head at ``batch`` rows."""
   import flashsample_jax as fs
-  from flashsample_jax import _validate
   picked = []
 
   def probe(h, w):
     layout = "vd" if cfg.tied else "dv"
-    picked.append(fs.resolve_backend(backend, _validate.prepare(
-        h, w, jax.random.key(0), weight_layout=layout)))
+    picked.append(fs.which_backend(h, w, jax.random.key(0), backend=backend,
+                                   weight_layout=layout))
     return h
 
   w_shape = (cfg.vocab, cfg.dim) if cfg.tied else (cfg.dim, cfg.vocab)

@@ -58,8 +58,7 @@ def main(argv=None) -> int:
   kh, kw, ks = jax.random.split(jax.random.key(0), 3)
   hidden = jax.random.normal(kh, (b, d), jnp.bfloat16)
   weight = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / d**0.5)).astype(jnp.bfloat16)
-  p = fs._validate.prepare(hidden, weight, ks)
-  backend = fs.resolve_backend(args.backend, p)
+  backend = fs.which_backend(hidden, weight, ks, backend=args.backend)
   print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
   print(f"LM head {args.config}: D={d} V={v} bf16 ({v * d * 2 / 1e9:.2f} GB), "
         f"B={b}, temperature={args.temperature}, backend={backend}")

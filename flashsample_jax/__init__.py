@@ -7,11 +7,11 @@ writing the ``[B, V]`` logits to device memory.
 
 from flashsample_jax import controls, noise, reference, sharding
 from flashsample_jax.controls import SampleOutput
-from flashsample_jax.api import BACKENDS, Backend, resolve_backend, sample
+from flashsample_jax.api import BACKENDS, Backend, sample, which_backend
 from flashsample_jax.sharding import sample_sharded
 
 __all__ = ["sample", "sample_sharded", "SampleOutput", "Backend", "BACKENDS",
-           "resolve_backend", "reference", "noise", "sharding", "controls"]
+           "which_backend", "reference", "noise", "sharding", "controls"]
 __version__ = "0.1.0"
 
 

@@ -59,6 +59,25 @@ def resolve_backend(backend: str, p: _validate.Problem,
   raise AssertionError("the xla backend supports every valid problem")
 
 
+def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
+                  weight_layout="vd", vocab_size=None, **controls):
+  """The backend :func:`sample` would run these arguments on, here.
+
+  Args: as :func:`sample` (controls such as ``top_k`` included).
+
+  Returns:
+    A name from :data:`BACKENDS`.
+
+  Raises:
+    What :func:`sample` raises for these arguments.
+  """
+  p = _validate.prepare(hidden, weight, key, temperature=temperature,
+                        weight_layout=weight_layout, vocab_size=vocab_size)
+  c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                                 rows=p.weight_rows, **controls)
+  return resolve_backend(backend, p, c)
+
+
 @functools.partial(
     jax.jit, static_argnames=("weight_layout", "vocab_size", "backend",
                               "num_samples", "return_logprobs"))

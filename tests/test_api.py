@@ -26,23 +26,18 @@ def test_every_backend_equals_reference_or_declines(backend):
     got = fs.sample(h, w, key, temperature=0.5, backend=backend)
   except NotImplementedError:
     assert backend != "auto"
-    from flashsample_jax._validate import prepare
-    assert fs.resolve_backend("auto", prepare(h, w, key)) != backend
+    assert fs.which_backend(h, w, key) != backend
     return
   np.testing.assert_array_equal(got, want)
 
 
 def test_auto_picks_mosaic_only_on_hopper():
-  from flashsample_jax._validate import prepare
   h, w = inputs.exact_inputs(5, 64, 300)
-  p = prepare(h, w, jax.random.key(0))
-  assert fs.resolve_backend("auto", p) == ("mosaic" if is_sm90() else "xla")
+  assert fs.which_backend(h, w, jax.random.key(0)) == ("mosaic" if is_sm90() else "xla")
 
 
 def test_d_not_multiple_of_64_falls_back_to_xla():
-  from flashsample_jax._validate import prepare
   h, w = inputs.exact_inputs(5, 40, 300)
-  p = prepare(h, w, jax.random.key(0))
-  assert fs.resolve_backend("auto", p) == "xla"
+  assert fs.which_backend(h, w, jax.random.key(0)) == "xla"
   np.testing.assert_array_equal(fs.sample(h, w, jax.random.key(0)),
                                 fs.reference.sample(h, w, jax.random.key(0)))

@@ -143,10 +143,7 @@ def test_traced_controls_under_jit():
 
 
 def test_mosaic_declines_controls():
-  from flashsample_jax._validate import prepare
-  p = prepare(H, W, KEYS["scalar"])
-  c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, top_k=5)
-  assert fs.resolve_backend("auto", p, c) == "xla"
+  assert fs.which_backend(H, W, KEYS["scalar"], top_k=5) == "xla"
   with pytest.raises(NotImplementedError, match="controls"):
     fs.sample(H, W, KEYS["scalar"], top_k=5, backend="mosaic")
 
