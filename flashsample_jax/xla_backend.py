@@ -28,24 +28,32 @@ def chunk_size(batch: int, rows: int) -> int:
   return min(c, rows)
 
 
-def _stream(p: Problem, block, combine, vc: int):
+# How _stream walks the chunks: "loop" (lax.fori_loop with dynamic slices of
+# W) or "unrolled" (static slices, one per chunk, in program order). Chosen
+# by measurement on the GPU, see benchmarks/PERF_LOG.md.
+STREAM_MODE = "loop"
+
+
+def _stream(p: Problem, block, combine, vc: int, mode: str | None = None):
   """Folds ``block(w_chunk, start, width)`` over the vocabulary with ``combine``.
 
-  The first chunk seeds the loop carry (rather than constants): the carry
-  then varies over the same shard_map axes as the data, which
+  The first chunk seeds the carry (rather than constants): the carry then
+  varies over the same shard_map axes as the data, which
   shard_map(check_vma=True) requires of a loop.
   """
   rows = p.weight_rows
   axis = 0 if p.layout == "vd" else 1
-
-  def body(i, state):
-    start = i * vc
-    w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
-    return combine(state, block(w, start, vc))
-
   n_full = rows // vc
   state = block(lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
-  if n_full > 1:
+  if (mode or STREAM_MODE) == "unrolled":
+    for i in range(1, n_full):
+      w = lax.slice_in_dim(p.weight, i * vc, (i + 1) * vc, axis=axis)
+      state = combine(state, block(w, i * vc, vc))
+  elif n_full > 1:
+    def body(i, state):
+      start = i * vc
+      w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
+      return combine(state, block(w, start, vc))
     state = lax.fori_loop(1, n_full, body, state)
   tail = rows - n_full * vc
   if tail:
