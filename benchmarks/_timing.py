@@ -50,3 +50,19 @@ def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
   us, _ = median_us(f, x, reps=reps, inner=5)
   del x
   return n * 2 / (us * 1e-6)
+
+
+def device_name() -> str:
+  """The first device's name: ``"NVIDIA H100 80GB HBM3"``, or ``"cpu (x86_64)"``."""
+  import platform
+  d = jax.devices()[0]
+  return d.device_kind if d.platform != "cpu" else f"cpu ({platform.machine()})"
+
+
+def slug(name: str) -> str:
+  """A file-name stem: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``; a CPU -> ``"cpu"``."""
+  import re
+  if name.startswith("cpu"):
+    return "cpu"
+  s = re.sub(r"^nvidia\s+", "", name.strip().lower())
+  return re.sub(r"[^a-z0-9]+", "-", s).strip("-")

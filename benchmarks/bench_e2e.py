@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from benchmarks import _timing  # noqa: E402
 from examples import _model  # noqa: E402
 
 BATCHES = (1, 4, 16, 64)
@@ -72,17 +71,8 @@ def parse_args(argv=None):
   return a
 
 
-def device_name() -> str:
-  d = jax.devices()[0]
-  return d.device_kind if d.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})"
-
-
-def slug(name: str) -> str:
-  """``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``; a CPU -> ``"cpu"``."""
-  if name.startswith("cpu"):
-    return "cpu"
-  s = re.sub(r"^nvidia\s+", "", name.strip().lower())
-  return re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+device_name = _timing.device_name
+slug = _timing.slug
 
 
 def bench(args) -> dict:

@@ -32,8 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -86,19 +84,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flashsample_jax as fs  # noqa: E402
+from benchmarks import _timing  # noqa: E402
 
 
-def device_name() -> str:
-  d = jax.devices()[0]
-  return d.device_kind if d.platform != "cpu" else f"cpu ({platform.machine()})"
-
-
-def slug(name: str) -> str:
-  """``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``; a CPU -> ``"cpu"``."""
-  if name.startswith("cpu"):
-    return "cpu"
-  s = re.sub(r"^nvidia\s+", "", name.strip().lower())
-  return re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+device_name = _timing.device_name
+slug = _timing.slug
 
 
 def median_us(f, args, iters: int, warmup: int) -> float:
