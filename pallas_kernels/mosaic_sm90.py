@@ -64,6 +64,8 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SMEM_BUDGET = 200 * 1024
 _REDUCTION_SCRATCH_BYTES = 2 * 128 * 6 * 4  # CompilerParams' suggested value
 _INT_MAX = np.iinfo(np.int32).max
+# Noise elements per thread in one epilogue chunk (see pick_config).
+_EPI_ELEMS_PER_THREAD = 16
 # Alignment of the vocabulary axis that TMA needs (see candidates()).
 _VD_ROW_ALIGN = 8
 _DV_COL_ALIGN = _SWIZZLE // 2
@@ -90,8 +92,11 @@ class TuningConfig:
     tile_d: ``Dt``, hidden elements per pipeline step (the wgmma K side): a
       multiple of 64 (one 128-byte swizzle row of bf16/f16).
     max_concurrent_steps: pipeline depth (SMEM slots per operand).
-    epi_cols: columns of the accumulator handled at once in the epilogue
-      (bounds the registers of the noise temporaries): a multiple of 8.
+    epi_cols: columns of the accumulator in one epilogue chunk: 8 or 16
+      (f32 SMEM transfers of wider WGMMA-layout chunks fail to lower: "Failed
+      to synthesize a transfer pattern that avoids bank conflicts").
+    epi_unroll: chunks per iteration of the epilogue loop (more independent
+      work per thread, more code).
     num_ctas: CTAs of the persistent grid; None means one per SM.
   """
 
@@ -99,6 +104,7 @@ class TuningConfig:
   tile_d: int = 64
   max_concurrent_steps: int = 4
   epi_cols: int = 16
+  epi_unroll: int = 1
   num_ctas: int | None = None
 
   def __post_init__(self):
@@ -107,7 +113,7 @@ class TuningConfig:
     num_ctas = self.num_ctas
     for name, v in (("tile_v", tile_v), ("tile_d", tile_d),
                     ("max_concurrent_steps", max_concurrent_steps),
-                    ("epi_cols", epi_cols)):
+                    ("epi_cols", epi_cols), ("epi_unroll", self.epi_unroll)):
       if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
     if tile_v <= 0 or tile_v % 64:
@@ -116,24 +122,30 @@ class TuningConfig:
       raise ValueError(f"{tile_d=} must be a positive multiple of 64")
     if max_concurrent_steps < 1:
       raise ValueError(f"{max_concurrent_steps=} must be >= 1")
-    if epi_cols <= 0 or epi_cols % _N_ALIGN or epi_cols > MAX_N:
-      raise ValueError(
-          f"{epi_cols=} must be a positive multiple of {_N_ALIGN} and <= {MAX_N}")
+    if epi_cols not in (8, 16):
+      raise ValueError(f"{epi_cols=} must be 8 or 16")
+    epi_unroll = self.epi_unroll
+    if epi_unroll < 1:
+      raise ValueError(f"{epi_unroll=} must be >= 1")
     if num_ctas is not None and (isinstance(num_ctas, bool)
                                  or not isinstance(num_ctas, int)
                                  or num_ctas < 1):
       raise ValueError(f"{num_ctas=} must be None or a positive int")
 
   def smem_bytes(self, n: int, itemsize: int = 2) -> int:
-    """Pipeline SMEM of this config for a batch side of ``n`` rows."""
-    return self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
+    """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
+    the f32 accumulator copy the epilogue loops over, the per-row data."""
+    pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
+    return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
 
   def check_problem(self, *, n: int, dim: int, rows: int, itemsize: int = 2):
     """Raises ValueError if this config cannot run the given shapes."""
     if n % _N_ALIGN or not 0 < n <= MAX_N:
       raise ValueError(f"batch side {n=} must be a multiple of 8 in [8, {MAX_N}]")
-    if n % self.epi_cols:
-      raise ValueError(f"epi_cols={self.epi_cols} must divide the batch side {n=}")
+    if n % (self.epi_cols * self.epi_unroll):
+      raise ValueError(
+          f"epi_cols={self.epi_cols} x epi_unroll={self.epi_unroll} must "
+          f"divide the batch side {n=}")
     if dim % self.tile_d:
       raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
     if rows < self.tile_v:
@@ -146,7 +158,7 @@ class TuningConfig:
     smem = self.smem_bytes(n, itemsize)
     if smem > _SMEM_BUDGET:
       raise ValueError(
-          f"{self} needs {smem} bytes of pipeline SMEM for N={n}, more than "
+          f"{self} needs {smem} bytes of SMEM for N={n}, more than "
           f"{_SMEM_BUDGET}")
 
 
@@ -172,27 +184,28 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
 
   * ``Vt = 128`` while the accumulator fits in 128 registers (N <= 128),
     else 64: a taller tile reads ``H`` from L2 fewer times per ``W`` byte.
+  * epilogue loop iterations of ``Vt * epi_cols * epi_unroll / 128 = 16``
+    noise elements per thread: the loop body bounds the epilogue's code size
+    (v1 unrolled every chunk: ~10k straight-line instructions ran at 0.07
+    IPC per warp, see benchmarks/PERF_LOG.md) while leaving ILP.
+    :func:`candidates` pads N to a multiple of ``epi_cols * epi_unroll``.
   * ``Dt = 128`` when D allows (fewer pipeline steps and barrier waits),
-    else 64.
-  * as many pipeline slots as fit the SMEM budget, at most 8, at least 2.
-  * epilogue chunks of ``Vt * epi_cols / 128 = 16`` elements per thread.
+    else 64; as many pipeline slots as fit the SMEM budget (2 to 8).
   """
   del num_sms  # One CTA per SM for now; the table may use it later.
   tile_v = 128 if n <= 128 and rows >= 128 else 64
-  tile_d = 128 if dim % 128 == 0 else 64
-  per_step = (tile_v + n) * tile_d * itemsize
-  steps = max(2, min(8, _SMEM_BUDGET // per_step))
-  if steps * per_step > _SMEM_BUDGET:
-    tile_d = 64
+  epi_cols = 16
+  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (tile_v * epi_cols))
+  n = _round_up(n, epi_cols * epi_unroll)
+  fixed = tile_v * n * 4 + _ROWDATA * n * 4
+  for tile_d in ((128, 64) if dim % 128 == 0 else (64,)):
     per_step = (tile_v + n) * tile_d * itemsize
-    steps = max(2, min(8, _SMEM_BUDGET // per_step))
-  target = max(_N_ALIGN, 16 * 128 // tile_v)
-  epi_cols = _N_ALIGN
-  for c in range(_N_ALIGN, min(n, target) + 1, _N_ALIGN):
-    if n % c == 0:
-      epi_cols = c
-  return TuningConfig(tile_v=tile_v, tile_d=tile_d, max_concurrent_steps=steps,
-                      epi_cols=epi_cols)
+    steps = min(8, (_SMEM_BUDGET - fixed) // per_step)
+    if steps >= 2:
+      break
+  return TuningConfig(tile_v=tile_v, tile_d=tile_d,
+                      max_concurrent_steps=max(2, steps), epi_cols=epi_cols,
+                      epi_unroll=epi_unroll)
 
 
 # ----------------------------------------------------------------------------
@@ -312,17 +325,33 @@ def check_supported(p: Problem) -> None:
 # ----------------------------------------------------------------------------
 
 
+def _div_rn(x, y):
+  """f32 ``x / y`` as the kernel computes it (a plain division).
+
+  Measured on the H200 (benchmarks/PERF_LOG.md, "division"): XLA's own f32
+  division on the GPU differs from IEEE (NumPy) on 28% of random pairs, and
+  this kernel's quotient differs from XLA's for some non-power-of-two T, with
+  a plain ``/`` and with an f64 division rounded to f32 alike. Tokens agreed
+  with the reference in every test; scores agree bit for bit when T is a
+  power of two (division exact). Matching XLA's rounding bit for bit needs
+  knowing which PTX division XLA emits; left open.
+  """
+  return x / y
+
+
+
 def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
             cfg: TuningConfig, layout: str, n: int, dim: int, rows: int,
             rows_valid: int, vocab_size: int, n_tiles: int):
   """One CTA: a persistent loop over vocabulary tiles.
 
-  Refs (GMEM): ``off_ref`` int32 [1] vocabulary offset; ``rowdata_ref``
-  uint32 [8, N]: key words k0, k1, base counter hi, lo, the bits of the
-  f32 temperature, and 3 rows of padding; ``h_ref`` [N, D]; ``w_ref`` [V, D] ("vd") or [D, V]
-  ("dv"), ``V = rows`` of which the first ``rows_valid`` are real (the rest
-  is alignment padding, see :func:`candidates`); outputs ``score_ref`` f32
-  [n_tiles, N], ``index_ref`` int32 [n_tiles, N].
+  Refs (GMEM), with ``C = cfg.epi_cols`` and ``nc = N / C`` epilogue
+  chunks: ``off_ref`` int32 [1] vocabulary offset; ``rowdata_ref`` uint32
+  [nc, 8, C]: key words k0, k1, base counter hi, lo, the bits of the f32
+  temperature, 3 rows of padding; ``h_ref`` [N, D]; ``w_ref`` [V, D] ("vd")
+  or [D, V] ("dv"), ``V = rows`` of which the first ``rows_valid`` are real
+  (the rest is alignment padding, see :func:`candidates`); outputs
+  ``score_ref`` f32 and ``index_ref`` int32, both [n_tiles, nc, C].
   """
   vt, dt = cfg.tile_v, cfg.tile_d
   k_steps = dim // dt
@@ -353,33 +382,47 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
     plgpu.wgmma_wait(0)
     return acc_ref
 
-  def _epilogue(acc, tile, start, first_new, rowdata_smem):
+  epi = cfg.epi_cols
+  n_chunks = n // epi
+
+  def _epilogue(acc, tile, start, first_new, rowdata_smem, acc_smem):
+    # The accumulator goes to SMEM so that the noise runs in a (not unrolled)
+    # loop over column chunks: unrolled, the epilogue was ~10k straight-line
+    # instructions per tile and ran at ~0.07 IPC per warp (PERF_LOG.md v1).
+    for j in range(n_chunks):
+      acc_smem[j] = acc[:, j * epi:(j + 1) * epi]
     col_layout = plgpu.Layout.WGMMA.reduce(0)
-    local = plgpu.broadcasted_iota(jnp.int32, (vt, cfg.epi_cols), 0,
+    local = plgpu.broadcasted_iota(jnp.int32, (vt, epi), 0,
                                    layout=plgpu.Layout.WGMMA)
     gid = local + (off_ref[0] + start)
     valid = ((local >= first_new) & (local + start < rows_valid)
              & (gid < vocab_size))
     gid_u = gid.astype(jnp.uint32)
-    bcast = lambda x: lax.broadcast_in_dim(x, (vt, cfg.epi_cols), (1,))
-    for c0 in range(0, n, cfg.epi_cols):
-      cols = pl.ds(c0, cfg.epi_cols)
-      load = lambda i: bcast(plgpu.load(rowdata_smem.at[i, cols],
+    bcast = lambda x: lax.broadcast_in_dim(x, (vt, epi), (1,))
+
+    def chunk(c):
+      load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i],
                                         layout=col_layout))
-      l = acc[:, c0:c0 + cfg.epi_cols]
+      l = plgpu.load(acc_smem.at[c], layout=plgpu.Layout.WGMMA)
       hi, lo = noise.add_u32(load(2), load(3), gid_u)
       g = noise.gumbel(load(0), load(1), hi, lo)
       t = lax.bitcast_convert_type(load(4), jnp.float32)
       greedy = t == 0.0
-      # True division, as _core.scores: the reference divides by T.
-      s = jnp.where(greedy, l, l / jnp.where(greedy, 1.0, t) + g)
+      s = jnp.where(greedy, l, _div_rn(l, jnp.where(greedy, 1.0, t)) + g)
       s = jnp.where(valid, s, -jnp.inf)
       # max.NaN: m is NaN iff the column holds a NaN; NaN rows then win.
       m = jnp.max(s, axis=0)
       hit = valid & ((s == bcast(m)) | (s != s))
       idx = jnp.min(jnp.where(hit, gid, _INT_MAX), axis=0)
-      score_ref[tile, cols] = m
-      index_ref[tile, cols] = idx
+      score_ref[tile, c] = m
+      index_ref[tile, c] = idx
+
+    def body(it, carry):
+      for u in range(cfg.epi_unroll):
+        chunk(it * cfg.epi_unroll + u)
+      return carry
+
+    lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, 0)
 
   ignore = lambda *_, **__: None
   w_view = (w_ref.at[pl.ds(0, vt), :] if layout == "vd"
@@ -388,10 +431,11 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
   @functools.partial(
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(w_view, h_ref),
-      rowdata_smem=plgpu.SMEM((_ROWDATA, n), jnp.uint32),
+      rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_chunks, vt, epi), jnp.float32),
       rowdata_barrier=plgpu.Barrier(num_arrivals=1),
       collective_axes="wg")
-  def _scope(allocs, rowdata_smem, rowdata_barrier):
+  def _scope(allocs, rowdata_smem, acc_smem, rowdata_barrier):
     # Per-row key words, counters and temperatures, read by every epilogue:
     # GMEM loads into the column layout do not lower, SMEM ones do.
     @pl.when(lax.axis_index("wg") == 0)
@@ -415,7 +459,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
           acc = acc_ref[...]
-          _epilogue(acc, tile, start, first_new, rowdata_smem)
+          _epilogue(acc, tile, start, first_new, rowdata_smem, acc_smem)
 
       make_pipeline(mma_body, compute_context)(w_tile, h_ref,
                                                allocations=allocs)
@@ -436,15 +480,17 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   body = functools.partial(_kernel, cfg=cfg, layout=layout, n=n, dim=dim,
                            rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles)
-  out_type = (jax.ShapeDtypeStruct((n_tiles, n), jnp.float32),
-              jax.ShapeDtypeStruct((n_tiles, n), jnp.int32))
+  nc = n // cfg.epi_cols
+  out_type = (jax.ShapeDtypeStruct((n_tiles, nc, cfg.epi_cols), jnp.float32),
+              jax.ShapeDtypeStruct((n_tiles, nc, cfg.epi_cols), jnp.int32))
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           reduction_scratch_bytes=_REDUCTION_SCRATCH_BYTES,
           lowering_semantics=plgpu.LoweringSemantics.Lane))
-  return f(offset, rowdata, h, w)
+  s, i = f(offset, rowdata, h, w)
+  return s.reshape(n_tiles, n), i.reshape(n_tiles, n)
 
 
 def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None):
@@ -480,13 +526,17 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
     b1 = min(p.batch, b0 + MAX_N)
     nb = b1 - b0
     n = batch_side(nb)
-    pad = lambda x: jnp.pad(x[b0:b1], [(0, n - nb)] + [(0, 0)] * (x.ndim - 1))
     cfg = config or pick_config(n, p.hidden_dim, rows_k,
                                 jnp.dtype(p.weight.dtype).itemsize)
+    n = min(MAX_N, _round_up(n, cfg.epi_cols * cfg.epi_unroll))
+    pad = lambda x: jnp.pad(x[b0:b1], [(0, n - nb)] + [(0, 0)] * (x.ndim - 1))
     rowdata = jnp.stack([
         p.k0, p.k1, p.ctr_hi, p.ctr_lo,
         lax.bitcast_convert_type(p.temperature, jnp.uint32)])
     rowdata = jnp.pad(rowdata[:, b0:b1], [(0, _ROWDATA - 5), (0, n - nb)])
+    # [8, N] -> [nc, 8, C]: one contiguous block per epilogue chunk.
+    rowdata = rowdata.reshape(_ROWDATA, n // cfg.epi_cols, cfg.epi_cols)
+    rowdata = rowdata.transpose(1, 0, 2)
     s, i = _launch(offset, rowdata, pad(p.hidden.astype(p.weight.dtype)),
                    w, cfg=cfg, layout=p.layout, rows_valid=rows,
                    vocab_size=p.vocab_size)

@@ -71,7 +71,7 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=2,
                              epi_cols=8),
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=3,
-                             epi_cols=24),
+                             epi_cols=8, epi_unroll=3),
     mosaic_sm90.TuningConfig(tile_v=192, tile_d=64, max_concurrent_steps=1,
                              epi_cols=8),
 ]
@@ -192,7 +192,8 @@ def test_heuristic_configs_are_valid():
       for v in (64, 100, 151936):
         rows = max(64, -(-v // 8) * 8)
         cfg = mosaic_sm90.pick_config(n, d, rows)
-        cfg.check_problem(n=n, dim=d, rows=rows)
+        n_pad = -(-n // (cfg.epi_cols * cfg.epi_unroll)) * cfg.epi_cols * cfg.epi_unroll
+        cfg.check_problem(n=n_pad, dim=d, rows=rows)
 
 
 # -- config validation ---------------------------------------------------------
@@ -204,7 +205,8 @@ def test_heuristic_configs_are_valid():
     (dict(tile_d=32), "tile_d=32"),
     (dict(max_concurrent_steps=0), "max_concurrent_steps=0"),
     (dict(epi_cols=12), "epi_cols=12"),
-    (dict(epi_cols=264), "epi_cols=264"),
+    (dict(epi_cols=32), "epi_cols=32"),
+    (dict(epi_unroll=0), "epi_unroll=0"),
     (dict(num_ctas=0), "num_ctas=0"),
 ])
 def test_bad_config_raises_value_error(kw, field):
@@ -219,7 +221,7 @@ def test_config_wrong_type_raises_type_error():
 
 def test_config_problem_checks():
   cfg = mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, epi_cols=16)
-  with pytest.raises(ValueError, match="epi_cols=16 must divide"):
+  with pytest.raises(ValueError, match="epi_cols=16 x epi_unroll=1 must divide"):
     cfg.check_problem(n=24, dim=4096, rows=1024)
   with pytest.raises(ValueError, match="tile_d=128 must divide D=192"):
     cfg.check_problem(n=16, dim=192, rows=1024)
@@ -227,7 +229,7 @@ def test_config_problem_checks():
     cfg.check_problem(n=256, dim=4096, rows=1024)
   big = mosaic_sm90.TuningConfig(tile_v=128, tile_d=128,
                                  max_concurrent_steps=8, epi_cols=16)
-  with pytest.raises(ValueError, match="pipeline SMEM"):
+  with pytest.raises(ValueError, match="bytes of SMEM"):
     big.check_problem(n=128, dim=4096, rows=1024)
 
 
