@@ -10,7 +10,9 @@ present). For every (TP, B), in one process and one run:
 * ``gather``: the baseline users run today: per-GPU f32 logits of the local
   shard, ``all_gather`` to ``[B, V]`` on every GPU, ``jax.random.categorical``;
 * ``matmul``: the per-GPU local matmul ``[B, D] x [D, V/TP]`` alone (bf16 out,
-  stays sharded): what a fused sharded sampler can approach (DESIGN.md 4).
+  stays sharded): what a fused sharded sampler can approach (DESIGN.md 4);
+* ``exchange``: the candidate exchange alone: ``combine_over_axis`` of a
+  ``[B]`` (score, id) per GPU, no matmul: the collective's latency.
 
 Median wall time of many calls after warm-up (each call blocks until every
 GPU is done). Goal per B: ``fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us``
@@ -32,9 +34,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 SHAPES = {"L": (8192, 128256), "S": (4096, 151936), "smoke": (256, 4096)}
 BATCHES = (16, 64, 256)
 TPS = (1, 2, 4)
-SAMPLERS = ("fused", "gather", "matmul")
+SAMPLERS = ("fused", "gather", "matmul", "exchange")
 
 
 def parse_args(argv=None):
@@ -92,14 +92,13 @@ slug = _timing.slug
 
 
 def median_us(f, args, iters: int, warmup: int) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e6
+  """Median per-call device time: blocks of 10 async calls (benchmarks/_timing.py).
+
+  Timing each call with its own host sync would add the multi-device dispatch
+  round trip (~0.2 ms on 4 GPUs) to every sample.
+  """
+  return _timing.median_us(f, *args, warmup=warmup, reps=max(3, iters // 10),
+                           inner=10)[0]
 
 
 def samplers(mesh, temperature: float, backend: str):
@@ -124,8 +123,16 @@ def samplers(mesh, temperature: float, backend: str):
                          in_specs=(P(), P("tp", None)),
                          out_specs=P(None, "tp"))(h, w)
 
+  def exchange(h, w, k):
+    del w, k
+    def local(h):
+      score = h[:, 0].astype(jnp.float32)
+      idx = jnp.full(score.shape, jax.lax.axis_index("tp"), jnp.int32)
+      return fs.sharding.combine_over_axis(score, idx, "tp")[1]
+    return jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P())(h)
+
   return {"fused": jax.jit(fused), "gather": jax.jit(gather),
-          "matmul": jax.jit(matmul)}
+          "matmul": jax.jit(matmul), "exchange": jax.jit(exchange)}
 
 
 def resolved_backend(b, d, v_local, backend):
@@ -174,6 +181,7 @@ def main(a) -> None:
       records.append(rec)
       print(f"TP={n} B={b:4d} [{rec['backend']}]  fused {rec['fused_us']:9.1f} us  "
             f"gather {rec['gather_us']:9.1f} us  matmul {rec['matmul_us']:9.1f} us  "
+            f"exchange {rec['exchange_us']:7.1f} us  "
             f"same tokens {rec['same_tokens']:.4f}")
     del w
   for rec in records:
@@ -210,18 +218,18 @@ def markdown(meta, records) -> str:
       f"# Vocabulary-parallel sampling, shape {meta['shape']} "
       f"(D {meta['D']}, V {meta['V']}, bf16)", "",
       f"{meta['gpu']} x {meta['device_count']}, jax {meta['jax_version']}, "
-      f"{meta['date']}; median of {meta['iters']} calls, microseconds.", "",
+      f"{meta['date']}; median per call over blocks of 10 async calls ({meta["iters"]} calls), microseconds.", "",
       f"Goal: {meta['goal']}.", "",
       "| TP | B | backend | fused | gather + categorical | local matmul | "
-      "speedup vs gather | goal | meets goal | same tokens |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "exchange alone | speedup vs gather | goal | meets goal | same tokens |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in records:
     goal = f"{r['goal_us']:.1f}" if r["goal_us"] is not None else "-"
     ok = {True: "yes", False: "no", None: "-"}[r["meets_scaling_goal"]]
     lines.append(
         f"| {r['tp']} | {r['batch']} | {r['backend']} | {r['fused_us']:.1f} | "
-        f"{r['gather_us']:.1f} | {r['matmul_us']:.1f} | "
+        f"{r['gather_us']:.1f} | {r['matmul_us']:.1f} | {r['exchange_us']:.1f} | "
         f"{r['speedup_vs_gather']:.2f}x | {goal} | {ok} | {r['same_tokens']:.4f} |")
   return "\n".join(lines) + "\n"
 
