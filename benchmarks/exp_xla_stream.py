@@ -1,8 +1,9 @@
 """Experiment: how should the xla backend walk the vocabulary on a GPU?
 
 Times the streaming backend with a fori_loop over dynamic slices of W
-("loop") against static slices ("unrolled"), at two chunk sizes, next to the
-XLA baseline (dot + categorical), with each variant's compiled temp memory.
+("loop": MAX_UNROLLED=0) against unrolled static slices ordered by an
+optimization barrier ("unrolled", the default), at two chunk sizes, next to
+the XLA baseline (dot + categorical), with each variant's compiled temp memory.
 On the GPU: ``python benchmarks/exp_xla_stream.py`` (``--small`` on a CPU).
 """
 
@@ -34,11 +35,12 @@ def main():
     for mode in ("loop", "unrolled"):
       for elems in (2**20, 2**22):
         chunk = min(v, max(512, elems // b) // 128 * 128)
-        xla_backend.STREAM_MODE = mode   # read while tracing, below
+        unroll = xla_backend.MAX_UNROLLED
+        xla_backend.MAX_UNROLLED = {} if mode == "loop" else {"gpu": 32, "cpu": 32}
         f = jax.jit(lambda k, h, w, c=chunk: xla_backend.candidates(
             _validate.prepare(h, w, k), chunk=c)[1])
         compiled = f.lower(key, h, w).compile()
-        xla_backend.STREAM_MODE = "loop"
+        xla_backend.MAX_UNROLLED = unroll
         temp = compiled.memory_analysis().temp_size_in_bytes
         agree = float((compiled(key, h, w) == want).mean())
         print(json.dumps(dict(B=b, variant=f"{mode} chunk={chunk}",

@@ -15,50 +15,68 @@ from jax import lax
 from flashsample_jax import _core, controls, noise
 from flashsample_jax._validate import Problem
 
-# Elements of the [B, Vc] chunk: 2**20 f32 values (4 MiB of logits plus as
-# much of noise temporaries) keeps a chunk in L2 on a GPU and bounds memory.
-_CHUNK_ELEMENTS = 2**20
+# Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
+# logits, about as much again for the scores): measured on an H200
+# (PERF_LOG.md), 2**20 left the GEMMs too small (B=256: 1.7x slower). On a
+# CPU, where each chunk's slice of W is a copy, 2**20 keeps memory small.
+_CHUNK_ELEMENTS = {"gpu": 2**22}
+_DEFAULT_CHUNK_ELEMENTS = 2**20
 _MIN_CHUNK = 512
 
 
+def _platform() -> str:
+  return jax.default_backend()
+
+
 def chunk_size(batch: int, rows: int) -> int:
-  """Vocabulary rows per chunk: about 2**20 elements, a multiple of 128."""
-  c = max(_MIN_CHUNK, _CHUNK_ELEMENTS // max(batch, 1))
+  """Vocabulary rows per chunk: a fixed number of elements, a multiple of 128."""
+  elements = _CHUNK_ELEMENTS.get(_platform(), _DEFAULT_CHUNK_ELEMENTS)
+  c = max(_MIN_CHUNK, elements // max(batch, 1))
   c = (c // 128) * 128
   return min(c, rows)
 
 
-# How _stream walks the chunks: "loop" (lax.fori_loop with dynamic slices of
-# W) or "unrolled" (static slices, one per chunk, in program order). Chosen
-# by measurement on the GPU, see benchmarks/PERF_LOG.md.
-STREAM_MODE = "loop"
+# How _stream walks the chunks (measured on an H200, benchmarks/PERF_LOG.md):
+# on a GPU, static slices of W fuse into XLA's GEMM, while a fori_loop's
+# dynamic slice is copied out of W first (a [chunk, D] copy per step: 2.7x
+# slower at B=64). So there chunks are unrolled, each one's matmul ordered
+# after the previous chunk's result by an optimization barrier (else XLA may
+# run every chunk's matmul first and hold all their outputs at once). On a
+# CPU a static slice is a copy too and unrolling only raises memory, and past
+# MAX_UNROLLED chunks the loop keeps the program small.
+MAX_UNROLLED = {"gpu": 32}
 
 
-def _stream(p: Problem, block, combine, vc: int, mode: str | None = None):
-  """Folds ``block(w_chunk, start, width)`` over the vocabulary with ``combine``.
+def _stream(p: Problem, block, combine, vc: int):
+  """Folds ``block(hidden, w_chunk, start, width)`` over the vocabulary.
 
-  The first chunk seeds the carry (rather than constants): the carry then
-  varies over the same shard_map axes as the data, which
-  shard_map(check_vma=True) requires of a loop.
+  The first chunk seeds the state (rather than constants): in the loop form
+  the carry then varies over the same shard_map axes as the data, which
+  shard_map(check_vma=True) requires.
   """
   rows = p.weight_rows
   axis = 0 if p.layout == "vd" else 1
   n_full = rows // vc
-  state = block(lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
-  if (mode or STREAM_MODE) == "unrolled":
+  state = block(p.hidden, lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
+
+  def step(state, w, start, width):
+    hidden, state = lax.optimization_barrier((p.hidden, state))
+    return combine(state, block(hidden, w, start, width))
+
+  if n_full <= MAX_UNROLLED.get(_platform(), 0):
     for i in range(1, n_full):
       w = lax.slice_in_dim(p.weight, i * vc, (i + 1) * vc, axis=axis)
-      state = combine(state, block(w, i * vc, vc))
-  elif n_full > 1:
+      state = step(state, w, i * vc, vc)
+  else:
     def body(i, state):
       start = i * vc
       w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
-      return combine(state, block(w, start, vc))
+      return combine(state, block(p.hidden, w, start, vc))
     state = lax.fori_loop(1, n_full, body, state)
   tail = rows - n_full * vc
   if tail:
     w = lax.slice_in_dim(p.weight, n_full * vc, rows, axis=axis)
-    state = combine(state, block(w, n_full * vc, tail))
+    state = step(state, w, n_full * vc, tail)
   return state
 
 
@@ -74,9 +92,9 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
   vc = min(chunk or chunk_size(p.batch, p.weight_rows), p.weight_rows)
   offset = jnp.asarray(vocab_offset, jnp.int32)
 
-  def block(w, start, width):
+  def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    l = _core.logits(p.hidden, w, p.layout)
+    l = _core.logits(hidden, w, p.layout)
     s = _core.scores(l, gid, p.k0, p.k1, p.ctr_hi, p.ctr_lo, p.temperature,
                      p.vocab_size)
     return _core.row_best(s, gid)
@@ -210,9 +228,9 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
   m = min(CANDIDATES, p.weight_rows)
 
-  def block(w, start, width):
+  def block(hidden, w, start, width):
     gid = start + lax.iota(jnp.int32, width)
-    x = controls.transform(_core.logits(p.hidden, w, p.layout), gid, c, p.vocab_size)
+    x = controls.transform(_core.logits(hidden, w, p.layout), gid, c, p.vocab_size)
     t = _tempered(p, x)
     best = []
     for s in range(samples):
