@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from flashsample_jax import _validate, controls as _controls, xla_backend
 
-# Every backend name, in the order ``backend="auto"`` tries them. Tests and
-# benchmarks iterate over this tuple.
+# Every backend name (``auto_order`` says in which order "auto" tries them).
+# Tests and benchmarks iterate over this tuple.
 Backend = Literal["mosaic", "xla"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
@@ -105,6 +105,7 @@ def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
   if not c.active:
     _, token = _candidates(backend, p)
     return token
+  # Only the xla backend implements controls (mosaic declines them).
   tokens, out, _ = xla_backend.sample_with_controls(p, c)
   if c.allowed_mask is not None:
     empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
@@ -204,7 +205,12 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
   name = resolve_backend(backend, p, c)
   if p.batch == 0:
-    return jnp.zeros((0,), jnp.int32)
+    shape = (0,) if num_samples is None else (num_samples, 0)
+    tokens = jnp.zeros(shape, jnp.int32)
+    if return_logprobs:
+      empty = jnp.zeros(shape, jnp.float32)
+      return _controls.SampleOutput(tokens, empty, empty, empty)
+    return tokens
   if isinstance(temperature, (int, float)):
     temperature = jnp.float32(temperature)
   return _sample(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,

@@ -79,3 +79,5 @@ def test_traced_invalid_temperature_is_not_checked_and_matches_reference():
 def test_empty_batch():
   out = fs.sample(H[:0], W, KEY)
   assert out.shape == (0,) and out.dtype == jnp.int32
+  out = fs.sample(H[:0], W, KEY, num_samples=3, return_logprobs=True)
+  assert out.tokens.shape == (3, 0) and out.logprob.shape == (3, 0)
