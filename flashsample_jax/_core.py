@@ -79,3 +79,27 @@ def row_best(s, gid):
   j = jnp.argmax(s, axis=1)  # first max, first NaN: the combine rule
   best = jnp.take_along_axis(s, j[:, None], axis=1)[:, 0]
   return best, jnp.broadcast_to(gid, s.shape[-1:])[j].astype(jnp.int32)
+
+
+def _varying_axes(x) -> frozenset:
+  """Mesh axes ``x`` is typed as varying over (empty without check_vma)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)   # jax >= 0.10
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def all_gather_invariant(x, axes: tuple[str, ...]):
+  """``all_gather`` of ``x`` over mesh ``axes`` into a new leading axis.
+
+  Inside ``shard_map``; the result is typed as replicated over ``axes``
+  (``to="invarying"``), so ``out_specs`` may leave them out. With
+  ``check_vma=True`` a value not yet varying over an axis is first cast to
+  varying (all_gather needs that); ``check_vma=False`` tracks no variance.
+  """
+  vma = _varying_axes(x)
+  missing = tuple(a for a in axes if a not in vma)
+  if vma and missing:
+    x = lax.pcast(x, missing, to="varying")
+  return lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=0, to="invarying")

@@ -73,8 +73,22 @@ def resolve_backend(backend: str, p: _validate.Problem,
   raise AssertionError("the xla backend supports every valid problem")
 
 
+def _problem(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
+             num_samples, return_logprobs, vocab_axes=None, batch_axes=None):
+  """Validated ``(Problem, Controls)``; with mesh axes, this shard's part."""
+  from flashsample_jax import sharding
+  p = sharding.shard_problem(hidden, weight, key, temperature,
+                             weight_layout=weight_layout, vocab_size=vocab_size,
+                             vocab_axes=vocab_axes, batch_axes=batch_axes)
+  c = _controls.prepare_controls(
+      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows * p.vocab_shards,
+      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+  return p, c
+
+
 def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
-                  weight_layout="vd", vocab_size=None, **controls):
+                  weight_layout="vd", vocab_size=None, num_samples=None,
+                  return_logprobs=False, **controls):
   """The backend :func:`sample` would run these arguments on, here.
 
   Args: as :func:`sample` (controls such as ``top_k`` included).
@@ -85,28 +99,33 @@ def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
   Raises:
     What :func:`sample` raises for these arguments.
   """
-  p = _validate.prepare(hidden, weight, key, temperature=temperature,
-                        weight_layout=weight_layout, vocab_size=vocab_size)
-  c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
-                                 rows=p.weight_rows, **controls)
+  p, c = _problem(hidden, weight, key, temperature, controls,
+                  weight_layout=weight_layout, vocab_size=vocab_size,
+                  num_samples=num_samples, return_logprobs=return_logprobs)
   return resolve_backend(backend, p, c)
 
 
 @functools.partial(
     jax.jit, static_argnames=("weight_layout", "vocab_size", "backend",
-                              "num_samples", "return_logprobs"))
+                              "num_samples", "return_logprobs", "vocab_axes",
+                              "batch_axes"))
 def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
-            backend, num_samples, return_logprobs):
-  p = _validate.prepare(hidden, weight, key, temperature=temperature,
-                        weight_layout=weight_layout, vocab_size=vocab_size)
-  c = _controls.prepare_controls(
-      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
-      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+            backend, num_samples, return_logprobs, vocab_axes, batch_axes):
+  from flashsample_jax import sharding
+  p, c = _problem(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
+                  vocab_size=vocab_size, num_samples=num_samples,
+                  return_logprobs=return_logprobs, vocab_axes=vocab_axes,
+                  batch_axes=batch_axes)
+  offset = sharding.vocab_offset(p, vocab_axes)
   if not c.active:
-    _, token = _candidates(backend, p)
+    score, token = _candidates(backend, p, vocab_offset=offset)
+    if vocab_axes:
+      score, token = sharding.combine_over_axis(score, token, vocab_axes)
     return token
   # Only the xla backend implements controls (mosaic declines them).
-  tokens, out, _ = xla_backend.sample_with_controls(p, c)
+  tokens, out, _ = xla_backend.sample_with_controls(
+      p, c, vocab_offset=offset, axis=vocab_axes,
+      global_batch=p.batch * sharding.axes_size(batch_axes))
   if c.allowed_mask is not None:
     empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
     tokens = jnp.where(empty, -1, tokens)
@@ -187,22 +206,14 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     NotImplementedError: the named backend cannot run these arguments on this
       device (``"auto"`` then picks another).
   """
+  from flashsample_jax import sharding
   ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
              allowed_mask=allowed_mask, softcap=softcap)
-  if vocab_axis is not None or batch_axis is not None:
-    if any(v is not None for v in ctl.values()) or num_samples or return_logprobs:
-      raise NotImplementedError(
-          "sampling controls are not supported with vocab_axis/batch_axis yet")
-    from flashsample_jax import sharding
-    return sharding.sample_in_shard_map(
-        hidden, weight, key, temperature=temperature,
-        weight_layout=weight_layout, vocab_size=vocab_size, backend=backend,
-        vocab_axis=vocab_axis, batch_axis=batch_axis)
-  p = _validate.prepare(hidden, weight, key, temperature=temperature,
-                        weight_layout=weight_layout, vocab_size=vocab_size)
-  c = _controls.prepare_controls(
-      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
-      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+  vocab_axes, batch_axes = sharding.check_axes(vocab_axis, batch_axis)
+  p, c = _problem(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
+                  vocab_size=vocab_size, num_samples=num_samples,
+                  return_logprobs=return_logprobs, vocab_axes=vocab_axes,
+                  batch_axes=batch_axes)
   name = resolve_backend(backend, p, c)
   if p.batch == 0:
     shape = (0,) if num_samples is None else (num_samples, 0)
@@ -215,4 +226,5 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     temperature = jnp.float32(temperature)
   return _sample(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
                  vocab_size=vocab_size, backend=name, num_samples=num_samples,
-                 return_logprobs=return_logprobs)
+                 return_logprobs=return_logprobs, vocab_axes=vocab_axes,
+                 batch_axes=batch_axes)

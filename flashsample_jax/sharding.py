@@ -97,15 +97,6 @@ def _shard_index(axes: tuple[str, ...]):
   return lax.axis_index(axes if len(axes) > 1 else axes[0])
 
 
-def _varying_axes(x) -> frozenset:
-  """Mesh axes ``x`` is typed as varying over (empty without check_vma)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)   # jax >= 0.10
-  if mat is not None and hasattr(mat, "varying"):
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
 def combine_over_axis(score, index, axis_name: AxisName):
   """Combines per-shard ``(score, id)`` candidates across a mesh axis.
 
@@ -123,41 +114,35 @@ def combine_over_axis(score, index, axis_name: AxisName):
     replicated over ``axis_name``.
   """
   axes = _axes("axis_name", axis_name)
-  name = axes if len(axes) > 1 else axes[0]
   packed = jnp.stack(
       [lax.bitcast_convert_type(score.astype(jnp.float32), jnp.int32),
        index.astype(jnp.int32)], axis=-1)                       # [B, 2]
-  # all_gather(to="invarying") needs a value that varies over the axis; a
-  # shard_map with check_vma=False tracks no variance at all.
-  vma = _varying_axes(packed)
-  missing = tuple(a for a in axes if a not in vma)
-  if vma and missing:
-    packed = lax.pcast(packed, missing, to="varying")
-  gathered = lax.all_gather(packed, name, axis=0, to="invarying")  # [n, B, 2]
+  gathered = _core.all_gather_invariant(packed, axes)          # [n, B, 2]
   scores = lax.bitcast_convert_type(gathered[..., 0], jnp.float32)
   return _core.reduce_candidates(scores, gathered[..., 1], axis=0)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("weight_layout", "vocab_size", "backend",
-                              "vocab_axes", "batch_axes"))
-def _sample_local(hidden, weight, key, temperature, *, weight_layout, vocab_size,
-                  backend, vocab_axes, batch_axes):
-  from flashsample_jax import api
-  p = _problem(hidden, weight, key, temperature, weight_layout=weight_layout,
-               vocab_size=vocab_size, vocab_axes=vocab_axes,
-               batch_axes=batch_axes)
-  offset = 0
-  if vocab_axes:
-    offset = _shard_index(vocab_axes) * p.weight_rows
-  score, token = api._candidates(backend, p, vocab_offset=offset)
-  if vocab_axes:
-    score, token = combine_over_axis(score, token, vocab_axes)
-  return token
+def check_axes(vocab_axis, batch_axis):
+  """``(vocab_axes, batch_axes)`` as tuples of names (or None); checks them."""
+  vocab_axes = _axes("vocab_axis", vocab_axis)
+  batch_axes = _axes("batch_axis", batch_axis)
+  _check_disjoint(vocab_axes, batch_axes)
+  return vocab_axes, batch_axes
 
 
-def _problem(hidden, weight, key, temperature, *, weight_layout, vocab_size,
-             vocab_axes, batch_axes) -> _validate.Problem:
+def axes_size(axes) -> int:
+  """Size of the bound mesh ``axes`` (1 for None)."""
+  return _bound_size("axis", axes) if axes else 1
+
+
+def vocab_offset(p: _validate.Problem, vocab_axes):
+  """Global vocabulary id of this shard's first weight row (0 unsharded)."""
+  return _shard_index(vocab_axes) * p.weight_rows if vocab_axes else 0
+
+
+def shard_problem(hidden, weight, key, temperature, *, weight_layout, vocab_size,
+                  vocab_axes, batch_axes) -> _validate.Problem:
+  """The validated problem of this shard (the whole problem without axes)."""
   shards = _bound_size("vocab_axis", vocab_axes) if vocab_axes else 1
   row_offset = 0
   if batch_axes:
@@ -166,29 +151,6 @@ def _problem(hidden, weight, key, temperature, *, weight_layout, vocab_size,
   return _validate.prepare(hidden, weight, key, temperature=temperature,
                            weight_layout=weight_layout, vocab_size=vocab_size,
                            vocab_shards=shards, row_offset=row_offset)
-
-
-def sample_in_shard_map(hidden, weight, key, *, temperature, weight_layout,
-                        vocab_size, backend, vocab_axis, batch_axis):
-  """``sample()`` with ``vocab_axis``/``batch_axis``: the per-shard program.
-
-  Internal; :func:`flashsample_jax.sample` documents the arguments.
-  """
-  from flashsample_jax import api
-  vocab_axes = _axes("vocab_axis", vocab_axis)
-  batch_axes = _axes("batch_axis", batch_axis)
-  _check_disjoint(vocab_axes, batch_axes)
-  p = _problem(hidden, weight, key, temperature, weight_layout=weight_layout,
-               vocab_size=vocab_size, vocab_axes=vocab_axes,
-               batch_axes=batch_axes)
-  name = api.resolve_backend(backend, p)
-  if p.batch == 0:
-    return jnp.zeros((0,), jnp.int32)
-  if isinstance(temperature, (int, float)):
-    temperature = jnp.float32(temperature)
-  return _sample_local(hidden, weight, key, temperature,
-                       weight_layout=weight_layout, vocab_size=vocab_size,
-                       backend=name, vocab_axes=vocab_axes, batch_axes=batch_axes)
 
 
 # -- the convenience path: global arrays and a mesh ---------------------------
@@ -232,25 +194,45 @@ def _spec(axes: tuple[str, ...] | None):
   return axes if len(axes) > 1 else axes[0]
 
 
+def _control_spec(name: str, value, bspec):
+  """How a control array is laid out over the mesh (None: not an array)."""
+  if not hasattr(value, "ndim"):
+    return None
+  if name == "allowed_mask":
+    return P(bspec, None)
+  if name in ("top_k", "top_p", "min_p") and value.ndim == 1:
+    return P(bspec)
+  return P()
+
+
 @functools.partial(
     jax.jit, static_argnames=("mesh", "weight_layout", "vocab_size", "backend",
-                              "vocab_axes", "batch_axes"))
-def _sample_sharded(hidden, weight, key, temperature, *, mesh, weight_layout,
-                    vocab_size, backend, vocab_axes, batch_axes):
+                              "vocab_axes", "batch_axes", "statics"))
+def _sample_sharded(hidden, weight, key, temperature, arrays, *, mesh, weight_layout,
+                    vocab_size, backend, vocab_axes, batch_axes, statics):
   from flashsample_jax import api
   bspec, vspec = _spec(batch_axes), _spec(vocab_axes)
   w_spec = P(vspec, None) if weight_layout == "vd" else P(None, vspec)
   h_spec = P(bspec, None)
   k_spec = P(bspec) if _per_row_key(key) else P()
   t_spec = P(bspec) if temperature.ndim == 1 else P()
+  a_spec = {n: _control_spec(n, a, bspec) for n, a in arrays.items()}
   place = _placer(mesh, (vocab_axes or ()) + (batch_axes or ()))
   args = (place(hidden, h_spec), place(weight, w_spec), place(key, k_spec),
-          place(temperature, t_spec))
+          place(temperature, t_spec),
+          {n: place(a, a_spec[n]) for n, a in arrays.items()})
+  kw = dict(statics)
+  s = kw.get("num_samples")
+  tok_spec = P(bspec) if s is None else P(None, bspec)
+  out_spec = tok_spec
+  if kw.get("return_logprobs"):
+    from flashsample_jax.controls import SampleOutput
+    out_spec = SampleOutput(tok_spec, tok_spec, tok_spec, tok_spec)
 
-  def per_shard(h, w, k, t):
+  def per_shard(h, w, k, t, arrays):
     return api.sample(h, w, k, temperature=t, weight_layout=weight_layout,
                       vocab_size=vocab_size, backend=backend,
-                      vocab_axis=vocab_axes, batch_axis=batch_axes)
+                      vocab_axis=vocab_axes, batch_axis=batch_axes, **arrays, **kw)
 
   # check_vma=False: the xla backend is vma-clean (tested with
   # check_vma=True inside a user's shard_map), but a pallas_call's outputs
@@ -258,8 +240,8 @@ def _sample_sharded(hidden, weight, key, temperature, *, mesh, weight_layout,
   # holds by construction (every shard reduces the same gathered
   # candidates), and tests check it.
   return jax.shard_map(per_shard, mesh=mesh,
-                       in_specs=(h_spec, w_spec, k_spec, t_spec),
-                       out_specs=P(bspec), check_vma=False)(*args)
+                       in_specs=(h_spec, w_spec, k_spec, t_spec, a_spec),
+                       out_specs=out_spec, check_vma=False)(*args)
 
 
 def _per_row_key(key) -> bool:
@@ -270,7 +252,8 @@ def _per_row_key(key) -> bool:
 
 def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
                    batch_axis: AxisName | None = None, temperature=1.0,
-                   weight_layout="vd", vocab_size=None, backend="auto"):
+                   weight_layout="vd", vocab_size=None, backend="auto",
+                   **controls):
   """:func:`flashsample_jax.sample` over a vocabulary-sharded LM head.
 
   For callers that do not write ``shard_map``: pass the GLOBAL arrays (jitted
@@ -303,9 +286,14 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
       rows. Default: ``V``.
     backend: ``"auto"`` or one of :data:`flashsample_jax.BACKENDS`; runs on
       each shard.
+    **controls: the sampling controls of :func:`flashsample_jax.sample`
+      (``top_k``, ``top_p``, ``min_p``, ``logit_bias``, ``allowed_mask``,
+      ``softcap``, ``num_samples``, ``return_logprobs``); per-row ones are
+      split with the batch.
 
   Returns:
-    int32 token ids ``[B]``, sharded over ``batch_axis`` and replicated over
+    As :func:`flashsample_jax.sample`: int32 token ids ``[B]`` (``[S, B]``,
+    or a ``SampleOutput``), sharded over ``batch_axis`` and replicated over
     ``vocab_axis``.
 
   Raises:
@@ -328,6 +316,9 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
   p = _validate.prepare(hidden, weight, key, temperature=temperature,
                         weight_layout=weight_layout, vocab_size=vocab_size)
   _validate.check_backend_name(backend, _backend_names())
+  from flashsample_jax import controls as _controls
+  _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                             rows=p.weight_rows, **controls)
   if p.weight_rows % n_vocab:
     dim = 0 if weight_layout == "vd" else 1
     raise ValueError(
@@ -340,14 +331,20 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
         f"hidden.shape={tuple(hidden.shape)}: B={p.batch} must be divisible by "
         f"the size {n_batch} of batch_axis={batch_axis!r}")
   if p.batch == 0:
-    return jnp.zeros((0,), jnp.int32)
+    from flashsample_jax import api
+    return api.sample(hidden, weight, key, temperature=temperature,
+                      weight_layout=weight_layout, vocab_size=vocab_size,
+                      backend=backend, **controls)
   if isinstance(temperature, (int, float)):
     temperature = jnp.float32(temperature)
   temperature = jnp.asarray(temperature)
-  return _sample_sharded(hidden, weight, key, temperature, mesh=mesh,
+  arrays = {n: v for n, v in controls.items() if hasattr(v, "ndim")}
+  statics = tuple(sorted((n, v) for n, v in controls.items()
+                         if n not in arrays and v is not None))
+  return _sample_sharded(hidden, weight, key, temperature, arrays, mesh=mesh,
                          weight_layout=weight_layout, vocab_size=p.vocab_size,
                          backend=backend, vocab_axes=vocab_axes,
-                         batch_axes=batch_axes)
+                         batch_axes=batch_axes, statics=statics)
 
 
 def _backend_names() -> tuple[str, ...]:

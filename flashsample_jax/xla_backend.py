@@ -110,17 +110,19 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 CANDIDATES = 128
 
 
-def _sample_counters(p: Problem, s: int):
+def _sample_counters(p: Problem, s: int, global_batch: int):
   """Base noise counters ``(hi, lo) [B]`` of sample ``s`` (DESIGN.md section 1).
 
-  Scalar key: ``(s * B + row) * vocab_size``; per-row keys: ``s * vocab_size``.
+  Scalar key: ``(s * B + row) * vocab_size`` with ``B`` the global batch and
+  ``row`` the global row; per-row keys: ``s * vocab_size``.
   """
   if s == 0:
     return p.ctr_hi, p.ctr_lo
   if p.per_row_keys:
     hi, lo = noise.mul_u32_wide(jnp.uint32(s), jnp.uint32(p.vocab_size))
     return jnp.broadcast_to(hi, (p.batch,)), jnp.broadcast_to(lo, (p.batch,))
-  rows = jnp.arange(p.batch, dtype=jnp.uint32) + jnp.uint32(s * p.batch)
+  rows = (jnp.arange(p.batch, dtype=jnp.uint32) + jnp.asarray(p.row_offset, jnp.uint32)
+          + jnp.uint32(s * global_batch))
   return noise.mul_u32_wide(rows, jnp.uint32(p.vocab_size))
 
 
@@ -129,9 +131,9 @@ def _tempered(p: Problem, x):
   return x / jnp.where(t == 0, 1.0, t)          # greedy rows: T = 1
 
 
-def _perturbed(p: Problem, x, t, gid, s: int):
+def _perturbed(p: Problem, x, t, gid, s: int, global_batch: int):
   """Scores whose argmax is sample ``s``: ``t + g`` (greedy rows: ``x``)."""
-  hi, lo = _sample_counters(p, s)
+  hi, lo = _sample_counters(p, s, global_batch)
   hi, lo = noise.add_u32(hi[:, None], lo[:, None], gid.astype(jnp.uint32))
   g = noise.gumbel(p.k0[:, None], p.k1[:, None], hi, lo)
   return jnp.where(p.temperature[:, None] == 0, x, t + g)
@@ -210,7 +212,9 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
   return keep, certified, active
 
 
-def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None = None):
+def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None = None,
+                         vocab_offset=0, axis: tuple[str, ...] | None = None,
+                         global_batch: int | None = None):
   """Tokens ``[S, B]`` (and log-probabilities) with sampling controls.
 
   One streaming pass over the vocabulary keeps, per row: the best perturbed
@@ -221,20 +225,33 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   certify (a nucleus wider than M ids, say) falls back to an exact
   materialized path; ``lax.cond`` skips it when no row needs it.
 
+  With ``axis`` (inside ``shard_map``, ``weight`` being the vocabulary shard
+  whose first row has global id ``vocab_offset``), the per-shard states are
+  all-gathered over ``axis`` (O(B * CANDIDATES) bytes) and merged, so every
+  shard decides the same tokens; the rare fallback gathers the full logits.
+  ``global_batch`` is the batch of the whole data-parallel group (scalar keys
+  count rows across it); default ``p.batch``.
+
   Returns:
     ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``.
   """
   samples = c.samples
+  global_batch = global_batch or p.batch
   vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
-  m = min(CANDIDATES, p.weight_rows)
+  total_rows = p.weight_rows * p.vocab_shards
+  # Lists are padded to M entries when a shard has fewer rows, so that
+  # shards' lists merge with one shape.
+  m = min(CANDIDATES, total_rows)
+  offset = jnp.asarray(vocab_offset, jnp.int32)
+  perturbed = lambda x, t, gid, s: _perturbed(p, x, t, gid, s, global_batch)
 
   def block(hidden, w, start, width):
-    gid = start + lax.iota(jnp.int32, width)
+    gid = offset + start + lax.iota(jnp.int32, width)
     x = controls.transform(_core.logits(hidden, w, p.layout), gid, c, p.vocab_size)
     t = _tempered(p, x)
     best = []
     for s in range(samples):
-      sc = _perturbed(p, x, t, gid, s)
+      sc = perturbed(x, t, gid, s)
       j = jnp.argmax(sc, axis=1)
       pick = lambda a: jnp.take_along_axis(a, j[:, None], axis=1)[:, 0]
       best.append((pick(sc), gid[j], pick(t)))
@@ -263,6 +280,12 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
     return out
 
   st = _stream(p, block, combine, vc)
+  if axis:
+    parts = jax.tree.map(lambda a: _core.all_gather_invariant(a, axis), st)
+    n = jax.tree.leaves(parts)[0].shape[0]
+    st = jax.tree.map(lambda a: a[0], parts)
+    for i in range(1, n):       # shard order = id order: ties keep lower ids
+      st = combine(st, jax.tree.map(lambda a, i=i: a[i], parts))
   tokens = jnp.stack([i for _, i, _ in st["best"]])          # [S, B]
   t_tok = jnp.stack([t for _, _, t in st["best"]])
   lse_all = st["lse"][0] + jnp.log(st["lse"][1])
@@ -270,14 +293,14 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   fallback = jnp.zeros((p.batch,), bool)
   if c.truncates:
     cand_t, cand_i = st["cand"]
-    complete = (m >= p.weight_rows) | (cand_t[:, -1] == -jnp.inf)
+    complete = (m >= total_rows) | (cand_t[:, -1] == -jnp.inf)
     keep, certified, active = _certify(p, c, cand_t, st["lse"], complete)
     kept_t = jnp.where(keep, cand_t, -jnp.inf)
     sampled = p.temperature != 0
     use = active & sampled & (st["lse"][0] > -jnp.inf)
     new_tok, new_t = [], []
     for s in range(samples):
-      sc = _perturbed(p, kept_t, kept_t, cand_i, s)
+      sc = perturbed(kept_t, kept_t, cand_i, s)
       j = jnp.argmax(sc, axis=1)
       new_tok.append(jnp.take_along_axis(cand_i, j[:, None], axis=1)[:, 0])
       new_t.append(jnp.take_along_axis(cand_t, j[:, None], axis=1)[:, 0])
@@ -287,7 +310,8 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
     fallback = ~certified
     tokens, t_tok, lse_kept = lax.cond(
         jnp.any(fallback),
-        lambda: _materialized(p, c, fallback, tokens, t_tok, lse_kept),
+        lambda: _materialized(p, c, fallback, tokens, t_tok, lse_kept,
+                              perturbed, axis),
         lambda: (tokens, t_tok, lse_kept))
   out = None
   if c.return_logprobs:
@@ -297,17 +321,20 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   return tokens, out, fallback
 
 
-def _materialized(p: Problem, c: controls.Controls, rows, tokens, t_tok, lse_kept):
+def _materialized(p: Problem, c: controls.Controls, rows, tokens, t_tok, lse_kept,
+                 perturbed, axis):
   """The exact path for ``rows``: full logits, :func:`controls.keep_mask`."""
-  gid = lax.iota(jnp.int32, p.weight_rows)
-  x = controls.transform(_core.logits(p.hidden, p.weight, p.layout), gid, c,
-                         p.vocab_size)[:, :p.vocab_size]
+  l = _core.logits(p.hidden, p.weight, p.layout)                 # [B, local rows]
+  if axis:   # every shard's logits, in global id order
+    l = jnp.moveaxis(_core.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
+  gid = lax.iota(jnp.int32, l.shape[1])
+  x = controls.transform(l, gid, c, p.vocab_size)[:, :p.vocab_size]
   gid = gid[:p.vocab_size]
   t = _tempered(p, x)
   kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
   new_tok, new_t = [], []
   for s in range(c.samples):
-    sc = _perturbed(p, x, kept, gid, s)
+    sc = perturbed(x, kept, gid, s)
     j = jnp.argmax(sc, axis=1)
     new_tok.append(j.astype(jnp.int32))
     new_t.append(jnp.take_along_axis(t, j[:, None], axis=1)[:, 0])

@@ -409,3 +409,96 @@ def test_two_processes_match_one_process(tmp_path):
         weight_layout=case["layout"], vocab_size=case["vocab_size"])
     np.testing.assert_array_equal(np.asarray(got[case["name"]]), want,
                                   err_msg=case["name"])
+
+
+# -- sampling controls on sharded heads ------------------------------------------
+
+_CB, _CD, _CV = 16, 64, 1024
+_R = np.random.default_rng(7)
+_CONTROLS = {
+    "truncation": dict(top_k=jnp.asarray(_R.integers(0, 40, _CB), jnp.int32),
+                       top_p=0.8, min_p=0.02),
+    "transforms": dict(softcap=6.0,
+                       logit_bias=jnp.asarray(_R.integers(-3, 4, _CV), jnp.float32),
+                       allowed_mask=jnp.asarray(_R.integers(0, 2**32, (_CB, _CV // 32),
+                                                            dtype=np.uint32))),
+    "samples_logprobs": dict(top_k=20, num_samples=3, return_logprobs=True),
+}
+
+
+def _controls_in_shard_map(h, w, key, t, mesh, ctl, *, batch_axis=None):
+  """Each vocab shard's output of sample(..., **ctl) in a user's shard_map."""
+  arrays = {n: v for n, v in ctl.items() if hasattr(v, "ndim")}
+  statics = {n: v for n, v in ctl.items() if n not in arrays}
+  specs = {n: (P(batch_axis, None) if n == "allowed_mask" else
+               P(batch_axis) if n in ("top_k", "top_p", "min_p") else P())
+           for n in arrays}
+
+  def f(h, w, k, t, arrays):
+    out = fs.sample(h, w, k, temperature=t, vocab_axis="tp", batch_axis=batch_axis,
+                    **arrays, **statics)
+    return jax.tree.map(lambda a: a[None], out)
+
+  s = statics.get("num_samples")
+  tok = P("tp", batch_axis) if s is None else P("tp", None, batch_axis)
+  out = fs.SampleOutput(tok, tok, tok, tok) if statics.get("return_logprobs") else tok
+  per_row = key.ndim == 1
+  sm = jax.shard_map(f, mesh=mesh,
+                     in_specs=(P(batch_axis, None), P("tp", None),
+                               P(batch_axis) if per_row else P(), P(batch_axis), specs),
+                     out_specs=out)
+  return jax.jit(sm)(h, w, key, t, arrays)
+
+
+def _check_controls(got, want):
+  """``got``: per-shard outputs (leading axis = vocab shard)."""
+  if isinstance(want, fs.SampleOutput):
+    for shard in range(got.tokens.shape[0]):
+      np.testing.assert_array_equal(got.tokens[shard], want.tokens)
+      np.testing.assert_allclose(got.logprob[shard], want.logprob, rtol=2e-5, atol=2e-5)
+      np.testing.assert_allclose(got.logprob_truncated[shard], want.logprob_truncated,
+                                 rtol=2e-5, atol=2e-5)
+  else:
+    for shard in np.asarray(got):
+      np.testing.assert_array_equal(shard, want)
+
+
+@pytest.mark.parametrize("case", sorted(_CONTROLS))
+@pytest.mark.parametrize("key_kind", ["scalar", "row"])
+def test_controls_same_on_1_2_4_8_shards(case, key_kind):
+  h, w = inputs.exact_inputs(_CB, _CD, _CV, scale=1, seed=8)
+  t = inputs.pow2_temperatures(_CB, greedy_every=5, seed=8) * 4
+  key = keys_for(key_kind, _CB, seed=8)
+  ctl = _CONTROLS[case]
+  want = fs.reference.sample(h, w, key, temperature=t, **ctl)
+  for n in (1, 2, 4, 8):
+    _check_controls(_controls_in_shard_map(h, w, key, t, make_mesh(1, n), ctl), want)
+
+
+def test_controls_on_dp_x_tp_mesh_and_fallback(monkeypatch):
+  # Scalar key with num_samples on a 2x4 mesh: counters use the global batch.
+  # 4 candidates force most truncated rows through the gathered fallback.
+  from flashsample_jax import xla_backend
+  monkeypatch.setattr(xla_backend, "CANDIDATES", 4)
+  h, w = inputs.exact_inputs(_CB, _CD, _CV, scale=1, seed=9)
+  t = inputs.pow2_temperatures(_CB, seed=9) * 4
+  key = jax.random.key(9)
+  ctl = dict(top_k=30, top_p=0.7, num_samples=2)
+  want = np.asarray(fs.reference.sample(h, w, key, temperature=t, **ctl))
+  got = _controls_in_shard_map(h, w, key, t, make_mesh(2, 4), ctl, batch_axis="dp")
+  _check_controls(got, want)
+
+
+def test_sample_sharded_passes_controls():
+  h, w = inputs.exact_inputs(_CB, _CD, _CV, scale=1, seed=10)
+  t = inputs.pow2_temperatures(_CB, seed=10) * 4
+  key = inputs.row_keys(_CB, seed=10)
+  ctl = dict(top_k=jnp.full((_CB,), 25, jnp.int32), top_p=0.9,
+             allowed_mask=_CONTROLS["transforms"]["allowed_mask"], num_samples=2,
+             return_logprobs=True)
+  want = fs.reference.sample(h, w, key, temperature=t, **ctl)
+  mesh = make_mesh(2, 4)
+  got = fs.sample_sharded(h, jax.device_put(w, NamedSharding(mesh, P("tp", None))), key,
+                          mesh=mesh, vocab_axis="tp", batch_axis="dp", temperature=t,
+                          **ctl)
+  _check_controls(jax.tree.map(lambda a: np.asarray(a)[None], got), want)
