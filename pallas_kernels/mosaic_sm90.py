@@ -18,8 +18,10 @@ kernel body (:func:`_kernel`), the launcher (:func:`_launch` and the public
 Design choices and the measurements behind them are in DESIGN.md section 3
 and ``benchmarks/PERF_LOG.md``; the two traps it lists shape this kernel:
 
-* one compute warpgroup per CTA, so the cross-warp column reductions (whose
-  SMEM scratch sits at one fixed offset) never race (trap 1);
+* two compute warpgroups per CTA (each 64 rows of the vocabulary tile); their
+  cross-warp column reductions use per-warpgroup SMEM scratch through
+  ``plgpu.inline_mgpu`` (:func:`_col_reduce`), because ``jnp.max``'s scratch
+  sits at one fixed offset and races between warpgroups (trap 1);
 * every step waits for its wgmma (``wgmma_wait(0)``, no ``delay_release``):
   see trap 2 and the comment in ``mma_body``.
 """
@@ -61,7 +63,9 @@ _SWIZZLE = 128
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # H100/H200 allow 227 KiB of dynamic SMEM per block; keep room for the
 # reduction scratch and barriers.
-_SMEM_BUDGET = 200 * 1024
+_SMEM_BUDGET = 212 * 1024
+# Widest epilogue pass (columns of the accumulator copied to SMEM at once).
+_MAX_PASS_COLS = 64
 _REDUCTION_SCRATCH_BYTES = 2 * 128 * 6 * 4  # CompilerParams' suggested value
 _INT_MAX = np.iinfo(np.int32).max
 # Noise elements per thread in one epilogue chunk (see pick_config).
@@ -98,6 +102,12 @@ class TuningConfig:
     epi_unroll: chunks per iteration of the epilogue loop (more independent
       work per thread, more code).
     num_ctas: CTAs of the persistent grid; None means one per SM.
+    compute_wgs: compute warpgroups per CTA (1 or 2). With 2, each owns
+      ``tile_v / 2`` rows of the vocabulary tile (its own wgmma accumulator,
+      epilogue and candidates): twice the warps for the noise epilogue.
+    epi_passes: the accumulator goes to SMEM in this many column passes
+      (each followed by its epilogue loop), so that the SMEM copy is
+      ``tile_v * N / epi_passes`` f32 and leaves room for pipeline slots.
   """
 
   tile_v: int = 128
@@ -106,6 +116,8 @@ class TuningConfig:
   epi_cols: int = 16
   epi_unroll: int = 1
   num_ctas: int | None = None
+  compute_wgs: int = 1
+  epi_passes: int = 1
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -113,11 +125,20 @@ class TuningConfig:
     num_ctas = self.num_ctas
     for name, v in (("tile_v", tile_v), ("tile_d", tile_d),
                     ("max_concurrent_steps", max_concurrent_steps),
-                    ("epi_cols", epi_cols), ("epi_unroll", self.epi_unroll)):
+                    ("epi_cols", epi_cols), ("epi_unroll", self.epi_unroll),
+                    ("compute_wgs", self.compute_wgs),
+                    ("epi_passes", self.epi_passes)):
       if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
     if tile_v <= 0 or tile_v % 64:
       raise ValueError(f"{tile_v=} must be a positive multiple of 64")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+    if tile_v % (64 * self.compute_wgs):
+      raise ValueError(
+          f"{tile_v=} must be a multiple of 64 x compute_wgs={self.compute_wgs}")
+    if self.epi_passes < 1:
+      raise ValueError(f"epi_passes={self.epi_passes} must be >= 1")
     if tile_d <= 0 or tile_d % 64:
       raise ValueError(f"{tile_d=} must be a positive multiple of 64")
     if max_concurrent_steps < 1:
@@ -136,7 +157,12 @@ class TuningConfig:
     """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
     the f32 accumulator copy the epilogue loops over, the per-row data."""
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
-    return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
+    return (pipeline + self.tile_v * self._pass_cols(n) * 4 + _ROWDATA * n * 4
+            + self.compute_wgs * 2 * _wg_scratch_elems(self.epi_cols) * 4)
+
+  def _pass_cols(self, n: int) -> int:
+    """Columns of the largest epilogue pass (see :func:`_passes`)."""
+    return max(b - a for a, b in _passes(self, n)) * self.epi_cols
 
   def check_problem(self, *, n: int, dim: int, rows: int, itemsize: int = 2):
     """Raises ValueError if this config cannot run the given shapes."""
@@ -150,9 +176,16 @@ class TuningConfig:
       raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
     if rows < self.tile_v:
       raise ValueError(f"tile_v={self.tile_v} must be <= the weight rows V={rows}")
-    if self.tile_v * n // 128 > 128:
+    iters = n // (self.epi_cols * self.epi_unroll)
+    if self.epi_passes > iters:
       raise ValueError(
-          f"tile_v={self.tile_v} x N={n} needs {self.tile_v * n // 128} "
+          f"epi_passes={self.epi_passes} exceeds the {iters} epilogue loop "
+          f"iterations of N={n}")
+    regs = self.tile_v // self.compute_wgs * n // 128
+    if regs > 128:
+      raise ValueError(
+          f"tile_v={self.tile_v} / compute_wgs={self.compute_wgs} x N={n} "
+          f"needs {regs} "
           "accumulator registers per thread; at most 128 leave room for the "
           "epilogue")
     smem = self.smem_bytes(n, itemsize)
@@ -171,6 +204,21 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def _passes(cfg: TuningConfig, n: int) -> list[tuple[int, int]]:
+  """Static (first, end) epilogue chunks of each pass: the loop iterations
+  (``epi_unroll`` chunks each) split as evenly as possible."""
+  iters = n // (cfg.epi_cols * cfg.epi_unroll)
+  p = min(cfg.epi_passes, iters)
+  bounds = [iters * i // p * cfg.epi_unroll for i in range(p + 1)]
+  return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _wg_scratch_elems(epi_cols: int) -> int:
+  """Elements of one warpgroup's cross-warp reduction scratch: 4 warps x 32
+  lanes x 2-vectors per 8 reduced columns (all of a chunk at once)."""
+  return 4 * 32 * 2 * (epi_cols // 8)
+
+
 def batch_side(batch: int) -> int:
   """wgmma N for a batch chunk of ``batch <= MAX_N`` rows."""
   return min(MAX_N, _round_up(max(batch, 1), _N_ALIGN))
@@ -182,30 +230,47 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
 
   Heuristic, no autotuning (DESIGN.md section 4):
 
-  * ``Vt = 128`` while the accumulator fits in 128 registers (N <= 128),
-    else 64: a taller tile reads ``H`` from L2 fewer times per ``W`` byte.
-  * epilogue loop iterations of ``Vt * epi_cols * epi_unroll / 128 = 16``
+  * two compute warpgroups of 64 vocabulary rows each (``Vt = 128``) when
+    ``V >= 128``: twice the warps for the noise epilogue, which sets the time
+    from B~64 on (benchmarks/PERF_LOG.md v3); else one of 64.
+  * epilogue loop iterations of ``64 * epi_cols * epi_unroll / 128 = 16``
     noise elements per thread: the loop body bounds the epilogue's code size
     (v1 unrolled every chunk: ~10k straight-line instructions ran at 0.07
     IPC per warp, see benchmarks/PERF_LOG.md) while leaving ILP.
     :func:`candidates` pads N to a multiple of ``epi_cols * epi_unroll``.
-  * ``Dt = 128`` when D allows (fewer pipeline steps and barrier waits),
-    else 64; as many pipeline slots as fit the SMEM budget (2 to 8).
+  * the accumulator goes to SMEM in passes of at most 64 columns, so that
+    N=256 still leaves room for 3 pipeline slots.
+  * ``Dt = 128`` when D allows and 3 slots fit (fewer pipeline steps and
+    barrier waits), else 64; as many pipeline slots as fit the SMEM budget
+    (2 to 8).
   """
   del num_sms  # One CTA per SM for now; the table may use it later.
-  tile_v = 128 if n <= 128 and rows >= 128 else 64
+  compute_wgs = 2 if rows >= 128 else 1
+  tile_v = 64 * compute_wgs
   epi_cols = 16
-  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (tile_v * epi_cols))
-  n = _round_up(n, epi_cols * epi_unroll)
-  fixed = tile_v * n * 4 + _ROWDATA * n * 4
-  for tile_d in ((128, 64) if dim % 128 == 0 else (64,)):
+  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (64 * epi_cols))
+  # B <= 16: no padding to a second chunk. N > 128: one chunk per iteration;
+  # with two, the columns of later passes still live in registers pushed
+  # the loop over the 232-register cap of two compute warpgroups (B=256:
+  # 1254 -> 794 us on the H200, PERF_LOG.md v3).
+  if n <= epi_cols or n > 128:
+    epi_unroll = 1
+  per_iter = epi_cols * epi_unroll
+  n = _round_up(n, per_iter)
+  iters = n // per_iter
+  epi_passes = -(-iters // max(1, _MAX_PASS_COLS // per_iter))
+  base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
+                      compute_wgs=compute_wgs, epi_passes=epi_passes,
+                      max_concurrent_steps=1)
+  fixed = base.smem_bytes(n, itemsize) - (tile_v + n) * 64 * itemsize
+  options = (128, 64) if dim % 128 == 0 else (64,)
+  for tile_d in options:
     per_step = (tile_v + n) * tile_d * itemsize
     steps = min(8, (_SMEM_BUDGET - fixed) // per_step)
-    if steps >= 2:
+    if steps >= 3 or (steps >= 2 and tile_d == options[-1]):
       break
-  return TuningConfig(tile_v=tile_v, tile_d=tile_d,
-                      max_concurrent_steps=max(2, steps), epi_cols=epi_cols,
-                      epi_unroll=epi_unroll)
+  return dataclasses.replace(base, tile_d=tile_d,
+                             max_concurrent_steps=max(2, steps))
 
 
 # ----------------------------------------------------------------------------
@@ -268,9 +333,14 @@ def interpret_mode(num_cores: int = 4, **params):
     num_cores: SMs of the pretend GPU (CTAs of the persistent grid).
     **params: passed to ``plgpu.InterpretGPUParams``.
   """
-  with (abstract_h100(num_cores),
-        plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(**params))):
-    yield
+  prev = getattr(_STATE, "interpret", False)
+  _STATE.interpret = True
+  try:
+    with (abstract_h100(num_cores),
+          plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(**params))):
+      yield
+  finally:
+    _STATE.interpret = prev
 
 
 def _is_sm90_device() -> bool:
@@ -340,6 +410,27 @@ def _div_rn(x, y):
 
 
 
+def _col_reduce(x, op: str, scratch):
+  """``max``/``min`` of ``x`` [rows, C] (WGMMA layout) over axis 0.
+
+  On the GPU the cross-warp step goes through ``scratch``, this warpgroup's
+  own SMEM: ``jnp.max`` uses one scratch area at a fixed offset that two
+  compute warpgroups would share and race on (DESIGN.md trap 1). Interpret
+  mode cannot run inline Mosaic GPU code, and has no races: ``jnp`` there.
+  """
+  if getattr(_STATE, "interpret", False):
+    return jnp.max(x, axis=0) if op == "max" else jnp.min(x, axis=0)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct(
+          (x.shape[1],), x.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
+  def reduce(_, v, scratch_ref):
+    return v.reduce(op, 0, scratch=scratch_ref)
+
+  return reduce(x, scratch)
+
+
 def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
             cfg: TuningConfig, layout: str, n: int, dim: int, rows: int,
             rows_valid: int, vocab_size: int, n_tiles: int):
@@ -351,9 +442,12 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
   temperature, 3 rows of padding; ``h_ref`` [N, D]; ``w_ref`` [V, D] ("vd")
   or [D, V] ("dv"), ``V = rows`` of which the first ``rows_valid`` are real
   (the rest is alignment padding, see :func:`candidates`); outputs
-  ``score_ref`` f32 and ``index_ref`` int32, both [n_tiles, nc, C].
+  ``score_ref`` f32 and ``index_ref`` int32, both
+  [n_tiles * compute_wgs, nc, C] (one row per warpgroup's part of a tile).
   """
   vt, dt = cfg.tile_v, cfg.tile_d
+  n_wg = cfg.compute_wgs
+  vw = vt // n_wg  # vocabulary rows of one compute warpgroup
   k_steps = dim // dt
   elems = _SWIZZLE // jnp.dtype(w_ref.dtype).itemsize
   transforms = (plgpu.TilingTransform((8, elems)),
@@ -367,43 +461,35 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
   def make_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
-        in_specs=[w_spec, h_spec], wg_axis="wg", num_compute_wgs=1,
+        in_specs=[w_spec, h_spec], wg_axis="wg", num_compute_wgs=n_wg,
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context)
 
-  def mma_body(_, w_smem, h_smem, acc_ref):
-    a = w_smem if layout == "vd" else w_smem.T
-    plgpu.wgmma(acc_ref, a, h_smem.T)
-    # Wait for this step's wgmma before its slot is released. Keeping one in
-    # flight (wgmma_wait(1) + delay_release=1, DESIGN.md trap 2) is not safe
-    # across our per-tile pipelines: the memory warpgroup never waits for the
-    # last step's release, so the next tile's prologue could overwrite the
-    # slot the last wgmma still reads.
-    plgpu.wgmma_wait(0)
-    return acc_ref
-
   epi = cfg.epi_cols
   n_chunks = n // epi
+  passes = _passes(cfg, n)
+  pass_chunks = max(b - a for a, b in passes)
 
-  def _epilogue(acc, tile, start, first_new, rowdata_smem, acc_smem):
+  def _epilogue(acc, tile, wg, start, first_new, rowdata_smem, acc_smem,
+                scratch_f, scratch_i):
     # The accumulator goes to SMEM so that the noise runs in a (not unrolled)
     # loop over column chunks: unrolled, the epilogue was ~10k straight-line
     # instructions per tile and ran at ~0.07 IPC per warp (PERF_LOG.md v1).
-    for j in range(n_chunks):
-      acc_smem[j] = acc[:, j * epi:(j + 1) * epi]
+    # In passes of at most pass_chunks chunks, to bound the SMEM copy.
     col_layout = plgpu.Layout.WGMMA.reduce(0)
-    local = plgpu.broadcasted_iota(jnp.int32, (vt, epi), 0,
-                                   layout=plgpu.Layout.WGMMA)
+    local = plgpu.broadcasted_iota(jnp.int32, (vw, epi), 0,
+                                   layout=plgpu.Layout.WGMMA) + wg * vw
     gid = local + (off_ref[0] + start)
     valid = ((local >= first_new) & (local + start < rows_valid)
              & (gid < vocab_size))
     gid_u = gid.astype(jnp.uint32)
-    bcast = lambda x: lax.broadcast_in_dim(x, (vt, epi), (1,))
+    bcast = lambda x: lax.broadcast_in_dim(x, (vw, epi), (1,))
+    out_row = tile * n_wg + wg
 
-    def chunk(c):
+    def chunk(c, slot):
       load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i],
                                         layout=col_layout))
-      l = plgpu.load(acc_smem.at[c], layout=plgpu.Layout.WGMMA)
+      l = plgpu.load(acc_smem.at[wg, slot], layout=plgpu.Layout.WGMMA)
       hi, lo = noise.add_u32(load(2), load(3), gid_u)
       g = noise.gumbel(load(0), load(1), hi, lo)
       t = lax.bitcast_convert_type(load(4), jnp.float32)
@@ -411,37 +497,66 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
       s = jnp.where(greedy, l, _div_rn(l, jnp.where(greedy, 1.0, t)) + g)
       s = jnp.where(valid, s, -jnp.inf)
       # max.NaN: m is NaN iff the column holds a NaN; NaN rows then win.
-      m = jnp.max(s, axis=0)
+      m = _col_reduce(s, "max", scratch_f)
       hit = valid & ((s == bcast(m)) | (s != s))
-      idx = jnp.min(jnp.where(hit, gid, _INT_MAX), axis=0)
-      score_ref[tile, c] = m
-      index_ref[tile, c] = idx
+      idx = _col_reduce(jnp.where(hit, gid, _INT_MAX), "min", scratch_i)
+      score_ref[out_row, c] = m
+      index_ref[out_row, c] = idx
 
-    def body(it, carry):
-      for u in range(cfg.epi_unroll):
-        chunk(it * cfg.epi_unroll + u)
-      return carry
+    for first, end in passes:
+      for j in range(first, end):
+        acc_smem[wg, j - first] = acc[:, j * epi:(j + 1) * epi]
 
-    lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, 0)
+      def body(it, carry, first=first):
+        for u in range(cfg.epi_unroll):
+          slot = it * cfg.epi_unroll + u
+          chunk(first + slot, slot)
+        return carry
+
+      lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
 
   ignore = lambda *_, **__: None
   w_view = (w_ref.at[pl.ds(0, vt), :] if layout == "vd"
             else w_ref.at[:, pl.ds(0, vt)])
+  scratch_elems = _wg_scratch_elems(epi)
 
   @functools.partial(
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(w_view, h_ref),
       rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
-      acc_smem=plgpu.SMEM((n_chunks, vt, epi), jnp.float32),
+      acc_smem=plgpu.SMEM((n_wg, pass_chunks, vw, epi), jnp.float32),
+      red_f=plgpu.SMEM((n_wg, scratch_elems), jnp.float32),
+      red_i=plgpu.SMEM((n_wg, scratch_elems), jnp.int32),
       rowdata_barrier=plgpu.Barrier(num_arrivals=1),
       collective_axes="wg")
-  def _scope(allocs, rowdata_smem, acc_smem, rowdata_barrier):
+  def _scope(allocs, rowdata_smem, acc_smem, red_f, red_i, rowdata_barrier):
+    wg = lax.axis_index("wg")
     # Per-row key words, counters and temperatures, read by every epilogue:
-    # GMEM loads into the column layout do not lower, SMEM ones do.
-    @pl.when(lax.axis_index("wg") == 0)
+    # GMEM loads into the column layout do not lower, SMEM ones do. The
+    # first warpgroup copies; every compute warpgroup waits for the copy.
+    @pl.when(wg == 0)
     def _():
       plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+
+    @pl.when(wg < n_wg)
+    def _():
       plgpu.barrier_wait(rowdata_barrier)
+
+    def mma_body(_, w_smem, h_smem, acc_ref):
+      if n_wg == 1:
+        a = w_smem if layout == "vd" else w_smem.T
+      elif layout == "vd":
+        a = w_smem.at[pl.ds(wg * vw, vw)]
+      else:
+        a = w_smem.at[:, pl.ds(wg * vw, vw)].T
+      plgpu.wgmma(acc_ref, a, h_smem.T)
+      # Wait for this step's wgmma before its slot is released. Keeping one
+      # in flight (wgmma_wait(1) + delay_release=1, DESIGN.md trap 2) is not
+      # safe across our per-tile pipelines: the memory warpgroup never waits
+      # for the last step's release, so the next tile's prologue could
+      # overwrite the slot the last wgmma still reads.
+      plgpu.wgmma_wait(0)
+      return acc_ref
 
     @plgpu.nd_loop((n_tiles,), collective_axes="sm")
     def _tile_loop(info):
@@ -455,11 +570,12 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((vt, n), jnp.float32))
+                           acc_ref=plgpu.ACC((vw, n), jnp.float32))
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
           acc = acc_ref[...]
-          _epilogue(acc, tile, start, first_new, rowdata_smem, acc_smem)
+          _epilogue(acc, tile, wg, start, first_new, rowdata_smem, acc_smem,
+                    red_f.at[wg], red_i.at[wg])
 
       make_pipeline(mma_body, compute_context)(w_tile, h_ref,
                                                allocations=allocs)
@@ -481,16 +597,17 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
                            rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles)
   nc = n // cfg.epi_cols
-  out_type = (jax.ShapeDtypeStruct((n_tiles, nc, cfg.epi_cols), jnp.float32),
-              jax.ShapeDtypeStruct((n_tiles, nc, cfg.epi_cols), jnp.int32))
+  n_out = n_tiles * cfg.compute_wgs
+  out_type = (jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.float32),
+              jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.int32))
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
-      num_threads=2, thread_name="wg",
+      num_threads=cfg.compute_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           reduction_scratch_bytes=_REDUCTION_SCRATCH_BYTES,
           lowering_semantics=plgpu.LoweringSemantics.Lane))
   s, i = f(offset, rowdata, h, w)
-  return s.reshape(n_tiles, n), i.reshape(n_tiles, n)
+  return s.reshape(n_out, n), i.reshape(n_out, n)
 
 
 def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None):

@@ -74,6 +74,9 @@ _CONFIGS = [
                              epi_cols=8, epi_unroll=3),
     mosaic_sm90.TuningConfig(tile_v=192, tile_d=64, max_concurrent_steps=1,
                              epi_cols=8),
+    # Two compute warpgroups, the accumulator in uneven passes (1 + 2 chunks).
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2,
+                             epi_cols=8, compute_wgs=2, epi_passes=2),
 ]
 
 
@@ -208,6 +211,9 @@ def test_heuristic_configs_are_valid():
     (dict(epi_cols=32), "epi_cols=32"),
     (dict(epi_unroll=0), "epi_unroll=0"),
     (dict(num_ctas=0), "num_ctas=0"),
+    (dict(compute_wgs=3), "compute_wgs=3"),
+    (dict(tile_v=64, compute_wgs=2), "tile_v=64"),
+    (dict(epi_passes=0), "epi_passes=0"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):

@@ -68,6 +68,13 @@ _CONFIGS = [
                              epi_cols=16),
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=4,
                              epi_cols=8, epi_unroll=4, num_ctas=7),
+    # Two compute warpgroups (per-warpgroup reduction scratch, DESIGN trap 1).
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
+                             epi_cols=16, epi_unroll=2, compute_wgs=2,
+                             epi_passes=3),
+    mosaic_sm90.TuningConfig(tile_v=256, tile_d=64, max_concurrent_steps=2,
+                             epi_cols=8, compute_wgs=2, epi_passes=2,
+                             num_ctas=5),
 ]
 
 
