@@ -10,8 +10,9 @@ import jax.numpy as jnp
 
 from flashsample_jax import _validate, controls as _controls, xla_backend
 
-# Every backend name (``auto_order`` says in which order "auto" tries them).
-# Tests and benchmarks iterate over this tuple.
+# Every backend name, in the order ``backend="auto"`` tries them (measured on
+# an H200 with mosaic v3: the kernel is the faster of the two at every B up
+# to 256; benchmarks/PERF_LOG.md). Tests and benchmarks iterate over it.
 Backend = Literal["mosaic", "xla"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
@@ -43,20 +44,6 @@ def _candidates(name: str, p: _validate.Problem, *, vocab_offset=0):
   return xla_backend.candidates(p, vocab_offset=vocab_offset)
 
 
-# Largest batch for which "auto" prefers the mosaic kernel. Measured on an
-# H200 (benchmarks/results/sampler_nvidia_h200.md, exp_xla_stream_h200.log):
-# at B=256 the kernel (1212 us, shape S) is slower than the xla backend
-# (927 us); up to B=128 it is the faster of the two.
-MOSAIC_AUTO_MAX_BATCH = 128
-
-
-def auto_order(p: _validate.Problem) -> tuple[str, ...]:
-  """The order in which ``backend="auto"`` tries the backends for ``p``."""
-  if p.batch > MOSAIC_AUTO_MAX_BATCH:
-    return tuple(n for n in BACKENDS if n != "mosaic") + ("mosaic",)
-  return BACKENDS
-
-
 def resolve_backend(backend: str, p: _validate.Problem,
                     c: _controls.Controls | None = None) -> str:
   """The backend that will run ``p``: ``backend`` itself, or auto's pick."""
@@ -64,7 +51,7 @@ def resolve_backend(backend: str, p: _validate.Problem,
   if backend != "auto":
     _check_supported(backend, p, c)
     return backend
-  for name in auto_order(p):
+  for name in BACKENDS:
     try:
       _check_supported(name, p, c)
     except NotImplementedError:

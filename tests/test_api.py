@@ -41,14 +41,3 @@ def test_d_not_multiple_of_64_falls_back_to_xla():
   assert fs.which_backend(h, w, jax.random.key(0)) == "xla"
   np.testing.assert_array_equal(fs.sample(h, w, jax.random.key(0)),
                                 fs.reference.sample(h, w, jax.random.key(0)))
-
-
-def test_auto_prefers_xla_for_large_batches():
-  # Measured: the mosaic kernel is slower than the xla backend above
-  # MOSAIC_AUTO_MAX_BATCH rows (api.py cites the numbers).
-  from flashsample_jax import api
-  from flashsample_jax._validate import prepare
-  n = api.MOSAIC_AUTO_MAX_BATCH
-  for b, first in ((n, "mosaic"), (n + 1, "xla")):
-    h, w = inputs.exact_inputs(b, 64, 100)
-    assert api.auto_order(prepare(h, w, jax.random.key(0)))[0] == first
