@@ -74,11 +74,12 @@ def _problem(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size
 
 
 def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
-                  weight_layout="vd", vocab_size=None, num_samples=None,
-                  return_logprobs=False, **controls):
+                  weight_layout="vd", vocab_size=None, vocab_axis=None,
+                  batch_axis=None, num_samples=None, return_logprobs=False,
+                  **controls):
   """The backend :func:`sample` would run these arguments on, here.
 
-  Args: as :func:`sample` (controls such as ``top_k`` included).
+  Args: as :func:`sample` (controls and mesh axes included).
 
   Returns:
     A name from :data:`BACKENDS`.
@@ -86,9 +87,12 @@ def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
   Raises:
     What :func:`sample` raises for these arguments.
   """
+  from flashsample_jax import sharding
+  vocab_axes, batch_axes = sharding.check_axes(vocab_axis, batch_axis)
   p, c = _problem(hidden, weight, key, temperature, controls,
                   weight_layout=weight_layout, vocab_size=vocab_size,
-                  num_samples=num_samples, return_logprobs=return_logprobs)
+                  num_samples=num_samples, return_logprobs=return_logprobs,
+                  vocab_axes=vocab_axes, batch_axes=batch_axes)
   return resolve_backend(backend, p, c)
 
 
@@ -158,7 +162,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       shard's contiguous slice (shard ``i`` of ``n`` holds global ids
       ``i * rows ... (i + 1) * rows - 1``). Each shard scores its slice with
       global ids and noise counters, then one all-gather of O(B) bytes over
-      the axis combines the candidates (see :mod:`flashsample_jax.sharding`).
+      the axis combines the candidates (O(B x 128) with truncation controls;
+      see :mod:`flashsample_jax.sharding`).
       Every shard returns the same tokens, equal to the unsharded call's.
     batch_axis: inside ``jax.shard_map`` only: the mesh axis name(s) the
       batch is sharded over, ``hidden`` (and per-row keys, a ``[B]``

@@ -17,8 +17,9 @@ Truncation of sampled rows, on the tempered ``t``:
   mass ranked strictly before it is ``< p`` (so the most probable id is
   always kept), and also every id whose ``t`` equals the last kept one's.
 * ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
-  least ``m`` times the row's top probability. The top id is never removed
-  by any rule, so min-p's order among the rules does not matter.
+  least ``m`` times the row's top probability. For finite logits the top id
+  is never removed by any rule, so min-p's order among the rules does not
+  matter (a ``+inf`` logit makes ``exp(t - max t)`` NaN: nothing is kept).
 
 The token is then ``argmax(t + gumbel)`` over the kept ids, with the same
 noise counters as without truncation: the result equals
@@ -84,7 +85,11 @@ def _concrete(x) -> bool:
 
 
 def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
-  """A scalar or ``[B]`` control as a ``[B]`` array; range-checks concrete values."""
+  """A scalar or ``[B]`` control as a ``[B]`` array; range-checks concrete values.
+
+  Values are checked before the cast to int32/float32, so an out-of-range
+  int64 cannot wrap into range.
+  """
   if value is None:
     return None
   if isinstance(value, bool):
@@ -92,10 +97,7 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
   if isinstance(value, (int, float, np.integer, np.floating)):
     if integer and not isinstance(value, (int, np.integer)):
       raise TypeError(f"{name}={value!r} must be an int or an int [B] array")
-    arr = np.asarray(value, np.int32 if integer else np.float32)
-    if not integer and math.isnan(float(value)):
-      raise ValueError(f"{name}={value} must not be NaN")
-    value = jnp.broadcast_to(jnp.asarray(arr), (batch,))
+    raw = np.asarray(value)
   else:
     if not hasattr(value, "dtype"):
       raise TypeError(f"{name} must be a number or an array, got {type(value).__name__}")
@@ -105,22 +107,23 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
     if not kind_ok:
       raise TypeError(f"{name}.dtype={value.dtype} must be "
                       f"{'an integer' if integer else 'a float'} dtype")
-    if value.ndim == 0:
-      value = jnp.broadcast_to(value, (batch,))
-    elif value.shape != (batch,):
+    if value.ndim not in (0, 1) or (value.ndim == 1 and value.shape != (batch,)):
       raise ValueError(f"{name} must be a scalar or have shape [B]=({batch},), got "
                        f"{name}.shape={tuple(value.shape)}")
-    value = jnp.asarray(value, jnp.int32 if integer else jnp.float32)
-  if _concrete(value):
-    v = np.asarray(value)
-    bad = (np.isnan(v) if not integer else np.zeros(v.shape, bool))
+    raw = np.asarray(value) if _concrete(value) else None
+  if raw is not None:
+    v = np.atleast_1d(raw).astype(np.float64)
+    bad = np.isnan(v)
     bad |= (v <= lo) if lo_open else (v < lo)
     bad |= v > hi
     if bad.any():
       i = int(np.argmax(bad))
+      shown = raw.item() if raw.ndim == 0 else raw[i]
+      where = name if raw.ndim == 0 else f"{name}[{i}]"
       rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-      raise ValueError(f"{name}[{i}]={v[i]} must be in {rng} ({off})")
-  return value
+      raise ValueError(f"{where}={shown} must be in {rng} ({off})")
+  dtype = jnp.int32 if integer else jnp.float32
+  return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
 
 def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,

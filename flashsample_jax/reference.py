@@ -87,7 +87,10 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
            vocab_size=None, backend="auto", top_k=None, top_p=None, min_p=None,
            logit_bias=None, allowed_mask=None, softcap=None, num_samples=None,
            return_logprobs=False):
-  """Reference sampler with the signature of :func:`flashsample_jax.sample`.
+  """Reference sampler: :func:`flashsample_jax.sample`'s arguments, on one device.
+
+  (The mesh arguments ``vocab_axis``/``batch_axis`` are not taken: compare a
+  sharded call with this function on the global arrays.)
 
   Computes ``l = hidden @ W.T`` in f32, keeps the first ``vocab_size``
   columns, applies the controls (:mod:`flashsample_jax.controls`), and returns

@@ -6,8 +6,9 @@ Two ways in:
   vocab_axis="tp")`` with ``weight`` the local vocabulary shard. Each shard
   scores its own rows with their GLOBAL vocabulary ids and noise counters
   (shard index x local rows + local id), then one collective of O(B) bytes
-  combines the per-row ``(score, id)`` candidates; every shard returns the
-  same tokens. Add ``batch_axis="dp"`` when ``hidden`` (and per-row keys and
+  combines the per-row ``(score, id)`` candidates (with sampling controls,
+  the per-row streaming states: O(B x 128) bytes, and the rare uncertified
+  rows gather the full logits); every shard returns the same tokens. Add ``batch_axis="dp"`` when ``hidden`` (and per-row keys and
   a ``[B]`` temperature) are the local rows of a batch-sharded decode step.
 * Without ``shard_map``: :func:`sample_sharded` takes the global arrays and
   a ``Mesh`` and wraps the above in a ``shard_map`` for you.

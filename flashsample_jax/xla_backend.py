@@ -108,6 +108,10 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 # largest tempered logits. Rows whose kept set the candidates cannot certify
 # take the exact materialized fallback (see sample_with_controls).
 CANDIDATES = 128
+# Relative distance of the mass before an id from top_p below which a row is
+# not certified from the candidates (f32 sums over ~1e5 terms differ by far
+# less); such rows are rare and take the exact path.
+_TOP_P_MARGIN = 1e-4
 
 
 def _sample_counters(p: Problem, s: int, global_batch: int):
@@ -170,9 +174,10 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
   active = jnp.zeros((b,), bool)
   last = cand_t[:, -1]
   in_k = jnp.ones((b,), bool)
+  # Each rule is "on" exactly where keep_mask applies it (NaN included).
   if c.top_k is not None:
     k = c.top_k
-    on = k > 0
+    on = ~(k <= 0)
     thr = jnp.take_along_axis(cand_t, jnp.clip(k - 1, 0, m - 1)[:, None], axis=1)[:, 0]
     thr = jnp.where(k > m, -jnp.inf, thr)           # only used when complete
     keep &= ~on[:, None] | (cand_t >= thr[:, None])
@@ -182,7 +187,7 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
     active |= on
   if c.top_p is not None:
     pp = c.top_p
-    on = pp < 1
+    on = ~(pp >= 1)
     tk = jnp.where(keep, cand_t, -jnp.inf)
     # The normalizer: over the top-k set when it lies in the candidates,
     # else (top-k off) over the whole row, from the online log-sum-exp.
@@ -198,17 +203,26 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
     # The nucleus edge lies in the list if a listed id already has mass
     # >= p ranked before it (the mass before an id only grows down the list).
     edge_inside = jnp.any((tk > -jnp.inf) & (before >= pp[:, None]), axis=1)
-    known &= ~on | (k_on & in_k) | (~k_on & edge_inside) | complete
+    # The mass before an id is a sum whose rounding depends on the order
+    # and the normalizer's path (chunks, shards); keep_mask sums otherwise.
+    # Where it lies within rounding of p the two could disagree on the
+    # edge: such rows take the exact path.
+    near = jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
+                                      <= _TOP_P_MARGIN * pp[:, None]), axis=1)
+    known &= ~on | (((k_on & in_k) | (~k_on & edge_inside) | complete) & ~near)
     inside |= on & (complete | (last < thr))
     active |= on
   if c.min_p is not None:
     mp = c.min_p
-    on = mp > 0
+    on = ~(mp <= 0)
     ok = jnp.exp(cand_t - top) >= mp[:, None]
     keep &= ~on[:, None] | ok
     inside |= on & (complete | (jnp.exp(last - top[:, 0]) < mp))
     active |= on
-  certified = ~active | (known & (inside | complete))
+  # A row left with no finite candidate (e.g. a traced min_p > 1) samples
+  # among -inf in keep_mask: the exact path reproduces that.
+  nonempty = jnp.any(keep & (cand_t > -jnp.inf), axis=1)
+  certified = ~active | (known & (inside | complete) & nonempty)
   return keep, certified, active
 
 
@@ -295,15 +309,20 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
     cand_t, cand_i = st["cand"]
     complete = (m >= total_rows) | (cand_t[:, -1] == -jnp.inf)
     keep, certified, active = _certify(p, c, cand_t, st["lse"], complete)
+    # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
+    # treat them in ways the candidates do not track; the exact path does.
+    certified &= ~active | jnp.isfinite(st["lse"][0])
     kept_t = jnp.where(keep, cand_t, -jnp.inf)
     sampled = p.temperature != 0
     use = active & sampled & (st["lse"][0] > -jnp.inf)
     new_tok, new_t = [], []
     for s in range(samples):
       sc = perturbed(kept_t, kept_t, cand_i, s)
-      j = jnp.argmax(sc, axis=1)
-      new_tok.append(jnp.take_along_axis(cand_i, j[:, None], axis=1)[:, 0])
-      new_t.append(jnp.take_along_axis(cand_t, j[:, None], axis=1)[:, 0])
+      # The list is sorted by t, not id: ties of the perturbed score must go
+      # to the lowest id (the combine rule), not the first list position.
+      _, tok = _core.reduce_candidates(sc, cand_i, axis=1)
+      new_tok.append(tok)
+      new_t.append(jnp.max(jnp.where(cand_i == tok[:, None], cand_t, -jnp.inf), axis=1))
     tokens = jnp.where(use[None], jnp.stack(new_tok), tokens)
     t_tok = jnp.where(use[None], jnp.stack(new_t), t_tok)
     lse_kept = jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept)

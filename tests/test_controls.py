@@ -165,12 +165,16 @@ def test_truncated_distribution_chi_square(kw):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(top_k=-1), ValueError, r"top_k\[0\]=-1"),
+    (dict(top_k=-1), ValueError, r"top_k=-1 must be in \[0, 2147483647\]"),
+    (dict(top_k=2**40), ValueError, r"top_k=1099511627776"),
+    (dict(top_k=np.full(B, 2**40, np.int64)), ValueError, r"top_k\[0\]=1099511627776"),
     (dict(top_k=2.5), TypeError, r"top_k=2.5"),
     (dict(top_k=jnp.ones(3, jnp.int32)), ValueError, r"top_k.shape=\(3,\)"),
-    (dict(top_p=0.0), ValueError, r"top_p\[0\]=0.0 must be in \(0.0, 1.0\]"),
-    (dict(top_p=1.5), ValueError, r"top_p\[0\]=1.5"),
-    (dict(min_p=-0.1), ValueError, r"min_p\[0\]=-0.1"),
+    (dict(top_p=0.0), ValueError, r"top_p=0.0 must be in \(0.0, 1.0\]"),
+    (dict(top_p=1.5), ValueError, r"top_p=1.5"),
+    (dict(top_p=float("nan")), ValueError, r"top_p=nan"),
+    (dict(top_p=jnp.array([0.5] * (B - 1) + [2.0])), ValueError, r"top_p\[23\]=2.0"),
+    (dict(min_p=-0.1), ValueError, r"min_p=-0.1"),
     (dict(min_p=jnp.array([True] * B)), TypeError, r"min_p.dtype=bool"),
     (dict(logit_bias=jnp.zeros(5)), ValueError, r"logit_bias.shape=\(5,\)"),
     (dict(logit_bias=jnp.zeros(V, jnp.int32)), TypeError, r"logit_bias"),
@@ -188,3 +192,43 @@ def test_truncated_distribution_chi_square(kw):
 def test_bad_controls(sampler, kwargs, exc, match):
   with pytest.raises(exc, match=match):
     sampler(H, W, KEYS["scalar"], **kwargs)
+
+
+# -- regressions found in review: each failed before its fix ----------------------
+
+
+def test_perturbed_ties_among_candidates_go_to_the_lowest_id():
+  # f32: 30 + g[1007] == 34 + g[1096] for this key: the list is sorted by t,
+  # so the first list position (1096) is not the lowest id (1007).
+  v = 1100
+  w = jnp.full((v, 1), -100.0).at[1007, 0].set(30.0).at[1096, 0].set(34.0)
+  h = jnp.ones((1, 1))
+  for kw in (dict(top_k=2), dict(min_p=0.001), dict(top_p=0.999999)):
+    check(kw, key=jax.random.key(0), h=h, w=w, t=1.0, vocab_size=1097)
+
+
+def test_nan_and_inf_logits_with_truncation_match_reference():
+  w = jnp.asarray(np.arange(300, dtype=np.float32)[:, None] % 7)
+  h = jnp.ones((2, 1))
+  key = jax.random.key(0)
+  for bad in (w.at[5, 0].set(jnp.nan), w.at[9, 0].set(jnp.inf)):
+    for kw in (dict(top_k=3), dict(min_p=0.1), dict(top_p=0.5), dict(top_k=3, min_p=0.1)):
+      check(kw, key=key, h=h, w=bad, t=1.0)
+
+
+def test_top_p_at_a_rounding_boundary_matches_reference():
+  # The f64 mass of the top id is just below p; the reference's f32 sum
+  # rounds it to >= p. Rows this close to p take the exact path.
+  h, w = inputs.exact_inputs(8, 4, 1000, scale=2, seed=2)
+  check(dict(top_p=0.4452132284641266), key=jax.random.key(0), h=h[3:4], w=w, t=1.0,
+        num_samples=64)
+
+
+def test_traced_out_of_range_controls_match_reference():
+  f = jax.jit(lambda m, p: fs.sample(H[:4], W, KEYS["scalar"], temperature=4.0,
+                                     min_p=m, top_p=p))
+  g = jax.jit(lambda m, p: fs.reference.sample(H[:4], W, KEYS["scalar"], temperature=4.0,
+                                               min_p=m, top_p=p))
+  for m, p in ((2.0, 1.0), (jnp.nan, 1.0), (0.0, jnp.nan)):
+    args = (jnp.float32(m), jnp.float32(p))
+    np.testing.assert_array_equal(f(*args), g(*args))

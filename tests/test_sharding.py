@@ -502,3 +502,17 @@ def test_sample_sharded_passes_controls():
                           mesh=mesh, vocab_axis="tp", batch_axis="dp", temperature=t,
                           **ctl)
   _check_controls(jax.tree.map(lambda a: np.asarray(a)[None], got), want)
+
+
+def test_top_p_boundary_rows_same_on_any_shard_count():
+  # Found in review: near p the mass before an id rounds differently per
+  # shard count; such rows take the exact (gathered) path.
+  h, w = inputs.exact_inputs(8, 4, 1024, scale=2, seed=0)
+  key = jax.random.key(0)
+  for row, p in ((7, 0.1696888655424118), (5, 0.4627354145050049)):
+    hr = jnp.broadcast_to(h[row:row + 1], (8, 4))
+    t = jnp.ones((8,), jnp.float32)
+    ctl = dict(top_p=p, num_samples=8)
+    want = np.asarray(fs.reference.sample(hr, w, key, temperature=t, **ctl))
+    for n in (1, 4):
+      _check_controls(_controls_in_shard_map(hr, w, key, t, make_mesh(1, n), ctl), want)
