@@ -90,8 +90,129 @@ def ncu_mode(b):
   print("done", b, m.pick_config(m.batch_side(b), D, V))
 
 
+C = m.TuningConfig
+# The v3 heuristic's configs (cooperative: both warpgroups share each tile).
+V3 = {
+    8: C(tile_v=128, tile_d=128, max_concurrent_steps=5, epi_cols=16,
+         compute_wgs=2),
+    64: C(tile_v=128, tile_d=128, max_concurrent_steps=3, epi_cols=16,
+          epi_unroll=2, compute_wgs=2),
+    128: C(tile_v=128, tile_d=64, max_concurrent_steps=5, epi_cols=16,
+           epi_unroll=2, compute_wgs=2, epi_passes=2),
+}
+
+
+def _pp(**kw):
+  base = dict(tile_v=128, tile_d=64, max_concurrent_steps=4, epi_cols=16,
+              compute_wgs=2, pingpong=True)
+  return C(**{**base, **kw})
+
+
+AB = {
+    8: [V3[8], None],
+    64: [V3[64], None, _pp(epi_unroll=2, tile_d=128, max_concurrent_steps=3),
+         _pp(epi_unroll=2, max_concurrent_steps=6),
+         _pp(epi_unroll=4, max_concurrent_steps=6)],
+    128: [V3[128], None, _pp(epi_unroll=2), _pp(epi_unroll=4),
+          _pp(epi_unroll=2, epi_cols=8, max_concurrent_steps=4)],
+}
+
+
+def ab_mode(batches=(8, 64, 128)):
+  """Configs side by side in one process; tokens compared with the first."""
+  global D, V
+  rows = []
+  for d, v in ((4096, 151936), (8192, 128256)):
+    D, V = d, v
+    for b in batches:
+      h, w = _inputs(b)
+      ref = None
+      for cfg in AB[b]:
+        f = _fn(cfg)
+        try:
+          tok = np.asarray(f(h, w)[1])
+          us, _ = _timing.median_us(f, h, w, reps=15)
+        except Exception as e:  # noqa: BLE001
+          rows.append(f"D={D} B={b} {cfg} FAILED {type(e).__name__}: {str(e)[:150]}")
+          print(rows[-1], flush=True)
+          continue
+        ref = tok if ref is None else ref
+        cfg = cfg or m.pick_config(m.batch_side(b), D, V)
+        line = (f"D={D} B={b:4d} {us:8.1f} us same={np.array_equal(tok, ref)} "
+                f"Vt={cfg.tile_v} Dt={cfg.tile_d} S={cfg.max_concurrent_steps} "
+                f"C={cfg.epi_cols} u={cfg.epi_unroll} wgs={cfg.compute_wgs} "
+                f"passes={cfg.epi_passes} pp={cfg.pingpong}")
+        print(line, flush=True)
+        rows.append(line)
+  print("\n".join(rows))
+
+
+def calls_mode(b):
+  """Every kernel of a full fs.sample call (run under ncu to list them)."""
+  import flashsample_jax as fs
+  h, w = _inputs(b)
+  f = jax.jit(lambda h, w: fs.sample(h, w, jax.random.key(1), temperature=0.9,
+                                     backend="mosaic"))
+  g = jax.jit(lambda h, w: jax.random.categorical(
+      jax.random.key(1), jnp.dot(h, w.T, preferred_element_type=jnp.float32) / 0.9))
+  for _ in range(3):
+    jax.block_until_ready(f(h, w))
+  for _ in range(3):
+    jax.block_until_ready(g(h, w))
+
+
+def trace_mode(b):
+  """Device timeline of back-to-back calls (jax.profiler): kernel durations
+  and the gaps between them, to see what a call costs besides the kernel."""
+  import glob
+  import tempfile
+  import flashsample_jax as fs
+  from jax._src.lib import _profile_data
+  h, w = _inputs(b)
+  fns = {
+      "mosaic": jax.jit(lambda h, w: fs.sample(
+          h, w, jax.random.key(1), temperature=0.9, backend="mosaic")),
+      "xla_baseline": jax.jit(lambda h, w: jax.random.categorical(
+          jax.random.key(1),
+          jnp.dot(h, w.T, preferred_element_type=jnp.float32) / 0.9)),
+  }
+  for name, f in fns.items():
+    for _ in range(3):
+      jax.block_until_ready(f(h, w))
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+      for _ in range(6):
+        out = f(h, w)
+      jax.block_until_ready(out)
+    path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+    pd = _profile_data.ProfileData.from_file(path)
+    events = []
+    for plane in pd.planes:
+      if not plane.name.startswith("/device:GPU"):
+        continue
+      for line in plane.lines:
+        if "stream" not in line.name.lower():
+          continue
+        for e in line.events:
+          events.append((e.start_ns, e.duration_ns, e.name, line.name))
+    events.sort()
+    print(f"== {name} B={b}: {len(events)} device events")
+    prev_end = None
+    for start, dur, ename, lname in events[-14:]:
+      gap = "" if prev_end is None else f"gap {(start - prev_end) / 1e3:7.1f} us"
+      print(f"  {ename[:48]:48s} {dur / 1e3:8.1f} us  {gap}  [{lname[:20]}]")
+      prev_end = start + dur
+
+
 if __name__ == "__main__":
-  if sys.argv[1] == "time":
+  mode = sys.argv[1]
+  if mode == "time":
     time_mode()
+  elif mode == "ab":
+    ab_mode()
+  elif mode == "trace":
+    trace_mode(int(sys.argv[2]))
+  elif mode == "calls":
+    calls_mode(int(sys.argv[2]))
   else:
     ncu_mode(int(sys.argv[2]))

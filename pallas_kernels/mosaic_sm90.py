@@ -108,6 +108,12 @@ class TuningConfig:
     epi_passes: the accumulator goes to SMEM in this many column passes
       (each followed by its epilogue loop), so that the SMEM copy is
       ``tile_v * N / epi_passes`` f32 and leaves room for pipeline slots.
+    pingpong: with ``compute_wgs=2``, the two compute warpgroups take turns
+      on whole tiles of ``tile_v`` rows (each its own accumulator
+      ``[tile_v, N]``), so that one's epilogue overlaps the other's wgmma
+      and the weight stream never waits for an epilogue. False: both
+      warpgroups share every tile (``tile_v / 2`` rows each) and run their
+      wgmma and their epilogue at the same time.
   """
 
   tile_v: int = 128
@@ -118,6 +124,7 @@ class TuningConfig:
   num_ctas: int | None = None
   compute_wgs: int = 1
   epi_passes: int = 1
+  pingpong: bool = False
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -134,9 +141,18 @@ class TuningConfig:
       raise ValueError(f"{tile_v=} must be a positive multiple of 64")
     if self.compute_wgs not in (1, 2):
       raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
-    if tile_v % (64 * self.compute_wgs):
+    if not isinstance(self.pingpong, bool):
+      raise TypeError(f"pingpong={self.pingpong!r} must be a bool")
+    if self.pingpong and self.compute_wgs != 2:
+      raise ValueError(f"pingpong needs compute_wgs=2, got {self.compute_wgs}")
+    if self.pingpong and self.epi_passes != 1:
       raise ValueError(
-          f"{tile_v=} must be a multiple of 64 x compute_wgs={self.compute_wgs}")
+          f"epi_passes={self.epi_passes}: pingpong copies the whole "
+          "accumulator at once (one buffer shared by both warpgroups)")
+    if tile_v % (64 * self.wg_share):
+      raise ValueError(
+          f"{tile_v=} must be a multiple of 64 x compute_wgs={self.compute_wgs}"
+          " (warpgroups sharing a tile)")
     if self.epi_passes < 1:
       raise ValueError(f"epi_passes={self.epi_passes} must be >= 1")
     if tile_d <= 0 or tile_d % 64:
@@ -153,11 +169,25 @@ class TuningConfig:
                                  or num_ctas < 1):
       raise ValueError(f"{num_ctas=} must be None or a positive int")
 
+  @property
+  def wg_share(self) -> int:
+    """Compute warpgroups that split one tile's rows (1 with pingpong)."""
+    return 1 if self.pingpong else self.compute_wgs
+
+  @property
+  def wg_rows(self) -> int:
+    """Vocabulary rows of one compute warpgroup's accumulator."""
+    return self.tile_v // self.wg_share
+
   def smem_bytes(self, n: int, itemsize: int = 2) -> int:
     """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
-    the f32 accumulator copy the epilogue loops over, the per-row data."""
+    the f32 accumulator copies the epilogues loop over, the per-row data."""
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
-    return (pipeline + self.tile_v * self._pass_cols(n) * 4 + _ROWDATA * n * 4
+    if self.pingpong:  # one whole accumulator, shared by both warpgroups
+      acc = self.tile_v * n * 4
+    else:
+      acc = self.compute_wgs * self.wg_rows * self._pass_cols(n) * 4
+    return (pipeline + acc + _ROWDATA * n * 4
             + self.compute_wgs * 2 * _wg_scratch_elems(self.epi_cols) * 4)
 
   def _pass_cols(self, n: int) -> int:
@@ -181,10 +211,10 @@ class TuningConfig:
       raise ValueError(
           f"epi_passes={self.epi_passes} exceeds the {iters} epilogue loop "
           f"iterations of N={n}")
-    regs = self.tile_v // self.compute_wgs * n // 128
+    regs = self.wg_rows * n // 128
     if regs > 128:
       raise ValueError(
-          f"tile_v={self.tile_v} / compute_wgs={self.compute_wgs} x N={n} "
+          f"tile_v={self.tile_v} (rows per warpgroup {self.wg_rows}) x N={n} "
           f"needs {regs} "
           "accumulator registers per thread; at most 128 leave room for the "
           "epilogue")
@@ -246,9 +276,15 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   """
   del num_sms  # One CTA per SM for now; the table may use it later.
   compute_wgs = 2 if rows >= 128 else 1
-  tile_v = 64 * compute_wgs
   epi_cols = 16
-  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (64 * epi_cols))
+  # N <= 128: ping-pong on whole tiles of 128 rows (acc <= 128 registers):
+  # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v4).
+  # N > 128: both warpgroups share a tile of 2 x 64 rows, so that the H
+  # slices (N x Dt per step) are read once per 128 weight rows, not per 64.
+  pingpong = compute_wgs == 2 and n <= 128
+  tile_v = 64 * compute_wgs
+  wg_rows = tile_v if pingpong else tile_v // compute_wgs
+  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (wg_rows * epi_cols))
   # B <= 16: no padding to a second chunk. N > 128: one chunk per iteration;
   # with two, the columns of later passes still live in registers pushed
   # the loop over the 232-register cap of two compute warpgroups (B=256:
@@ -258,10 +294,10 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   per_iter = epi_cols * epi_unroll
   n = _round_up(n, per_iter)
   iters = n // per_iter
-  epi_passes = -(-iters // max(1, _MAX_PASS_COLS // per_iter))
+  epi_passes = 1 if pingpong else -(-iters // max(1, _MAX_PASS_COLS // per_iter))
   base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
                       compute_wgs=compute_wgs, epi_passes=epi_passes,
-                      max_concurrent_steps=1)
+                      max_concurrent_steps=1, pingpong=pingpong)
   fixed = base.smem_bytes(n, itemsize) - (tile_v + n) * 64 * itemsize
   options = (128, 64) if dim % 128 == 0 else (64,)
   for tile_d in options:
@@ -431,10 +467,71 @@ def _col_reduce(x, op: str, scratch):
   return reduce(x, scratch)
 
 
+def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
+              off_ref, rowdata_smem, acc_smem, scratch_f, scratch_i,
+              score_ref, index_ref, out_row, rows_valid: int, vocab_size: int):
+  """Noise, transform and per-column (max, first argmax) of one accumulator.
+
+  ``acc`` [vw, N] f32 holds rows ``start + row0 + [0, vw)`` of the weight;
+  rows below ``first_new`` (tile-local) were done by an earlier tile.
+  Writes one candidate row ``score_ref[out_row]``, ``index_ref[out_row]``.
+
+  The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
+  the noise runs in a (not unrolled) loop over column chunks: unrolled, the
+  epilogue was ~10k straight-line instructions per tile and ran at ~0.07
+  IPC per warp (PERF_LOG.md v1). ``passes`` lists the (first, end) chunks
+  of each pass: the copy of a pass, then its loop.
+  """
+  vw = acc.shape[0]
+  epi = cfg.epi_cols
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  local = plgpu.broadcasted_iota(jnp.int32, (vw, epi), 0,
+                                 layout=plgpu.Layout.WGMMA) + row0
+  gid = local + (off_ref[0] + start)
+  valid = ((local >= first_new) & (local + start < rows_valid)
+           & (gid < vocab_size))
+  gid_u = gid.astype(jnp.uint32)
+  bcast = lambda x: lax.broadcast_in_dim(x, (vw, epi), (1,))
+
+  def chunk(c, slot):
+    load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i],
+                                      layout=col_layout))
+    l = plgpu.load(acc_smem.at[slot], layout=plgpu.Layout.WGMMA)
+    hi, lo = noise.add_u32(load(2), load(3), gid_u)
+    g = noise.gumbel(load(0), load(1), hi, lo)
+    t = lax.bitcast_convert_type(load(4), jnp.float32)
+    greedy = t == 0.0
+    s = jnp.where(greedy, l, _div_rn(l, jnp.where(greedy, 1.0, t)) + g)
+    s = jnp.where(valid, s, -jnp.inf)
+    # max.NaN: m is NaN iff the column holds a NaN; NaN rows then win.
+    m = _col_reduce(s, "max", scratch_f)
+    hit = valid & ((s == bcast(m)) | (s != s))
+    idx = _col_reduce(jnp.where(hit, gid, _INT_MAX), "min", scratch_i)
+    score_ref[out_row, c] = m
+    index_ref[out_row, c] = idx
+
+  for first, end in passes:
+    for j in range(first, end):
+      acc_smem[j - first] = acc[:, j * epi:(j + 1) * epi]
+
+    def body(it, carry, first=first):
+      for u in range(cfg.epi_unroll):
+        slot = it * cfg.epi_unroll + u
+        chunk(first + slot, slot)
+      return carry
+
+    lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
+
+
+def _tma_transforms(dtype):
+  elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
 def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
             cfg: TuningConfig, layout: str, n: int, dim: int, rows: int,
-            rows_valid: int, vocab_size: int, n_tiles: int):
-  """One CTA: a persistent loop over vocabulary tiles.
+            rows_valid: int, vocab_size: int, n_tiles: int, num_ctas: int):
+  """One CTA: a persistent loop over vocabulary tiles (cooperative schedule).
 
   Refs (GMEM), with ``C = cfg.epi_cols`` and ``nc = N / C`` epilogue
   chunks: ``off_ref`` int32 [1] vocabulary offset; ``rowdata_ref`` uint32
@@ -445,13 +542,12 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
   ``score_ref`` f32 and ``index_ref`` int32, both
   [n_tiles * compute_wgs, nc, C] (one row per warpgroup's part of a tile).
   """
+  del num_ctas  # nd_loop partitions the tiles over the "sm" axis.
   vt, dt = cfg.tile_v, cfg.tile_d
   n_wg = cfg.compute_wgs
-  vw = vt // n_wg  # vocabulary rows of one compute warpgroup
+  vw = cfg.wg_rows
   k_steps = dim // dt
-  elems = _SWIZZLE // jnp.dtype(w_ref.dtype).itemsize
-  transforms = (plgpu.TilingTransform((8, elems)),
-                plgpu.SwizzleTransform(_SWIZZLE))
+  transforms = _tma_transforms(w_ref.dtype)
   if layout == "vd":
     w_spec = plgpu.BlockSpec((vt, dt), lambda k: (0, k), transforms=transforms)
   else:
@@ -467,53 +563,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
 
   epi = cfg.epi_cols
   n_chunks = n // epi
-  passes = _passes(cfg, n)
-  pass_chunks = max(b - a for a, b in passes)
-
-  def _epilogue(acc, tile, wg, start, first_new, rowdata_smem, acc_smem,
-                scratch_f, scratch_i):
-    # The accumulator goes to SMEM so that the noise runs in a (not unrolled)
-    # loop over column chunks: unrolled, the epilogue was ~10k straight-line
-    # instructions per tile and ran at ~0.07 IPC per warp (PERF_LOG.md v1).
-    # In passes of at most pass_chunks chunks, to bound the SMEM copy.
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
-    local = plgpu.broadcasted_iota(jnp.int32, (vw, epi), 0,
-                                   layout=plgpu.Layout.WGMMA) + wg * vw
-    gid = local + (off_ref[0] + start)
-    valid = ((local >= first_new) & (local + start < rows_valid)
-             & (gid < vocab_size))
-    gid_u = gid.astype(jnp.uint32)
-    bcast = lambda x: lax.broadcast_in_dim(x, (vw, epi), (1,))
-    out_row = tile * n_wg + wg
-
-    def chunk(c, slot):
-      load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i],
-                                        layout=col_layout))
-      l = plgpu.load(acc_smem.at[wg, slot], layout=plgpu.Layout.WGMMA)
-      hi, lo = noise.add_u32(load(2), load(3), gid_u)
-      g = noise.gumbel(load(0), load(1), hi, lo)
-      t = lax.bitcast_convert_type(load(4), jnp.float32)
-      greedy = t == 0.0
-      s = jnp.where(greedy, l, _div_rn(l, jnp.where(greedy, 1.0, t)) + g)
-      s = jnp.where(valid, s, -jnp.inf)
-      # max.NaN: m is NaN iff the column holds a NaN; NaN rows then win.
-      m = _col_reduce(s, "max", scratch_f)
-      hit = valid & ((s == bcast(m)) | (s != s))
-      idx = _col_reduce(jnp.where(hit, gid, _INT_MAX), "min", scratch_i)
-      score_ref[out_row, c] = m
-      index_ref[out_row, c] = idx
-
-    for first, end in passes:
-      for j in range(first, end):
-        acc_smem[wg, j - first] = acc[:, j * epi:(j + 1) * epi]
-
-      def body(it, carry, first=first):
-        for u in range(cfg.epi_unroll):
-          slot = it * cfg.epi_unroll + u
-          chunk(first + slot, slot)
-        return carry
-
-      lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
+  pass_chunks = max(b - a for a, b in _passes(cfg, n))
 
   ignore = lambda *_, **__: None
   w_view = (w_ref.at[pl.ds(0, vt), :] if layout == "vd"
@@ -573,12 +623,167 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
                            acc_ref=plgpu.ACC((vw, n), jnp.float32))
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
-          acc = acc_ref[...]
-          _epilogue(acc, tile, wg, start, first_new, rowdata_smem, acc_smem,
-                    red_f.at[wg], red_i.at[wg])
+          _epilogue(acc_ref[...], cfg=cfg, passes=_passes(cfg, n),
+                    row0=wg * vw,
+                    start=start, first_new=first_new, off_ref=off_ref,
+                    rowdata_smem=rowdata_smem, acc_smem=acc_smem.at[wg],
+                    scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                    score_ref=score_ref, index_ref=index_ref,
+                    out_row=tile * n_wg + wg, rows_valid=rows_valid,
+                    vocab_size=vocab_size)
 
       make_pipeline(mma_body, compute_context)(w_tile, h_ref,
                                                allocations=allocs)
+
+
+def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
+                     *, cfg: TuningConfig, layout: str, n: int, dim: int,
+                     rows: int, rows_valid: int, vocab_size: int, n_tiles: int,
+                     num_ctas: int):
+  """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
+
+  Same refs as :func:`_kernel`, but one candidate row per tile
+  (``[n_tiles, nc, C]``). The CTA owns tiles ``cta + i * num_ctas``; its
+  memory warpgroup streams their ``(tile, k)`` steps in order through one
+  ring of ``S`` SMEM slots, and local tile ``i`` belongs to compute
+  warpgroup ``i % 2``. While one warpgroup runs its epilogue, the other
+  consumes the stream, so neither the weight stream nor the tensor cores
+  wait for the noise (PERF_LOG.md v4).
+
+  Barriers: ``full[w * S + slot]`` completes when a step for warpgroup
+  ``w`` has landed in ``slot`` (each warpgroup waits only on its own, so
+  the implicit phase of every barrier it waits on advances exactly once
+  per wait); ``empty[slot]`` is arrived by the warpgroup that consumed the
+  slot, after its wgmma finished reading it, and waited on by the memory
+  warpgroup before reuse. One wgmma stays in flight across steps.
+
+  The two warpgroups share one SMEM copy of the accumulator ``[N / C, Vt,
+  C]`` (the whole of it: the epilogue then holds no accumulator registers
+  and has room for ILP); ``acc_free[w]`` hands it to warpgroup ``w``.
+  """
+  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
+  k_steps = dim // dt
+  epi = cfg.epi_cols
+  n_chunks = n // epi
+  scratch_elems = _wg_scratch_elems(epi)
+  transforms = _tma_transforms(w_ref.dtype)
+  w_block = (vt, dt) if layout == "vd" else (dt, vt)
+
+  def tile_start(tile):
+    # The last tile is moved back so that it ends at the last weight row:
+    # no out-of-bounds TMA; rows already seen are masked in the epilogue.
+    return jnp.minimum(tile * vt, rows - vt)
+
+  @functools.partial(
+      pl.run_scoped,
+      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
+      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
+      rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_chunks, vt, epi), jnp.float32),
+      acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
+      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32),
+      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
+      collective_axes="wg")
+  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
+             red_f, red_i, rowdata_barrier):
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("sm")
+    n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
+    total = n_local * k_steps
+
+    @pl.when(wg == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      # Per-row key words, counters and temperatures for every epilogue
+      # (GMEM loads into the column layout do not lower, SMEM ones do).
+      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+
+      @pl.loop(0, total)
+      def _step(s):
+        slot = lax.rem(s, S)
+        i = s // k_steps
+        k = s - i * k_steps
+
+        @pl.when(s >= S)
+        def _():
+          plgpu.barrier_wait(empty.at[slot])
+
+        start = tile_start(cta + i * num_ctas)
+        if layout == "vd":
+          w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
+        else:
+          w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
+        bar = full.at[lax.rem(i, 2) * S + slot]
+        plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)],
+                                h_smem.at[slot], bar)
+
+      # Observe the last release of every slot used (each barrier phase is
+      # waited once; interpret mode checks it), so that no slot is still
+      # read when the CTA exits.
+      @pl.loop(jnp.maximum(total - S, 0), total)
+      def _drain(s):
+        plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+
+    @pl.when(wg < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.barrier_wait(rowdata_barrier)
+
+      @pl.loop(0, (n_local - wg + 1) // 2)
+      def _tile(j):
+        i = wg + 2 * j
+        tile = cta + i * num_ctas
+        start = tile_start(tile)
+
+        def mma(acc_ref):
+          def step(k, _):
+            s = i * k_steps + k
+            slot = lax.rem(s, S)
+            plgpu.barrier_wait(full.at[wg * S + slot])
+            w_slot = w_smem.at[slot]
+            plgpu.wgmma(acc_ref, w_slot if layout == "vd" else w_slot.T,
+                        h_smem.at[slot].T)
+            # The previous step's wgmma is done reading its slot: release
+            # it. This step's stays in flight while the next one waits.
+            plgpu.wgmma_wait(1)
+
+            @pl.when(k > 0)
+            def _():
+              plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
+
+            return ()
+
+          lax.fori_loop(0, k_steps, step, ())
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(
+              empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
+          return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((vt, n), jnp.float32))
+
+        # The accumulator buffer is shared: wait until the other warpgroup's
+        # epilogue (of local tile i - 1) has read it all.
+        @pl.when(i > 0)
+        def _():
+          plgpu.barrier_wait(acc_free.at[wg])
+
+        _epilogue(acc, cfg=cfg, passes=[(0, n_chunks)], row0=0, start=start,
+                  first_new=tile * vt - start, off_ref=off_ref,
+                  rowdata_smem=rowdata_smem, acc_smem=acc_smem,
+                  scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                  score_ref=score_ref, index_ref=index_ref, out_row=tile,
+                  rows_valid=rows_valid, vocab_size=vocab_size)
+
+        # Every thread arrives once it is done reading (Lane semantics count
+        # 128 arrivals); none after the CTA's last tile, so that every phase
+        # is waited on exactly once.
+        @pl.when(i + 1 < n_local)
+        def _():
+          plgpu.barrier_arrive(acc_free.at[1 - wg])
 
 # ----------------------------------------------------------------------------
 # Launcher
@@ -593,11 +798,13 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
   num_ctas = min(cfg.num_ctas or _num_sms(), n_tiles)
-  body = functools.partial(_kernel, cfg=cfg, layout=layout, n=n, dim=dim,
+  body = functools.partial(_kernel_pingpong if cfg.pingpong else _kernel,
+                           cfg=cfg, layout=layout, n=n, dim=dim,
                            rows=rows, rows_valid=rows_valid,
-                           vocab_size=vocab_size, n_tiles=n_tiles)
+                           vocab_size=vocab_size, n_tiles=n_tiles,
+                           num_ctas=num_ctas)
   nc = n // cfg.epi_cols
-  n_out = n_tiles * cfg.compute_wgs
+  n_out = n_tiles * cfg.wg_share
   out_type = (jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.float32),
               jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.int32))
   f = plgpu.kernel(

@@ -77,6 +77,16 @@ _CONFIGS = [
     # Two compute warpgroups, the accumulator in uneven passes (1 + 2 chunks).
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2,
                              epi_cols=8, compute_wgs=2, epi_passes=2),
+    # Ping-pong: 4 steps per tile over 3 slots (a tile's steps change owner
+    # mid-ring); 6 tiles on 4 CTAs (one or two tiles per CTA).
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
+                             epi_cols=8, compute_wgs=2, pingpong=True),
+    # Ping-pong, 11 tiles on 3 CTAs (4, 4, 3 tiles: both warpgroups end on
+    # either parity), 3 chunks per unrolled iteration, 2 steps per tile over
+    # 2 slots.
+    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
+                             epi_cols=8, epi_unroll=3, compute_wgs=2,
+                             pingpong=True, num_ctas=3),
 ]
 
 
@@ -214,6 +224,8 @@ def test_heuristic_configs_are_valid():
     (dict(compute_wgs=3), "compute_wgs=3"),
     (dict(tile_v=64, compute_wgs=2), "tile_v=64"),
     (dict(epi_passes=0), "epi_passes=0"),
+    (dict(pingpong=True), "pingpong needs compute_wgs=2"),
+    (dict(compute_wgs=2, pingpong=True, epi_passes=2), "epi_passes=2"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):
@@ -223,6 +235,8 @@ def test_bad_config_raises_value_error(kw, field):
 def test_config_wrong_type_raises_type_error():
   with pytest.raises(TypeError, match="tile_v"):
     mosaic_sm90.TuningConfig(tile_v=128.0)
+  with pytest.raises(TypeError, match="pingpong"):
+    mosaic_sm90.TuningConfig(compute_wgs=2, pingpong=1)
 
 
 def test_config_problem_checks():
@@ -233,6 +247,11 @@ def test_config_problem_checks():
     cfg.check_problem(n=16, dim=192, rows=1024)
   with pytest.raises(ValueError, match="accumulator registers"):
     cfg.check_problem(n=256, dim=4096, rows=1024)
+  # Ping-pong: each warpgroup holds a whole tile (128 x 256 / 128 = 256).
+  pp = mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, epi_cols=16,
+                                compute_wgs=2, pingpong=True)
+  with pytest.raises(ValueError, match="rows per warpgroup 128"):
+    pp.check_problem(n=256, dim=4096, rows=1024)
   big = mosaic_sm90.TuningConfig(tile_v=128, tile_d=128,
                                  max_concurrent_steps=8, epi_cols=16)
   with pytest.raises(ValueError, match="bytes of SMEM"):

@@ -75,6 +75,13 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=256, tile_d=64, max_concurrent_steps=2,
                              epi_cols=8, compute_wgs=2, epi_passes=2,
                              num_ctas=5),
+    # Ping-pong (two warpgroups on alternate tiles, one ring of slots):
+    # 16 steps per tile over 3 slots; 24 tiles on 5 CTAs; unrolled twice.
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
+                             epi_cols=16, epi_unroll=2, compute_wgs=2,
+                             pingpong=True, num_ctas=5),
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=2,
+                             epi_cols=8, compute_wgs=2, pingpong=True),
 ]
 
 

@@ -1,0 +1,39 @@
+"""The (score, index) combine rule and the reduction built on it."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashsample_jax import _core
+
+
+def _fold(score, index, axis):
+  """Reference: fold _core.combine over ``axis`` one candidate at a time."""
+  s = np.moveaxis(np.asarray(score), axis, 0)
+  i = np.moveaxis(np.asarray(index), axis, 0)
+  pairs = [(jnp.asarray(a), jnp.asarray(b)) for a, b in zip(s, i)]
+  return functools.reduce(_core.combine, pairs)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("seed", range(4))
+def test_reduce_candidates_equals_folding_combine(axis, seed):
+  rng = np.random.default_rng(seed)
+  shape = (37, 11) if axis == 0 else (11, 37)
+  # Few distinct values: many ties; then NaN, -inf and +inf sprinkled in,
+  # and whole lines of -inf / of NaN.
+  s = rng.integers(-3, 3, shape).astype(np.float32)
+  s[rng.random(shape) < 0.05] = np.nan
+  s[rng.random(shape) < 0.1] = -np.inf
+  s[rng.random(shape) < 0.02] = np.inf
+  line = (slice(None), 3) if axis == 0 else (3, slice(None))
+  s[line] = -np.inf
+  line = (slice(None), 5) if axis == 0 else (5, slice(None))
+  s[line] = np.nan
+  idx = rng.permutation(s.size).reshape(shape).astype(np.int32)
+  got = _core.reduce_candidates(jnp.asarray(s), jnp.asarray(idx), axis=axis)
+  want = _fold(s, idx, axis)
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
