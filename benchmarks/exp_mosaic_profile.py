@@ -108,13 +108,23 @@ def _pp(**kw):
   return C(**{**base, **kw})
 
 
+V4 = {8: _pp(tile_d=128, max_concurrent_steps=5),
+      64: _pp(tile_d=128, max_concurrent_steps=3),
+      128: _pp()}
+
+
+def _bm(**kw):
+  base = dict(tile_v=128, tile_d=64, max_concurrent_steps=4, epi_cols=16,
+              compute_wgs=2, pingpong=True, batch_major=True)
+  return C(**{**base, **kw})
+
+
 AB = {
-    8: [V3[8], None],
-    64: [V3[64], None, _pp(epi_unroll=2, tile_d=128, max_concurrent_steps=3),
-         _pp(epi_unroll=2, max_concurrent_steps=6),
-         _pp(epi_unroll=4, max_concurrent_steps=6)],
-    128: [V3[128], None, _pp(epi_unroll=2), _pp(epi_unroll=4),
-          _pp(epi_unroll=2, epi_cols=8, max_concurrent_steps=4)],
+    8: [V3[8], V4[8], None],
+    64: [V3[64], V4[64], None, _bm(epi_unroll=1, tile_d=128, max_concurrent_steps=3),
+         _bm(epi_unroll=2, max_concurrent_steps=5)],
+    128: [V3[128], V4[128], None, _bm(epi_unroll=2), _bm(tile_v=64, epi_unroll=2,
+                                                          tile_d=128, max_concurrent_steps=3)],
 }
 
 

@@ -114,6 +114,12 @@ class TuningConfig:
       and the weight stream never waits for an epilogue. False: both
       warpgroups share every tile (``tile_v / 2`` rows each) and run their
       wgmma and their epilogue at the same time.
+    batch_major: put the batch on the wgmma M side (``acc[N, Vt] = H @
+      W_tile.T``, N padded to a multiple of 64) instead of the vocabulary.
+      The per-row argmax then reduces along the accumulator's columns,
+      inside each warp (no cross-warp reductions, no barriers), and a
+      running best per (row, column slot) carries over chunks and tiles:
+      one candidate row per warpgroup leaves the CTA. Needs ``pingpong``.
   """
 
   tile_v: int = 128
@@ -125,6 +131,7 @@ class TuningConfig:
   compute_wgs: int = 1
   epi_passes: int = 1
   pingpong: bool = False
+  batch_major: bool = False
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -145,6 +152,14 @@ class TuningConfig:
       raise TypeError(f"pingpong={self.pingpong!r} must be a bool")
     if self.pingpong and self.compute_wgs != 2:
       raise ValueError(f"pingpong needs compute_wgs=2, got {self.compute_wgs}")
+    if not isinstance(self.batch_major, bool):
+      raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
+    if self.batch_major and not self.pingpong:
+      raise ValueError("batch_major needs pingpong=True")
+    if self.batch_major and tile_v % (epi_cols * self.epi_unroll):
+      raise ValueError(
+          f"batch_major: epi_cols={epi_cols} x epi_unroll={self.epi_unroll} "
+          f"must divide {tile_v=}")
     if self.pingpong and self.epi_passes != 1:
       raise ValueError(
           f"epi_passes={self.epi_passes}: pingpong copies the whole "
@@ -179,10 +194,18 @@ class TuningConfig:
     """Vocabulary rows of one compute warpgroup's accumulator."""
     return self.tile_v // self.wg_share
 
+  def batch_pad(self, n: int) -> int:
+    """The kernel's batch side for ``n`` rows (a multiple of 8)."""
+    if self.batch_major:  # wgmma M: multiples of 64
+      return _round_up(n, 64)
+    return min(MAX_N, _round_up(n, self.epi_cols * self.epi_unroll))
+
   def smem_bytes(self, n: int, itemsize: int = 2) -> int:
     """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
     the f32 accumulator copies the epilogues loop over, the per-row data."""
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
+    if self.batch_major:
+      return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
     if self.pingpong:  # one whole accumulator, shared by both warpgroups
       acc = self.tile_v * n * 4
     else:
@@ -198,6 +221,9 @@ class TuningConfig:
     """Raises ValueError if this config cannot run the given shapes."""
     if n % _N_ALIGN or not 0 < n <= MAX_N:
       raise ValueError(f"batch side {n=} must be a multiple of 8 in [8, {MAX_N}]")
+    if self.batch_major:
+      self._check_batch_major(n=n, dim=dim, rows=rows, itemsize=itemsize)
+      return
     if n % (self.epi_cols * self.epi_unroll):
       raise ValueError(
           f"epi_cols={self.epi_cols} x epi_unroll={self.epi_unroll} must "
@@ -218,11 +244,32 @@ class TuningConfig:
           f"needs {regs} "
           "accumulator registers per thread; at most 128 leave room for the "
           "epilogue")
+    self._check_smem(n, itemsize)
+
+  def _check_smem(self, n: int, itemsize: int):
     smem = self.smem_bytes(n, itemsize)
     if smem > _SMEM_BUDGET:
       raise ValueError(
           f"{self} needs {smem} bytes of SMEM for N={n}, more than "
           f"{_SMEM_BUDGET}")
+
+  def _check_batch_major(self, *, n: int, dim: int, rows: int, itemsize: int):
+    if n % 64:
+      raise ValueError(f"batch_major: batch side {n=} must be a multiple of 64")
+    if self.tile_v > MAX_N:
+      raise ValueError(
+          f"batch_major: tile_v={self.tile_v} is the wgmma N side, <= {MAX_N}")
+    if dim % self.tile_d:
+      raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
+    if rows < self.tile_v:
+      raise ValueError(f"tile_v={self.tile_v} must be <= the weight rows V={rows}")
+    regs = n * self.tile_v // 128
+    if regs > 128:
+      raise ValueError(
+          f"batch_major: N={n} x tile_v={self.tile_v} needs {regs} "
+          "accumulator registers per thread; at most 128 leave room for the "
+          "epilogue")
+    self._check_smem(n, itemsize)
 
 
 # ----------------------------------------------------------------------------
@@ -277,27 +324,35 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   del num_sms  # One CTA per SM for now; the table may use it later.
   compute_wgs = 2 if rows >= 128 else 1
   epi_cols = 16
-  # N <= 128: ping-pong on whole tiles of 128 rows (acc <= 128 registers):
-  # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v4).
-  # N > 128: both warpgroups share a tile of 2 x 64 rows, so that the H
-  # slices (N x Dt per step) are read once per 128 weight rows, not per 64.
-  pingpong = compute_wgs == 2 and n <= 128
-  tile_v = 64 * compute_wgs
-  wg_rows = tile_v if pingpong else tile_v // compute_wgs
-  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (wg_rows * epi_cols))
-  # B <= 16: no padding to a second chunk. N > 128: one chunk per iteration;
-  # with two, the columns of later passes still live in registers pushed
-  # the loop over the 232-register cap of two compute warpgroups (B=256:
-  # 1254 -> 794 us on the H200, PERF_LOG.md v3).
-  if n <= epi_cols or n > 128:
-    epi_unroll = 1
-  per_iter = epi_cols * epi_unroll
-  n = _round_up(n, per_iter)
-  iters = n // per_iter
-  epi_passes = 1 if pingpong else -(-iters // max(1, _MAX_PASS_COLS // per_iter))
-  base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
-                      compute_wgs=compute_wgs, epi_passes=epi_passes,
-                      max_concurrent_steps=1, pingpong=pingpong)
+  if compute_wgs == 2 and n <= 128:
+    # Batch on the wgmma M side (N padded to 64 or 128), ping-pong on tiles
+    # of 128 vocabulary rows: no cross-warp reductions in the epilogue, and
+    # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v5).
+    tile_v = 128
+    n = _round_up(n, 64)
+    epi_unroll = 2 if n == 64 else 1  # 16 noise elements per thread
+    base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols,
+                        epi_unroll=epi_unroll, compute_wgs=2, pingpong=True,
+                        batch_major=True, max_concurrent_steps=1)
+  else:
+    # N > 128 (or V < 128): vocabulary on M; both warpgroups share a tile of
+    # 2 x 64 rows, so that the H slices (N x Dt per step) are read once per
+    # 128 weight rows, not per 64 (PERF_LOG.md v3).
+    tile_v = 64 * compute_wgs
+    epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (64 * epi_cols))
+    # B <= 16: no padding to a second chunk. N > 128: one chunk per
+    # iteration; with two, the columns of later passes still live in
+    # registers pushed the loop over the 232-register cap of two compute
+    # warpgroups (B=256: 1254 -> 794 us on the H200, PERF_LOG.md v3).
+    if n <= epi_cols or n > 128:
+      epi_unroll = 1
+    per_iter = epi_cols * epi_unroll
+    n = _round_up(n, per_iter)
+    iters = n // per_iter
+    epi_passes = -(-iters // max(1, _MAX_PASS_COLS // per_iter))
+    base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
+                        compute_wgs=compute_wgs, epi_passes=epi_passes,
+                        max_concurrent_steps=1)
   fixed = base.smem_bytes(n, itemsize) - (tile_v + n) * 64 * itemsize
   options = (128, 64) if dim % 128 == 0 else (64,)
   for tile_d in options:
@@ -611,9 +666,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
     @plgpu.nd_loop((n_tiles,), collective_axes="sm")
     def _tile_loop(info):
       (tile,) = info.index
-      # The last tile is moved back so that it ends at the last weight row:
-      # no out-of-bounds TMA, and rows already seen are masked out below.
-      start = jnp.minimum(tile * vt, rows - vt)
+      start = _tile_start(tile, vt, rows)
       first_new = tile * vt - start  # local rows < first_new were done before
       w_tile = (w_ref.at[pl.ds(start, vt), :] if layout == "vd"
                 else w_ref.at[:, pl.ds(start, vt)])
@@ -669,11 +722,6 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   transforms = _tma_transforms(w_ref.dtype)
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
 
-  def tile_start(tile):
-    # The last tile is moved back so that it ends at the last weight row:
-    # no out-of-bounds TMA; rows already seen are masked in the epilogue.
-    return jnp.minimum(tile * vt, rows - vt)
-
   @functools.partial(
       pl.run_scoped,
       w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
@@ -701,32 +749,14 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
       # (GMEM loads into the column layout do not lower, SMEM ones do).
       plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
 
-      @pl.loop(0, total)
-      def _step(s):
-        slot = lax.rem(s, S)
-        i = s // k_steps
-        k = s - i * k_steps
+      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
+                    total=total)
 
-        @pl.when(s >= S)
-        def _():
-          plgpu.barrier_wait(empty.at[slot])
-
-        start = tile_start(cta + i * num_ctas)
-        if layout == "vd":
-          w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
-        else:
-          w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
-        bar = full.at[lax.rem(i, 2) * S + slot]
-        plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)],
-                                h_smem.at[slot], bar)
-
-      # Observe the last release of every slot used (each barrier phase is
-      # waited once; interpret mode checks it), so that no slot is still
-      # read when the CTA exits.
-      @pl.loop(jnp.maximum(total - S, 0), total)
-      def _drain(s):
-        plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+    def operands(slot):
+      w_slot = w_smem.at[slot]
+      return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
     @pl.when(wg < 2)
     def _compute_wg():
@@ -737,30 +767,11 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
       def _tile(j):
         i = wg + 2 * j
         tile = cta + i * num_ctas
-        start = tile_start(tile)
+        start = _tile_start(tile, vt, rows)
 
         def mma(acc_ref):
-          def step(k, _):
-            s = i * k_steps + k
-            slot = lax.rem(s, S)
-            plgpu.barrier_wait(full.at[wg * S + slot])
-            w_slot = w_smem.at[slot]
-            plgpu.wgmma(acc_ref, w_slot if layout == "vd" else w_slot.T,
-                        h_smem.at[slot].T)
-            # The previous step's wgmma is done reading its slot: release
-            # it. This step's stays in flight while the next one waits.
-            plgpu.wgmma_wait(1)
-
-            @pl.when(k > 0)
-            def _():
-              plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
-
-            return ()
-
-          lax.fori_loop(0, k_steps, step, ())
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(
-              empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
+          _consume_tile(acc_ref, i=i, wg=wg, k_steps=k_steps, S=S, full=full,
+                        empty=empty, operands=operands)
           return acc_ref[...]
 
         acc = pl.run_scoped(mma, plgpu.ACC((vt, n), jnp.float32))
@@ -785,6 +796,215 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
         def _():
           plgpu.barrier_arrive(acc_free.at[1 - wg])
 
+def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
+                  vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
+                  num_ctas: int, total):
+  """The memory warpgroup of the ping-pong kernels: streams the CTA's
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
+
+  @pl.loop(0, total)
+  def _step(s):
+    slot = lax.rem(s, S)
+    i = s // k_steps
+    k = s - i * k_steps
+
+    @pl.when(s >= S)
+    def _():
+      plgpu.barrier_wait(empty.at[slot])
+
+    start = _tile_start(cta + i * num_ctas, vt, rows)
+    if layout == "vd":
+      w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
+    else:
+      w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
+    bar = full.at[lax.rem(i, 2) * S + slot]
+    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
+    plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_smem.at[slot],
+                            bar)
+
+  # Observe the last release of every slot used (each barrier phase is
+  # waited once; interpret mode checks it), so that no slot is still read
+  # when the CTA exits.
+  @pl.loop(jnp.maximum(total - S, 0), total)
+  def _drain(s):
+    plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+
+
+def _tile_start(tile, vt: int, rows: int):
+  """First weight row of a tile. The last tile is moved back so that it
+  ends at the last weight row: no out-of-bounds TMA; rows already seen are
+  masked in the epilogue (``first_new``)."""
+  return jnp.minimum(tile * vt, rows - vt)
+
+
+def _consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
+                  operands):
+  """A compute warpgroup's wgmma over the ``k_steps`` slots of its local
+  tile ``i`` (ping-pong kernels). One wgmma stays in flight: a slot is
+  released once the next step's wgmma is issued and the previous finished."""
+
+  def step(k, _):
+    s = i * k_steps + k
+    slot = lax.rem(s, S)
+    plgpu.barrier_wait(full.at[wg * S + slot])
+    plgpu.wgmma(acc_ref, *operands(slot))
+    plgpu.wgmma_wait(1)
+
+    @pl.when(k > 0)
+    def _():
+      plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
+
+    return ()
+
+  lax.fori_loop(0, k_steps, step, ())
+  plgpu.wgmma_wait(0)
+  plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
+
+
+def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
+                        index_ref, *, cfg: TuningConfig, layout: str, n: int,
+                        dim: int, rows: int, rows_valid: int, vocab_size: int,
+                        n_tiles: int, num_ctas: int):
+  """One CTA, ping-pong, batch on the wgmma M side (PERF_LOG.md v5).
+
+  ``acc[N, Vt] = H[N, :] @ W[tile].T``: rows are batch rows (16 per warp),
+  columns vocabulary ids (spread over the lanes of a quad and registers),
+  so the per-row argmax needs no cross-warp reduction. Each compute
+  warpgroup keeps a running best ``(score, id)`` per (row, column slot)
+  over the column chunks of all its tiles, and reduces the slots (inside
+  each warp) once at the end: outputs ``score_ref``/``index_ref``
+  [2 * num_ctas, N], one row per compute warpgroup. ``rowdata_ref`` is
+  uint32 [8, N] (k0, k1, counter hi, lo, bits of T, padding).
+
+  Streaming, slots, barriers and the shared accumulator buffer as in
+  :func:`_kernel_pingpong`.
+  """
+  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
+  k_steps = dim // dt
+  epi = cfg.epi_cols
+  n_chunks = vt // epi
+  transforms = _tma_transforms(w_ref.dtype)
+  w_block = (vt, dt) if layout == "vd" else (dt, vt)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  @functools.partial(
+      pl.run_scoped,
+      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
+      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
+      rowdata_smem=plgpu.SMEM((_ROWDATA, n), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32),
+      acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
+      collective_axes="wg")
+  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
+             rowdata_barrier):
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("sm")
+    n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
+
+    @pl.when(wg == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
+                    total=n_local * k_steps)
+
+    def operands(slot):
+      w_slot = w_smem.at[slot]
+      return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+
+    @pl.when(wg < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.barrier_wait(rowdata_barrier)
+      row = lambda i: plgpu.load(rowdata_smem.at[i], layout=row_layout)
+      bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+      k0, k1, c_hi, c_lo = (bcast(row(i)) for i in range(4))
+      t = bcast(lax.bitcast_convert_type(row(4), jnp.float32))
+      greedy = t == 0.0
+      t_safe = jnp.where(greedy, 1.0, t)
+      col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
+      off = off_ref[0]
+
+      def chunk(c, start, first_new, best):
+        best_s, best_i = best
+        l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
+        local = col + c * epi  # vocabulary column within the tile
+        gid = local + (off + start)
+        valid = ((local >= first_new) & (local + start < rows_valid)
+                 & (gid < vocab_size))
+        hi, lo = noise.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
+        g = noise.gumbel(k0, k1, hi, lo)
+        sc = jnp.where(greedy, l, _div_rn(l, t_safe) + g)
+        sc = jnp.where(valid, sc, -jnp.inf)
+        idx = jnp.where(valid, gid, _INT_MAX)
+        # The combine rule (_core.better) elementwise: NaN wins, then the
+        # larger score, then the lower id.
+        nan_new, nan_old = sc != sc, best_s != best_s
+        same = (sc == best_s) | (nan_new & nan_old)
+        take = (sc > best_s) | (nan_new & ~nan_old) | (same & (idx < best_i))
+        return jnp.where(take, sc, best_s), jnp.where(take, idx, best_i)
+
+      def tile_body(j, best):
+        i = wg + 2 * j
+        tile = cta + i * num_ctas
+        start = _tile_start(tile, vt, rows)
+        first_new = tile * vt - start
+
+        def mma(acc_ref):
+          _consume_tile(acc_ref, i=i, wg=wg, k_steps=k_steps, S=S, full=full,
+                        empty=empty, operands=operands)
+          return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((n, vt), jnp.float32))
+
+        # The accumulator buffer is shared: wait until the other warpgroup's
+        # epilogue (of local tile i - 1) has read it all.
+        @pl.when(i > 0)
+        def _():
+          plgpu.barrier_wait(acc_free.at[wg])
+
+        for c in range(n_chunks):
+          acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
+
+        def body(it, best):
+          for u in range(cfg.epi_unroll):
+            best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
+          return best
+
+        best = lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
+
+        # Every thread arrives once it is done reading (Lane semantics count
+        # 128 arrivals); none after the CTA's last tile, so that every phase
+        # is waited on exactly once.
+        @pl.when(i + 1 < n_local)
+        def _():
+          plgpu.barrier_arrive(acc_free.at[1 - wg])
+
+        return best
+
+      init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
+                                wgmma_layout),
+              plgpu.layout_cast(jnp.full((n, epi), _INT_MAX, jnp.int32),
+                                wgmma_layout))
+      best_s, best_i = lax.fori_loop(0, (n_local - wg + 1) // 2, tile_body,
+                                     init)
+      # Reduce the column slots inside each warp (axis 1: lanes of a quad
+      # and registers, no shared scratch, so trap 1 does not apply).
+      m = jnp.max(best_s, axis=1)  # NaN if the row holds one
+      mb = lax.broadcast_in_dim(m, (n, epi), (0,))
+      hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
+      idx = jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
+      out = cta * 2 + wg
+      score_ref[out] = m
+      index_ref[out] = idx
+
+
 # ----------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------
@@ -798,15 +1018,23 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
   num_ctas = min(cfg.num_ctas or _num_sms(), n_tiles)
-  body = functools.partial(_kernel_pingpong if cfg.pingpong else _kernel,
-                           cfg=cfg, layout=layout, n=n, dim=dim,
+  if cfg.batch_major:
+    kernel = _kernel_batch_major
+  else:
+    kernel = _kernel_pingpong if cfg.pingpong else _kernel
+  body = functools.partial(kernel, cfg=cfg, layout=layout, n=n, dim=dim,
                            rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
                            num_ctas=num_ctas)
-  nc = n // cfg.epi_cols
-  n_out = n_tiles * cfg.wg_share
-  out_type = (jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.float32),
-              jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.int32))
+  if cfg.batch_major:  # one candidate row per compute warpgroup
+    n_out = 2 * num_ctas
+    out_type = (jax.ShapeDtypeStruct((n_out, n), jnp.float32),
+                jax.ShapeDtypeStruct((n_out, n), jnp.int32))
+  else:  # one per tile (or per warpgroup's part of a tile)
+    n_out = n_tiles * cfg.wg_share
+    nc = n // cfg.epi_cols
+    out_type = (jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.float32),
+                jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.int32))
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
       num_threads=cfg.compute_wgs + 1, thread_name="wg",
@@ -853,15 +1081,16 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
     n = batch_side(nb)
     cfg = config or pick_config(n, p.hidden_dim, rows_k,
                                 jnp.dtype(p.weight.dtype).itemsize)
-    n = min(MAX_N, _round_up(n, cfg.epi_cols * cfg.epi_unroll))
+    n = cfg.batch_pad(n)
     pad = lambda x: jnp.pad(x[b0:b1], [(0, n - nb)] + [(0, 0)] * (x.ndim - 1))
     rowdata = jnp.stack([
         p.k0, p.k1, p.ctr_hi, p.ctr_lo,
         lax.bitcast_convert_type(p.temperature, jnp.uint32)])
     rowdata = jnp.pad(rowdata[:, b0:b1], [(0, _ROWDATA - 5), (0, n - nb)])
-    # [8, N] -> [nc, 8, C]: one contiguous block per epilogue chunk.
-    rowdata = rowdata.reshape(_ROWDATA, n // cfg.epi_cols, cfg.epi_cols)
-    rowdata = rowdata.transpose(1, 0, 2)
+    if not cfg.batch_major:
+      # [8, N] -> [nc, 8, C]: one contiguous block per epilogue chunk.
+      rowdata = rowdata.reshape(_ROWDATA, n // cfg.epi_cols, cfg.epi_cols)
+      rowdata = rowdata.transpose(1, 0, 2)
     s, i = _launch(offset, rowdata, pad(p.hidden.astype(p.weight.dtype)),
                    w, cfg=cfg, layout=p.layout, rows_valid=rows,
                    vocab_size=p.vocab_size)

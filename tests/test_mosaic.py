@@ -6,6 +6,8 @@ CUDA lowering of every config the heuristic can pick is checked separately,
 and the GPU tests (tests/test_mosaic_gpu.py) run the same suite on an H100.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,14 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
                              epi_cols=8, epi_unroll=3, compute_wgs=2,
                              pingpong=True, num_ctas=3),
+    # Batch on M (N=21 padded to 64): running best over chunks and tiles.
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
+                             epi_cols=8, compute_wgs=2, pingpong=True,
+                             batch_major=True),
+    # Batch on M, 11 tiles of 64 on 3 CTAs, two chunks per iteration.
+    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
+                             epi_cols=16, epi_unroll=2, compute_wgs=2,
+                             pingpong=True, batch_major=True, num_ctas=3),
 ]
 
 
@@ -205,8 +215,7 @@ def test_heuristic_configs_are_valid():
       for v in (64, 100, 151936):
         rows = max(64, -(-v // 8) * 8)
         cfg = mosaic_sm90.pick_config(n, d, rows)
-        n_pad = -(-n // (cfg.epi_cols * cfg.epi_unroll)) * cfg.epi_cols * cfg.epi_unroll
-        cfg.check_problem(n=n_pad, dim=d, rows=rows)
+        cfg.check_problem(n=cfg.batch_pad(n), dim=d, rows=rows)
 
 
 # -- config validation ---------------------------------------------------------
@@ -226,6 +235,9 @@ def test_heuristic_configs_are_valid():
     (dict(epi_passes=0), "epi_passes=0"),
     (dict(pingpong=True), "pingpong needs compute_wgs=2"),
     (dict(compute_wgs=2, pingpong=True, epi_passes=2), "epi_passes=2"),
+    (dict(compute_wgs=2, batch_major=True), "batch_major needs pingpong"),
+    (dict(tile_v=64, epi_cols=16, epi_unroll=8, compute_wgs=2, pingpong=True,
+          batch_major=True), "must divide tile_v=64"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):
@@ -252,6 +264,11 @@ def test_config_problem_checks():
                                 compute_wgs=2, pingpong=True)
   with pytest.raises(ValueError, match="rows per warpgroup 128"):
     pp.check_problem(n=256, dim=4096, rows=1024)
+  bm = dataclasses.replace(pp, batch_major=True)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    bm.check_problem(n=72, dim=4096, rows=1024)
+  with pytest.raises(ValueError, match="N=192 x tile_v=128 needs 192"):
+    bm.check_problem(n=192, dim=4096, rows=1024)
   big = mosaic_sm90.TuningConfig(tile_v=128, tile_d=128,
                                  max_concurrent_steps=8, epi_cols=16)
   with pytest.raises(ValueError, match="bytes of SMEM"):

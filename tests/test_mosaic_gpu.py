@@ -82,6 +82,13 @@ _CONFIGS = [
                              pingpong=True, num_ctas=5),
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=2,
                              epi_cols=8, compute_wgs=2, pingpong=True),
+    # Batch on the wgmma M side (N=96 padded to 128), 24 tiles on 5 CTAs.
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
+                             epi_cols=16, compute_wgs=2, pingpong=True,
+                             batch_major=True, num_ctas=5),
+    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
+                             epi_cols=8, epi_unroll=2, compute_wgs=2,
+                             pingpong=True, batch_major=True),
 ]
 
 
