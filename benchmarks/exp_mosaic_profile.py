@@ -119,13 +119,12 @@ def _bm(**kw):
   return C(**{**base, **kw})
 
 
-V5 = {64: _bm(tile_d=128, max_concurrent_steps=3),
-      128: _bm(max_concurrent_steps=4)}
-
 AB = {
-    8: [V4[8], None],
-    64: [V5[64], None, _bm(tile_d=64, max_concurrent_steps=8, h_slots=3)],
-    128: [V5[128], None, _bm(max_concurrent_steps=7, h_slots=2)],
+    8: [V3[8], V4[8], None],
+    64: [V3[64], V4[64], None, _bm(epi_unroll=1, tile_d=128, max_concurrent_steps=3),
+         _bm(epi_unroll=2, max_concurrent_steps=5)],
+    128: [V3[128], V4[128], None, _bm(epi_unroll=2), _bm(tile_v=64, epi_unroll=2,
+                                                          tile_d=128, max_concurrent_steps=3)],
 }
 
 

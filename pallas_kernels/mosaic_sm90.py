@@ -120,11 +120,6 @@ class TuningConfig:
       inside each warp (no cross-warp reductions, no barriers), and a
       running best per (row, column slot) carries over chunks and tiles:
       one candidate row per warpgroup leaves the CTA. Needs ``pingpong``.
-    h_slots: ping-pong only: SMEM slots of the H ring (``[N, Dt]`` each,
-      at least 2: a slot is released one step after its wgmma is issued);
-      the weight ring has ``max_concurrent_steps``. H comes from L2 and is
-      needed no earlier than its weight slice, so a shallow H ring leaves
-      SMEM for more weight bytes in flight. None: as many as weight slots.
   """
 
   tile_v: int = 128
@@ -137,7 +132,6 @@ class TuningConfig:
   epi_passes: int = 1
   pingpong: bool = False
   batch_major: bool = False
-  h_slots: int | None = None
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -158,20 +152,6 @@ class TuningConfig:
       raise TypeError(f"pingpong={self.pingpong!r} must be a bool")
     if self.pingpong and self.compute_wgs != 2:
       raise ValueError(f"pingpong needs compute_wgs=2, got {self.compute_wgs}")
-    if self.pingpong and max_concurrent_steps < 2:
-      # A slot is released one step after its wgmma is issued (one wgmma in
-      # flight): a ring of one slot would wait on itself.
-      raise ValueError(
-          f"pingpong needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
-    if self.h_slots is not None:
-      if isinstance(self.h_slots, bool) or not isinstance(self.h_slots, int):
-        raise TypeError(f"h_slots={self.h_slots!r} must be an int or None")
-      if not self.pingpong:
-        raise ValueError("h_slots needs pingpong=True")
-      if not 2 <= self.h_slots <= max_concurrent_steps:
-        raise ValueError(
-            f"h_slots={self.h_slots} must be in [2, max_concurrent_steps="
-            f"{max_concurrent_steps}]")
     if not isinstance(self.batch_major, bool):
       raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
     if self.batch_major and not self.pingpong:
@@ -210,11 +190,6 @@ class TuningConfig:
     return 1 if self.pingpong else self.compute_wgs
 
   @property
-  def ring_h_slots(self) -> int:
-    """Slots of the H ring (the weight ring's count unless ``h_slots``)."""
-    return self.h_slots or self.max_concurrent_steps
-
-  @property
   def wg_rows(self) -> int:
     """Vocabulary rows of one compute warpgroup's accumulator."""
     return self.tile_v // self.wg_share
@@ -228,8 +203,7 @@ class TuningConfig:
   def smem_bytes(self, n: int, itemsize: int = 2) -> int:
     """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
     the f32 accumulator copies the epilogues loop over, the per-row data."""
-    pipeline = (self.max_concurrent_steps * self.tile_v
-                + self.ring_h_slots * n) * self.tile_d * itemsize
+    pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
     if self.batch_major:
       return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
     if self.pingpong:  # one whole accumulator, shared by both warpgroups
@@ -331,22 +305,18 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
                 num_sms: int | None = None) -> TuningConfig:
   """Config for batch side ``n`` (a multiple of 8), hidden ``D``, ``V`` rows.
 
-  Heuristic, no autotuning (DESIGN.md section 4; the measurements behind
-  each choice are in benchmarks/PERF_LOG.md):
+  Heuristic, no autotuning (DESIGN.md section 4):
 
-  * ``N <= 16``: ping-pong (v4), vocabulary on the wgmma M side, tiles of
-    128 rows: two compute warpgroups alternate tiles, so one's epilogue
-    overlaps the other's share of the weight stream.
-  * ``16 < N <= 128``: ping-pong with the batch on the M side (v5, N padded
-    to 64 or 128): the per-row argmax stays inside each warp, no barriers
-    in the epilogue.
-  * ``N > 128``: cooperative (v3): both warpgroups share every tile of
-    2 x 64 rows (H slices of N rows read once per 128 weight rows); the
-    accumulator goes to SMEM in passes of at most 64 columns.
-  * epilogue loop iterations of about 16 noise elements per thread: the
-    loop body bounds the epilogue's code size (v1 unrolled every chunk:
-    ~10k straight-line instructions ran at 0.07 IPC per warp) while leaving
-    ILP. :meth:`TuningConfig.batch_pad` gives the padded batch side.
+  * two compute warpgroups of 64 vocabulary rows each (``Vt = 128``) when
+    ``V >= 128``: twice the warps for the noise epilogue, which sets the time
+    from B~64 on (benchmarks/PERF_LOG.md v3); else one of 64.
+  * epilogue loop iterations of ``64 * epi_cols * epi_unroll / 128 = 16``
+    noise elements per thread: the loop body bounds the epilogue's code size
+    (v1 unrolled every chunk: ~10k straight-line instructions ran at 0.07
+    IPC per warp, see benchmarks/PERF_LOG.md) while leaving ILP.
+    :func:`candidates` pads N to a multiple of ``epi_cols * epi_unroll``.
+  * the accumulator goes to SMEM in passes of at most 64 columns, so that
+    N=256 still leaves room for 3 pipeline slots.
   * ``Dt = 128`` when D allows and 3 slots fit (fewer pipeline steps and
     barrier waits), else 64; as many pipeline slots as fit the SMEM budget
     (2 to 8).
@@ -354,23 +324,16 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   del num_sms  # One CTA per SM for now; the table may use it later.
   compute_wgs = 2 if rows >= 128 else 1
   epi_cols = 16
-  if compute_wgs == 2 and n <= 16:
-    # Ping-pong on tiles of 128 vocabulary rows, vocabulary on the wgmma M
-    # side: H slices of N <= 16 rows leave room for 5 slots of Dt = 128
-    # (batch-major would pad N to 64: 3 slots; L B=8 535 -> 566 us).
-    tile_v, epi_unroll = 128, 1
-    base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=1,
-                        compute_wgs=2, pingpong=True, max_concurrent_steps=3)
-  elif compute_wgs == 2 and n <= 128:
+  if compute_wgs == 2 and n <= 128:
     # Batch on the wgmma M side (N padded to 64 or 128), ping-pong on tiles
     # of 128 vocabulary rows: no cross-warp reductions in the epilogue, and
     # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v5).
     tile_v = 128
     n = _round_up(n, 64)
-    epi_unroll = 1
+    epi_unroll = 2 if n == 64 else 1  # 16 noise elements per thread
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols,
                         epi_unroll=epi_unroll, compute_wgs=2, pingpong=True,
-                        batch_major=True, max_concurrent_steps=3)
+                        batch_major=True, max_concurrent_steps=1)
   else:
     # N > 128 (or V < 128): vocabulary on M; both warpgroups share a tile of
     # 2 x 64 rows, so that the H slices (N x Dt per step) are read once per
@@ -390,22 +353,8 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
                         compute_wgs=compute_wgs, epi_passes=epi_passes,
                         max_concurrent_steps=1)
-  options = (128, 64) if dim % 128 == 0 else (64,)
-  n = base.batch_pad(n)
-  if base.pingpong:
-    # Separate rings: 3 H slots (from L2), the rest of SMEM for weight
-    # slots, the bytes in flight from HBM (PERF_LOG.md v6).
-    h_slots = 3
-    for tile_d in options:
-      cfg = dataclasses.replace(base, tile_d=tile_d, max_concurrent_steps=3,
-                                h_slots=h_slots)
-      room = _SMEM_BUDGET - cfg.smem_bytes(n, itemsize)
-      sw = 3 + room // (tile_v * tile_d * itemsize)
-      if sw >= 4 or tile_d == options[-1]:
-        break
-    return dataclasses.replace(cfg, max_concurrent_steps=max(h_slots,
-                                                             min(8, sw)))
   fixed = base.smem_bytes(n, itemsize) - (tile_v + n) * 64 * itemsize
+  options = (128, 64) if dim % 128 == 0 else (64,)
   for tile_d in options:
     per_step = (tile_v + n) * tile_d * itemsize
     steps = min(8, (_SMEM_BUDGET - fixed) // per_step)
@@ -770,11 +719,15 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   epi = cfg.epi_cols
   n_chunks = n // epi
   scratch_elems = _wg_scratch_elems(epi)
+  transforms = _tma_transforms(w_ref.dtype)
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
 
   @functools.partial(
       pl.run_scoped,
-      **_ring_scratch(cfg, n=n, w_block=w_block, dtype=w_ref.dtype),
+      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
+      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
       rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, vt, epi), jnp.float32),
       acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
@@ -782,9 +735,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
       red_i=plgpu.SMEM((2, scratch_elems), jnp.int32),
       rowdata_barrier=plgpu.Barrier(num_arrivals=1),
       collective_axes="wg")
-  def _scope(rowdata_smem, acc_smem, acc_free, red_f, red_i, rowdata_barrier,
-             **ring):
-    ring = _Ring(**ring, sw=S, sh=cfg.ring_h_slots)
+  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
+             red_f, red_i, rowdata_barrier):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("sm")
     n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
@@ -797,13 +749,14 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
       # (GMEM loads into the column layout do not lower, SMEM ones do).
       plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
 
-      _stream_steps(ring, w_ref=w_ref, h_ref=h_ref, layout=layout, vt=vt,
-                    dt=dt, k_steps=k_steps, rows=rows, cta=cta,
-                    num_ctas=num_ctas,
+      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
                     total=total)
 
-    def operands(w_slot, h_slot):
-      return (w_slot if layout == "vd" else w_slot.T), h_slot.T
+    def operands(slot):
+      w_slot = w_smem.at[slot]
+      return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
     @pl.when(wg < 2)
     def _compute_wg():
@@ -817,8 +770,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
         start = _tile_start(tile, vt, rows)
 
         def mma(acc_ref):
-          _consume_tile(acc_ref, ring, i=i, wg=wg, k_steps=k_steps,
-                        operands=operands)
+          _consume_tile(acc_ref, i=i, wg=wg, k_steps=k_steps, S=S, full=full,
+                        empty=empty, operands=operands)
           return acc_ref[...]
 
         acc = pl.run_scoped(mma, plgpu.ACC((vt, n), jnp.float32))
@@ -843,98 +796,38 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
         def _():
           plgpu.barrier_arrive(acc_free.at[1 - wg])
 
-@dataclasses.dataclass(frozen=True)
-class _Ring:
-  """SMEM rings of the ping-pong kernels: ``sw`` weight slots and ``sh`` H
-  slots. ``full_*[w * s + slot]`` completes when a step of compute
-  warpgroup ``w`` has landed in ``slot`` (each warpgroup waits only on its
-  own, so every phase of a barrier it waits on is waited exactly once);
-  ``empty_*[slot]`` is arrived by the warpgroup that consumed the slot and
-  waited on by the memory warpgroup before reuse."""
-  w_smem: object
-  h_smem: object
-  full_w: object
-  full_h: object
-  empty_w: object
-  empty_h: object
-  sw: int
-  sh: int
-
-
-def _ring_scratch(cfg: TuningConfig, *, n: int, w_block, dtype):
-  """Scoped allocations of a :class:`_Ring` (pass to ``pl.run_scoped``)."""
-  transforms = _tma_transforms(dtype)
-  sw, sh = cfg.max_concurrent_steps, cfg.ring_h_slots
-  return dict(
-      w_smem=plgpu.SMEM((sw, *w_block), dtype, transforms=transforms),
-      h_smem=plgpu.SMEM((sh, n, cfg.tile_d), dtype, transforms=transforms),
-      full_w=plgpu.Barrier(num_arrivals=1, num_barriers=2 * sw),
-      full_h=plgpu.Barrier(num_arrivals=1, num_barriers=2 * sh),
-      empty_w=plgpu.Barrier(num_arrivals=1, num_barriers=sw),
-      empty_h=plgpu.Barrier(num_arrivals=1, num_barriers=sh))
-
-
-def _stream_steps(ring: _Ring, *, w_ref, h_ref, layout: str, vt: int, dt: int,
-                  k_steps: int, rows: int, cta, num_ctas: int, total):
+def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
+                  vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
+                  num_ctas: int, total):
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
-  ``(local tile i, k)`` steps in order, weight slices ``sw - sh`` steps
-  ahead of the H slices (H comes from L2; its slot for step ``t`` frees
-  when step ``t - sh`` is consumed, the same moment the weight slot of step
-  ``t + sw - sh`` frees, so the H waits never hold up the weight stream)."""
-  sw, sh = ring.sw, ring.sh
-  lag = sw - sh
-
-  def owner(t):
-    return lax.rem(t // k_steps, 2)
-
-  def issue_h(t):
-    slot = lax.rem(t, sh)
-
-    @pl.when(t >= sh)
-    def _():
-      plgpu.barrier_wait(ring.empty_h.at[slot])
-
-    k = lax.rem(t, k_steps)
-    plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)],
-                            ring.h_smem.at[slot],
-                            ring.full_h.at[owner(t) * sh + slot])
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
 
   @pl.loop(0, total)
   def _step(s):
-    slot = lax.rem(s, sw)
+    slot = lax.rem(s, S)
     i = s // k_steps
     k = s - i * k_steps
 
-    @pl.when(s >= sw)
+    @pl.when(s >= S)
     def _():
-      plgpu.barrier_wait(ring.empty_w.at[slot])
+      plgpu.barrier_wait(empty.at[slot])
 
     start = _tile_start(cta + i * num_ctas, vt, rows)
     if layout == "vd":
       w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
     else:
       w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
-    plgpu.copy_gmem_to_smem(w_src, ring.w_smem.at[slot],
-                            ring.full_w.at[owner(s) * sw + slot])
-
-    @pl.when(s >= lag)
-    def _():
-      issue_h(s - lag)
-
-  @pl.loop(jnp.maximum(total - lag, 0), total)
-  def _tail(t):
-    issue_h(t)
+    bar = full.at[lax.rem(i, 2) * S + slot]
+    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
+    plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_smem.at[slot],
+                            bar)
 
   # Observe the last release of every slot used (each barrier phase is
   # waited once; interpret mode checks it), so that no slot is still read
   # when the CTA exits.
-  @pl.loop(jnp.maximum(total - sw, 0), total)
-  def _drain_w(t):
-    plgpu.barrier_wait(ring.empty_w.at[lax.rem(t, sw)])
-
-  @pl.loop(jnp.maximum(total - sh, 0), total)
-  def _drain_h(t):
-    plgpu.barrier_wait(ring.empty_h.at[lax.rem(t, sh)])
+  @pl.loop(jnp.maximum(total - S, 0), total)
+  def _drain(s):
+    plgpu.barrier_wait(empty.at[lax.rem(s, S)])
 
 
 def _tile_start(tile, vt: int, rows: int):
@@ -944,33 +837,28 @@ def _tile_start(tile, vt: int, rows: int):
   return jnp.minimum(tile * vt, rows - vt)
 
 
-def _consume_tile(acc_ref, ring: _Ring, *, i, wg, k_steps: int, operands):
-  """A compute warpgroup's wgmma over the steps of its local tile ``i``
-  (ping-pong kernels). One wgmma stays in flight: the previous step's slots
-  are released once this step's wgmma is issued and the previous finished.
-  ``operands(w_slot_ref, h_slot_ref)`` gives the wgmma's (a, b)."""
-  sw, sh = ring.sw, ring.sh
+def _consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
+                  operands):
+  """A compute warpgroup's wgmma over the ``k_steps`` slots of its local
+  tile ``i`` (ping-pong kernels). One wgmma stays in flight: a slot is
+  released once the next step's wgmma is issued and the previous finished."""
 
   def step(k, _):
     s = i * k_steps + k
-    ws, hs = lax.rem(s, sw), lax.rem(s, sh)
-    plgpu.barrier_wait(ring.full_w.at[wg * sw + ws])
-    plgpu.barrier_wait(ring.full_h.at[wg * sh + hs])
-    plgpu.wgmma(acc_ref, *operands(ring.w_smem.at[ws], ring.h_smem.at[hs]))
+    slot = lax.rem(s, S)
+    plgpu.barrier_wait(full.at[wg * S + slot])
+    plgpu.wgmma(acc_ref, *operands(slot))
     plgpu.wgmma_wait(1)
 
     @pl.when(k > 0)
     def _():
-      plgpu.barrier_arrive(ring.empty_w.at[lax.rem(s - 1 + sw, sw)])
-      plgpu.barrier_arrive(ring.empty_h.at[lax.rem(s - 1 + sh, sh)])
+      plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
 
     return ()
 
   lax.fori_loop(0, k_steps, step, ())
   plgpu.wgmma_wait(0)
-  last = i * k_steps + k_steps - 1
-  plgpu.barrier_arrive(ring.empty_w.at[lax.rem(last, sw)])
-  plgpu.barrier_arrive(ring.empty_h.at[lax.rem(last, sh)])
+  plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
 
 
 def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
@@ -995,20 +883,24 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   k_steps = dim // dt
   epi = cfg.epi_cols
   n_chunks = vt // epi
+  transforms = _tma_transforms(w_ref.dtype)
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
   @functools.partial(
       pl.run_scoped,
-      **_ring_scratch(cfg, n=n, w_block=w_block, dtype=w_ref.dtype),
+      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
+      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
       rowdata_smem=plgpu.SMEM((_ROWDATA, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32),
       acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
       rowdata_barrier=plgpu.Barrier(num_arrivals=1),
       collective_axes="wg")
-  def _scope(rowdata_smem, acc_smem, acc_free, rowdata_barrier, **ring):
-    ring = _Ring(**ring, sw=S, sh=cfg.ring_h_slots)
+  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
+             rowdata_barrier):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("sm")
     n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
@@ -1017,13 +909,14 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
       plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-      _stream_steps(ring, w_ref=w_ref, h_ref=h_ref, layout=layout, vt=vt,
-                    dt=dt, k_steps=k_steps, rows=rows, cta=cta,
-                    num_ctas=num_ctas,
+      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
                     total=n_local * k_steps)
 
-    def operands(w_slot, h_slot):
-      return h_slot, (w_slot.T if layout == "vd" else w_slot)
+    def operands(slot):
+      w_slot = w_smem.at[slot]
+      return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
 
     @pl.when(wg < 2)
     def _compute_wg():
@@ -1064,8 +957,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
         first_new = tile * vt - start
 
         def mma(acc_ref):
-          _consume_tile(acc_ref, ring, i=i, wg=wg, k_steps=k_steps,
-                        operands=operands)
+          _consume_tile(acc_ref, i=i, wg=wg, k_steps=k_steps, S=S, full=full,
+                        empty=empty, operands=operands)
           return acc_ref[...]
 
         acc = pl.run_scoped(mma, plgpu.ACC((n, vt), jnp.float32))

@@ -83,21 +83,16 @@ _CONFIGS = [
     # mid-ring); 6 tiles on 4 CTAs (one or two tiles per CTA).
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
                              epi_cols=8, compute_wgs=2, pingpong=True),
-    # Ping-pong with 5 weight slots and 2 H slots.
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=5,
-                             epi_cols=8, compute_wgs=2, pingpong=True,
-                             h_slots=2),
     # Ping-pong, 11 tiles on 3 CTAs (4, 4, 3 tiles: both warpgroups end on
     # either parity), 3 chunks per unrolled iteration, 2 steps per tile over
     # 2 slots.
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
                              epi_cols=8, epi_unroll=3, compute_wgs=2,
                              pingpong=True, num_ctas=3),
-    # Batch on M (N=21 padded to 64): running best over chunks and tiles;
-    # an H ring of 2 slots, one step behind a weight ring of 3.
+    # Batch on M (N=21 padded to 64): running best over chunks and tiles.
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
                              epi_cols=8, compute_wgs=2, pingpong=True,
-                             batch_major=True, h_slots=2),
+                             batch_major=True),
     # Batch on M, 11 tiles of 64 on 3 CTAs, two chunks per iteration.
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
                              epi_cols=16, epi_unroll=2, compute_wgs=2,
@@ -241,13 +236,6 @@ def test_heuristic_configs_are_valid():
     (dict(pingpong=True), "pingpong needs compute_wgs=2"),
     (dict(compute_wgs=2, pingpong=True, epi_passes=2), "epi_passes=2"),
     (dict(compute_wgs=2, batch_major=True), "batch_major needs pingpong"),
-    (dict(h_slots=2), "h_slots needs pingpong"),
-    (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=2, h_slots=3),
-     "h_slots=3 must be in"),
-    (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=3, h_slots=1),
-     "h_slots=1 must be in"),
-    (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=1),
-     "pingpong needs max_concurrent_steps >= 2"),
     (dict(tile_v=64, epi_cols=16, epi_unroll=8, compute_wgs=2, pingpong=True,
           batch_major=True), "must divide tile_v=64"),
 ])

@@ -89,13 +89,6 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
                              epi_cols=8, epi_unroll=2, compute_wgs=2,
                              pingpong=True, batch_major=True),
-    # Separate rings: 4 weight slots, 2 H slots (8 steps per tile).
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=4,
-                             epi_cols=16, compute_wgs=2, pingpong=True,
-                             batch_major=True, h_slots=2, num_ctas=7),
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=7,
-                             epi_cols=16, compute_wgs=2, pingpong=True,
-                             h_slots=3),
 ]
 
 
