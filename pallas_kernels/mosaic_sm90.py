@@ -152,6 +152,11 @@ class TuningConfig:
       raise TypeError(f"pingpong={self.pingpong!r} must be a bool")
     if self.pingpong and self.compute_wgs != 2:
       raise ValueError(f"pingpong needs compute_wgs=2, got {self.compute_wgs}")
+    if self.pingpong and max_concurrent_steps < 2:
+      # A slot is released one step after its wgmma is issued (one wgmma in
+      # flight): a ring of one slot would wait on itself.
+      raise ValueError(
+          f"pingpong needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
     if not isinstance(self.batch_major, bool):
       raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
     if self.batch_major and not self.pingpong:
@@ -305,18 +310,22 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
                 num_sms: int | None = None) -> TuningConfig:
   """Config for batch side ``n`` (a multiple of 8), hidden ``D``, ``V`` rows.
 
-  Heuristic, no autotuning (DESIGN.md section 4):
+  Heuristic, no autotuning (DESIGN.md section 4; the measurements behind
+  each choice are in benchmarks/PERF_LOG.md):
 
-  * two compute warpgroups of 64 vocabulary rows each (``Vt = 128``) when
-    ``V >= 128``: twice the warps for the noise epilogue, which sets the time
-    from B~64 on (benchmarks/PERF_LOG.md v3); else one of 64.
-  * epilogue loop iterations of ``64 * epi_cols * epi_unroll / 128 = 16``
-    noise elements per thread: the loop body bounds the epilogue's code size
-    (v1 unrolled every chunk: ~10k straight-line instructions ran at 0.07
-    IPC per warp, see benchmarks/PERF_LOG.md) while leaving ILP.
-    :func:`candidates` pads N to a multiple of ``epi_cols * epi_unroll``.
-  * the accumulator goes to SMEM in passes of at most 64 columns, so that
-    N=256 still leaves room for 3 pipeline slots.
+  * ``N <= 16``: ping-pong (v4), vocabulary on the wgmma M side, tiles of
+    128 rows: two compute warpgroups alternate tiles, so one's epilogue
+    overlaps the other's share of the weight stream.
+  * ``16 < N <= 128``: ping-pong with the batch on the M side (v5, N padded
+    to 64 or 128): the per-row argmax stays inside each warp, no barriers
+    in the epilogue.
+  * ``N > 128``: cooperative (v3): both warpgroups share every tile of
+    2 x 64 rows (H slices of N rows read once per 128 weight rows); the
+    accumulator goes to SMEM in passes of at most 64 columns.
+  * epilogue loop iterations of 8 to 16 noise elements per thread: the loop
+    body bounds the epilogue's code size (v1 unrolled every chunk: ~10k
+    straight-line instructions ran at 0.07 IPC per warp) while leaving
+    ILP. :meth:`TuningConfig.batch_pad` gives the padded batch side.
   * ``Dt = 128`` when D allows and 3 slots fit (fewer pipeline steps and
     barrier waits), else 64; as many pipeline slots as fit the SMEM budget
     (2 to 8).
@@ -324,16 +333,25 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   del num_sms  # One CTA per SM for now; the table may use it later.
   compute_wgs = 2 if rows >= 128 else 1
   epi_cols = 16
-  if compute_wgs == 2 and n <= 128:
+  if compute_wgs == 2 and n <= 16:
+    # Ping-pong on tiles of 128 vocabulary rows, vocabulary on the wgmma M
+    # side: H slices of N <= 16 rows leave room for 5 slots of Dt = 128
+    # (batch-major pads N to 64: 3 slots; L B=8 535 -> 566 us, PERF_LOG v5).
+    tile_v, epi_unroll = 128, 1
+    base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=1,
+                        compute_wgs=2, pingpong=True, max_concurrent_steps=2)
+  elif compute_wgs == 2 and n <= 128:
     # Batch on the wgmma M side (N padded to 64 or 128), ping-pong on tiles
     # of 128 vocabulary rows: no cross-warp reductions in the epilogue, and
     # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v5).
+    # One chunk of [N, 16] per loop iteration (8 or 16 noise elements per
+    # thread; unrolling twice measured 2-4% slower).
     tile_v = 128
     n = _round_up(n, 64)
-    epi_unroll = 2 if n == 64 else 1  # 16 noise elements per thread
+    epi_unroll = 1
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols,
                         epi_unroll=epi_unroll, compute_wgs=2, pingpong=True,
-                        batch_major=True, max_concurrent_steps=1)
+                        batch_major=True, max_concurrent_steps=2)
   else:
     # N > 128 (or V < 128): vocabulary on M; both warpgroups share a tile of
     # 2 x 64 rows, so that the H slices (N x Dt per step) are read once per
@@ -353,7 +371,9 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
                         compute_wgs=compute_wgs, epi_passes=epi_passes,
                         max_concurrent_steps=1)
-  fixed = base.smem_bytes(n, itemsize) - (tile_v + n) * 64 * itemsize
+  n = base.batch_pad(n)
+  fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(n, itemsize)
+           - 2 * (tile_v + n) * 64 * itemsize)
   options = (128, 64) if dim % 128 == 0 else (64,)
   for tile_d in options:
     per_step = (tile_v + n) * tile_d * itemsize

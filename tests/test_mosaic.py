@@ -236,6 +236,8 @@ def test_heuristic_configs_are_valid():
     (dict(pingpong=True), "pingpong needs compute_wgs=2"),
     (dict(compute_wgs=2, pingpong=True, epi_passes=2), "epi_passes=2"),
     (dict(compute_wgs=2, batch_major=True), "batch_major needs pingpong"),
+    (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=1),
+     "pingpong needs max_concurrent_steps >= 2"),
     (dict(tile_v=64, epi_cols=16, epi_unroll=8, compute_wgs=2, pingpong=True,
           batch_major=True), "must divide tile_v=64"),
 ])
