@@ -120,15 +120,16 @@ def _bm(**kw):
 
 
 AB = {
-    8: [V3[8], V4[8], None],
-    64: [V3[64], V4[64], None, _bm(epi_unroll=1, tile_d=128, max_concurrent_steps=3),
-         _bm(epi_unroll=2, max_concurrent_steps=5)],
-    128: [V3[128], V4[128], None, _bm(epi_unroll=2), _bm(tile_v=64, epi_unroll=2,
-                                                          tile_d=128, max_concurrent_steps=3)],
+    8: [V4[8], None],
+    64: [V5[64], None],
+    128: [None, _bm(shared_acc=False, max_concurrent_steps=2)],
+    # N=256: v3 (heuristic) vs batch on M with 64-row tiles (H read 4x).
+    256: [None, _bm(tile_v=64, max_concurrent_steps=3),
+          _bm(tile_v=64, max_concurrent_steps=2, shared_acc=False)],
 }
 
 
-def ab_mode(batches=(8, 64, 128)):
+def ab_mode(batches=(128, 256)):
   """Configs side by side in one process; tokens compared with the first."""
   global D, V
   rows = []
