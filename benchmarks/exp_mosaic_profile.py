@@ -119,6 +119,9 @@ def _bm(**kw):
   return C(**{**base, **kw})
 
 
+V5 = {64: _bm(tile_d=128, max_concurrent_steps=3),
+      128: _bm(max_concurrent_steps=4)}
+
 AB = {
     8: [V4[8], None],
     64: [V5[64], None],
