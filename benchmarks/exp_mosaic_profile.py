@@ -125,10 +125,11 @@ V5 = {64: _bm(tile_d=128, max_concurrent_steps=3),
 AB = {
     8: [V4[8], None],
     64: [V5[64], None],
-    128: [None, _bm(shared_acc=False, max_concurrent_steps=2)],
+    128: [None],
     # N=256: v3 (heuristic) vs batch on M with 64-row tiles (H read 4x).
-    256: [None, _bm(tile_v=64, max_concurrent_steps=3),
-          _bm(tile_v=64, max_concurrent_steps=2, shared_acc=False)],
+    # (Per-warpgroup accumulator buffers, tried once, left 2 slots: 1.8-2x
+    # slower at N=128 and N=256; results/v4/ab_separate_acc_h200.log.)
+    256: [None, _bm(tile_v=64, max_concurrent_steps=3)],
 }
 
 

@@ -62,8 +62,8 @@ _N_ALIGN = 8
 _SWIZZLE = 128
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # H100/H200 allow 227 KiB of dynamic SMEM per block; keep room for the
-# reduction scratch (6 KiB), barriers and alignment.
-_SMEM_BUDGET = 220 * 1024
+# reduction scratch and barriers.
+_SMEM_BUDGET = 212 * 1024
 # Widest epilogue pass (columns of the accumulator copied to SMEM at once).
 _MAX_PASS_COLS = 64
 _REDUCTION_SCRATCH_BYTES = 2 * 128 * 6 * 4  # CompilerParams' suggested value
@@ -120,9 +120,6 @@ class TuningConfig:
       inside each warp (no cross-warp reductions, no barriers), and a
       running best per (row, column slot) carries over chunks and tiles:
       one candidate row per warpgroup leaves the CTA. Needs ``pingpong``.
-    shared_acc: batch_major only: the two warpgroups share one SMEM copy of
-      the accumulator (handed over by barriers: their epilogues take turns)
-      or each has its own (epilogues may overlap; twice the SMEM).
   """
 
   tile_v: int = 128
@@ -135,7 +132,6 @@ class TuningConfig:
   epi_passes: int = 1
   pingpong: bool = False
   batch_major: bool = False
-  shared_acc: bool = True
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -165,10 +161,6 @@ class TuningConfig:
       raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
     if self.batch_major and not self.pingpong:
       raise ValueError("batch_major needs pingpong=True")
-    if not isinstance(self.shared_acc, bool):
-      raise TypeError(f"shared_acc={self.shared_acc!r} must be a bool")
-    if not self.shared_acc and not self.batch_major:
-      raise ValueError("shared_acc=False needs batch_major=True")
     if self.batch_major and tile_v % (epi_cols * self.epi_unroll):
       raise ValueError(
           f"batch_major: epi_cols={epi_cols} x epi_unroll={self.epi_unroll} "
@@ -218,8 +210,7 @@ class TuningConfig:
     the f32 accumulator copies the epilogues loop over, the per-row data."""
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
     if self.batch_major:
-      acc_copies = 1 if self.shared_acc else 2
-      return pipeline + acc_copies * self.tile_v * n * 4 + _ROWDATA * n * 4
+      return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
     if self.pingpong:  # one whole accumulator, shared by both warpgroups
       acc = self.tile_v * n * 4
     else:
@@ -924,8 +915,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
       full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
       empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
       rowdata_smem=plgpu.SMEM((_ROWDATA, n), jnp.uint32),
-      acc_smem=plgpu.SMEM((1 if cfg.shared_acc else 2, n_chunks, n, epi),
-                          jnp.float32),
+      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32),
       acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
       rowdata_barrier=plgpu.Barrier(num_arrivals=1),
       collective_axes="wg")
@@ -960,11 +950,10 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
       t_safe = jnp.where(greedy, 1.0, t)
       col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
       off = off_ref[0]
-      my_acc = acc_smem.at[0 if cfg.shared_acc else wg]
 
       def chunk(c, start, first_new, best):
         best_s, best_i = best
-        l = plgpu.load(my_acc.at[c], layout=wgmma_layout)
+        l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
         local = col + c * epi  # vocabulary column within the tile
         gid = local + (off + start)
         valid = ((local >= first_new) & (local + start < rows_valid)
@@ -994,14 +983,14 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
         acc = pl.run_scoped(mma, plgpu.ACC((n, vt), jnp.float32))
 
-        # A shared accumulator buffer: wait until the other warpgroup's
+        # The accumulator buffer is shared: wait until the other warpgroup's
         # epilogue (of local tile i - 1) has read it all.
-        @pl.when((i > 0) & cfg.shared_acc)
+        @pl.when(i > 0)
         def _():
           plgpu.barrier_wait(acc_free.at[wg])
 
         for c in range(n_chunks):
-          my_acc[c] = acc[:, c * epi:(c + 1) * epi]
+          acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
 
         def body(it, best):
           for u in range(cfg.epi_unroll):
@@ -1013,7 +1002,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
         # Every thread arrives once it is done reading (Lane semantics count
         # 128 arrivals); none after the CTA's last tile, so that every phase
         # is waited on exactly once.
-        @pl.when((i + 1 < n_local) & cfg.shared_acc)
+        @pl.when(i + 1 < n_local)
         def _():
           plgpu.barrier_arrive(acc_free.at[1 - wg])
 
