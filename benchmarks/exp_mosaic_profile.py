@@ -124,8 +124,10 @@ V5 = {64: _bm(tile_d=128, max_concurrent_steps=3),
 
 AB = {
     8: [V4[8], None],
-    64: [V5[64], None],
-    128: [None],
+    64: [None, _bm(epi_cols=8, tile_d=128, max_concurrent_steps=3)],
+    # Chunks of [N, 8]: half the loop body (the [128, 16] body is 36 KB of
+    # SASS, over the instruction cache; PERF_LOG v5).
+    128: [None, _bm(epi_cols=8), _bm(epi_cols=8, epi_unroll=2)],
     # N=256: v3 (heuristic) vs batch on M with 64-row tiles (H read 4x).
     # (Per-warpgroup accumulator buffers, tried once, left 2 slots: 1.8-2x
     # slower at N=128 and N=256; results/v4/ab_separate_acc_h200.log.)
@@ -133,7 +135,7 @@ AB = {
 }
 
 
-def ab_mode(batches=(128, 256)):
+def ab_mode(batches=(64, 128)):
   """Configs side by side in one process; tokens compared with the first."""
   global D, V
   rows = []
