@@ -1,29 +1,38 @@
 """The ``mosaic`` backend: a fused Pallas Mosaic GPU kernel for Hopper (sm90).
 
-One launch streams the LM head ``W`` through shared memory once and keeps, for
-every (vocabulary tile, batch row), the best ``(score, global id)``; plain JAX
-then reduces the ``[n_tiles, B]`` candidates (DESIGN.md section 3).
+One launch streams the LM head ``W`` through shared memory once and keeps,
+per batch row, the best ``(score, global id)`` of each vocabulary tile (or of
+each warpgroup's tiles); plain JAX then reduces the few candidates
+(DESIGN.md section 3)::
 
-Shape of the work ("swap AB", because decode batches are small and wgmma's M
-is 64 per warpgroup)::
+    logits = W_tile @ H.T                          (f32, wgmma, K loop over Dt)
+    score  = logits / T + gumbel(key, ctr + gid)   (sampled rows; greedy: logits)
+    cand   = (max score, lowest gid attaining it; NaN wins)
 
-    acc[Vt, N] = W_tile[Vt, D] @ H[N, D].T        (f32, wgmma, K loop over Dt)
-    score      = acc / T + gumbel(key, ctr + gid)  (sampled rows; greedy: acc)
-    cand[t, n] = (max_v score, lowest gid attaining it; NaN wins)
+Three schedules, all warp-specialized (one TMA warpgroup, two compute
+warpgroups) and persistent over vocabulary tiles; :func:`pick_config` picks
+by batch size (measurements in ``benchmarks/PERF_LOG.md``):
+
+* :func:`_kernel` (v3, "cooperative", ``N > 128``): vocabulary on the wgmma M
+  side (``acc[Vt/2, N]`` per warpgroup, "swap AB"), both warpgroups share
+  every step of ``emit_pipeline_warp_specialized``; column reductions across
+  warps use per-warpgroup SMEM scratch through ``plgpu.inline_mgpu``
+  (:func:`_col_reduce`), because ``jnp.max``'s scratch sits at one fixed
+  offset and races between warpgroups (DESIGN.md trap 1); every step waits
+  for its wgmma (trap 2).
+* :func:`_kernel_pingpong` (v4, ``N <= 16``): vocabulary on M, the two
+  warpgroups alternate whole tiles over one hand-written ring of SMEM slots
+  (:func:`_stream_steps`, :func:`_consume_tile`), so one's epilogue overlaps
+  the other's share of the weight stream; one wgmma stays in flight.
+* :func:`_kernel_batch_major` (v5, ``16 < N <= 128``): the same ping-pong
+  with the batch on the M side (``acc[N, Vt]``): the per-row argmax reduces
+  inside each warp (no barriers, no scratch) with a running best carried
+  over chunks and tiles.
 
 The module has four parts (STYLE.md): the frozen :class:`TuningConfig`, the
-kernel body (:func:`_kernel`), the launcher (:func:`_launch` and the public
-:func:`candidates`), and the heuristic (:func:`pick_config`).
-
-Design choices and the measurements behind them are in DESIGN.md section 3
-and ``benchmarks/PERF_LOG.md``; the two traps it lists shape this kernel:
-
-* two compute warpgroups per CTA (each 64 rows of the vocabulary tile); their
-  cross-warp column reductions use per-warpgroup SMEM scratch through
-  ``plgpu.inline_mgpu`` (:func:`_col_reduce`), because ``jnp.max``'s scratch
-  sits at one fixed offset and races between warpgroups (trap 1);
-* every step waits for its wgmma (``wgmma_wait(0)``, no ``delay_release``):
-  see trap 2 and the comment in ``mma_body``.
+kernel bodies (with the shared :func:`_epilogue`), the launcher
+(:func:`_launch` and the public :func:`candidates`), and the heuristic
+(:func:`pick_config`).
 """
 
 from __future__ import annotations
