@@ -769,19 +769,14 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
     wg = lax.axis_index("wg")
     cta = lax.axis_index("sm")
     n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
-    total = n_local * k_steps
 
     @pl.when(wg == 2)
     def _memory_wg():
-      plgpu.set_max_registers(40, action="decrease")
-      # Per-row key words, counters and temperatures for every epilogue
-      # (GMEM loads into the column layout do not lower, SMEM ones do).
-      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-
-      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
-                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
-                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
-                    total=total)
+      _memory_warpgroup(
+          rowdata_ref, rowdata_smem, rowdata_barrier, w_ref=w_ref, h_ref=h_ref,
+          w_smem=w_smem, h_smem=h_smem, full=full, empty=empty, layout=layout,
+          vt=vt, dt=dt, S=S, k_steps=k_steps, rows=rows, cta=cta,
+          num_ctas=num_ctas, total=n_local * k_steps)
 
     def operands(slot):
       w_slot = w_smem.at[slot]
@@ -792,38 +787,66 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
       plgpu.set_max_registers(232, action="increase")
       plgpu.barrier_wait(rowdata_barrier)
 
-      @pl.loop(0, (n_local - wg + 1) // 2)
-      def _tile(j):
-        i = wg + 2 * j
-        tile = cta + i * num_ctas
-        start = _tile_start(tile, vt, rows)
-
-        def mma(acc_ref):
-          _consume_tile(acc_ref, i=i, wg=wg, k_steps=k_steps, S=S, full=full,
-                        empty=empty, operands=operands)
-          return acc_ref[...]
-
-        acc = pl.run_scoped(mma, plgpu.ACC((vt, n), jnp.float32))
-
-        # The accumulator buffer is shared: wait until the other warpgroup's
-        # epilogue (of local tile i - 1) has read it all.
-        @pl.when(i > 0)
-        def _():
-          plgpu.barrier_wait(acc_free.at[wg])
-
+      def epilogue(acc, tile, start, first_new, carry):
         _epilogue(acc, cfg=cfg, passes=[(0, n_chunks)], row0=0, start=start,
-                  first_new=tile * vt - start, off_ref=off_ref,
+                  first_new=first_new, off_ref=off_ref,
                   rowdata_smem=rowdata_smem, acc_smem=acc_smem,
                   scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
                   score_ref=score_ref, index_ref=index_ref, out_row=tile,
                   rows_valid=rows_valid, vocab_size=vocab_size)
+        return carry
 
-        # Every thread arrives once it is done reading (Lane semantics count
-        # 128 arrivals); none after the CTA's last tile, so that every phase
-        # is waited on exactly once.
-        @pl.when(i + 1 < n_local)
-        def _():
-          plgpu.barrier_arrive(acc_free.at[1 - wg])
+      consume = functools.partial(_consume_tile, wg=wg, k_steps=k_steps, S=S,
+                                  full=full, empty=empty, operands=operands)
+      lax.fori_loop(
+          0, (n_local - wg + 1) // 2,
+          lambda j, c: _pingpong_tile(
+              i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
+              rows=rows, acc_shape=(vt, n), n_local=n_local,
+              acc_free=acc_free, consume=consume, epilogue=epilogue, carry=c),
+          ())
+
+
+def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
+                   acc_shape, n_local, acc_free, consume, epilogue, carry):
+  """Local tile ``i`` of a ping-pong compute warpgroup: its wgmma over the
+  stream (``consume``), then ``epilogue(acc, tile, start, first_new,
+  carry) -> carry`` while holding the shared accumulator buffer."""
+  tile = cta + i * num_ctas
+  start = _tile_start(tile, vt, rows)
+
+  def mma(acc_ref):
+    consume(acc_ref, i=i)
+    return acc_ref[...]
+
+  acc = pl.run_scoped(mma, plgpu.ACC(acc_shape, jnp.float32))
+
+  # The accumulator buffer is shared: wait until the other warpgroup's
+  # epilogue (of local tile i - 1) has read it all.
+  @pl.when(i > 0)
+  def _():
+    plgpu.barrier_wait(acc_free.at[wg])
+
+  carry = epilogue(acc, tile, start, tile * vt - start, carry)
+
+  # Every thread arrives once it is done reading (Lane semantics count 128
+  # arrivals); none after the CTA's last tile, so that every phase is waited
+  # on exactly once.
+  @pl.when(i + 1 < n_local)
+  def _():
+    plgpu.barrier_arrive(acc_free.at[1 - wg])
+
+  return carry
+
+
+def _memory_warpgroup(rowdata_ref, rowdata_smem, rowdata_barrier, **stream):
+  """The ping-pong kernels' memory warpgroup: per-row key words, counters
+  and temperatures to SMEM for every epilogue (GMEM loads into the register
+  layouts do not lower, SMEM ones do), then the weight and H stream."""
+  plgpu.set_max_registers(40, action="decrease")
+  plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+  _stream_steps(**stream)
+
 
 def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
                   vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
@@ -936,12 +959,11 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
     @pl.when(wg == 2)
     def _memory_wg():
-      plgpu.set_max_registers(40, action="decrease")
-      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
-                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
-                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
-                    total=n_local * k_steps)
+      _memory_warpgroup(
+          rowdata_ref, rowdata_smem, rowdata_barrier, w_ref=w_ref, h_ref=h_ref,
+          w_smem=w_smem, h_smem=h_smem, full=full, empty=empty, layout=layout,
+          vt=vt, dt=dt, S=S, k_steps=k_steps, rows=rows, cta=cta,
+          num_ctas=num_ctas, total=n_local * k_steps)
 
     def operands(slot):
       w_slot = w_smem.at[slot]
@@ -979,25 +1001,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
         take = (sc > best_s) | (nan_new & ~nan_old) | (same & (idx < best_i))
         return jnp.where(take, sc, best_s), jnp.where(take, idx, best_i)
 
-      def tile_body(j, best):
-        i = wg + 2 * j
-        tile = cta + i * num_ctas
-        start = _tile_start(tile, vt, rows)
-        first_new = tile * vt - start
-
-        def mma(acc_ref):
-          _consume_tile(acc_ref, i=i, wg=wg, k_steps=k_steps, S=S, full=full,
-                        empty=empty, operands=operands)
-          return acc_ref[...]
-
-        acc = pl.run_scoped(mma, plgpu.ACC((n, vt), jnp.float32))
-
-        # The accumulator buffer is shared: wait until the other warpgroup's
-        # epilogue (of local tile i - 1) has read it all.
-        @pl.when(i > 0)
-        def _():
-          plgpu.barrier_wait(acc_free.at[wg])
-
+      def epilogue(acc, tile, start, first_new, best):
+        del tile
         for c in range(n_chunks):
           acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
 
@@ -1006,16 +1011,16 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
             best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
           return best
 
-        best = lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
+        return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
 
-        # Every thread arrives once it is done reading (Lane semantics count
-        # 128 arrivals); none after the CTA's last tile, so that every phase
-        # is waited on exactly once.
-        @pl.when(i + 1 < n_local)
-        def _():
-          plgpu.barrier_arrive(acc_free.at[1 - wg])
+      consume = functools.partial(_consume_tile, wg=wg, k_steps=k_steps, S=S,
+                                  full=full, empty=empty, operands=operands)
 
-        return best
+      def tile_body(j, best):
+        return _pingpong_tile(
+            i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt, rows=rows,
+            acc_shape=(n, vt), n_local=n_local, acc_free=acc_free,
+            consume=consume, epilogue=epilogue, carry=best)
 
       init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
                                 wgmma_layout),
