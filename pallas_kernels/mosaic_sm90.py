@@ -743,13 +743,50 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   C]`` (the whole of it: the epilogue then holds no accumulator registers
   and has room for ILP); ``acc_free[w]`` hands it to warpgroup ``w``.
   """
-  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
-  k_steps = dim // dt
   epi = cfg.epi_cols
   n_chunks = n // epi
   scratch_elems = _wg_scratch_elems(epi)
+
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i):
+    def epilogue(acc, tile, start, first_new, carry):
+      _epilogue(acc, cfg=cfg, passes=[(0, n_chunks)], row0=0, start=start,
+                first_new=first_new, off_ref=off_ref,
+                rowdata_smem=rowdata_smem, acc_smem=acc_smem,
+                scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                score_ref=score_ref, index_ref=index_ref, out_row=tile,
+                rows_valid=rows_valid, vocab_size=vocab_size)
+      return carry
+
+    tile_loop(epilogue, ())
+
+  _pingpong_frame(
+      compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
+      n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
+      rowdata_ref=rowdata_ref, batch_major=False,
+      rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_chunks, cfg.tile_v, epi), jnp.float32),
+      red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
+      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32))
+
+
+def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
+                    dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
+                    h_ref, rowdata_ref, batch_major: bool, rowdata_smem,
+                    acc_smem, **scratch):
+  """What the ping-pong kernels share: the SMEM ring and its barriers, the
+  memory warpgroup, and each compute warpgroup's loop over its tiles.
+
+  ``compute(wg=, tile_loop=, rowdata_smem=, acc_smem=, **scratch)`` runs on
+  both compute warpgroups once the per-row data is in SMEM;
+  ``tile_loop(epilogue, carry) -> carry`` runs the warpgroup's local tiles
+  (:func:`_pingpong_tile`). ``rowdata_smem``, ``acc_smem`` and ``scratch``
+  are the kernel's own SMEM allocations (``plgpu.SMEM`` types).
+  """
+  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
+  k_steps = dim // dt
   transforms = _tma_transforms(w_ref.dtype)
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
+  acc_shape = (n, vt) if batch_major else (vt, n)
 
   @functools.partial(
       pl.run_scoped,
@@ -757,54 +794,54 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
       h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
       full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
       empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
-      rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
-      acc_smem=plgpu.SMEM((n_chunks, vt, epi), jnp.float32),
+      rowdata_smem=rowdata_smem,
+      acc_smem=acc_smem,
       acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-      red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
-      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32),
       rowdata_barrier=plgpu.Barrier(num_arrivals=1),
-      collective_axes="wg")
+      collective_axes="wg",
+      **scratch)
   def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
-             red_f, red_i, rowdata_barrier):
+             rowdata_barrier, **scratch):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("sm")
     n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
 
     @pl.when(wg == 2)
     def _memory_wg():
-      _memory_warpgroup(
-          rowdata_ref, rowdata_smem, rowdata_barrier, w_ref=w_ref, h_ref=h_ref,
-          w_smem=w_smem, h_smem=h_smem, full=full, empty=empty, layout=layout,
-          vt=vt, dt=dt, S=S, k_steps=k_steps, rows=rows, cta=cta,
-          num_ctas=num_ctas, total=n_local * k_steps)
+      plgpu.set_max_registers(40, action="decrease")
+      # Per-row key words, counters and temperatures for every epilogue
+      # (GMEM loads into the register layouts do not lower, SMEM ones do).
+      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+      _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                    k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
+                    total=n_local * k_steps)
 
     def operands(slot):
       w_slot = w_smem.at[slot]
+      if batch_major:  # acc[N, Vt] = H @ W_tile.T
+        return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
       return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
     @pl.when(wg < 2)
     def _compute_wg():
       plgpu.set_max_registers(232, action="increase")
       plgpu.barrier_wait(rowdata_barrier)
-
-      def epilogue(acc, tile, start, first_new, carry):
-        _epilogue(acc, cfg=cfg, passes=[(0, n_chunks)], row0=0, start=start,
-                  first_new=first_new, off_ref=off_ref,
-                  rowdata_smem=rowdata_smem, acc_smem=acc_smem,
-                  scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
-                  score_ref=score_ref, index_ref=index_ref, out_row=tile,
-                  rows_valid=rows_valid, vocab_size=vocab_size)
-        return carry
-
       consume = functools.partial(_consume_tile, wg=wg, k_steps=k_steps, S=S,
                                   full=full, empty=empty, operands=operands)
-      lax.fori_loop(
-          0, (n_local - wg + 1) // 2,
-          lambda j, c: _pingpong_tile(
-              i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
-              rows=rows, acc_shape=(vt, n), n_local=n_local,
-              acc_free=acc_free, consume=consume, epilogue=epilogue, carry=c),
-          ())
+
+      def tile_loop(epilogue, carry):
+        return lax.fori_loop(
+            0, (n_local - wg + 1) // 2,
+            lambda j, c: _pingpong_tile(
+                i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
+                rows=rows, acc_shape=acc_shape, n_local=n_local,
+                acc_free=acc_free, consume=consume, epilogue=epilogue,
+                carry=c),
+            carry)
+
+      compute(wg=wg, tile_loop=tile_loop, rowdata_smem=rowdata_smem,
+              acc_smem=acc_smem, **scratch)
 
 
 def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
@@ -837,15 +874,6 @@ def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
     plgpu.barrier_arrive(acc_free.at[1 - wg])
 
   return carry
-
-
-def _memory_warpgroup(rowdata_ref, rowdata_smem, rowdata_barrier, **stream):
-  """The ping-pong kernels' memory warpgroup: per-row key words, counters
-  and temperatures to SMEM for every epilogue (GMEM loads into the register
-  layouts do not lower, SMEM ones do), then the weight and H stream."""
-  plgpu.set_max_registers(40, action="decrease")
-  plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-  _stream_steps(**stream)
 
 
 def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
@@ -931,112 +959,70 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   Streaming, slots, barriers and the shared accumulator buffer as in
   :func:`_kernel_pingpong`.
   """
-  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
-  k_steps = dim // dt
+  vt = cfg.tile_v
   epi = cfg.epi_cols
   n_chunks = vt // epi
-  transforms = _tma_transforms(w_ref.dtype)
-  w_block = (vt, dt) if layout == "vd" else (dt, vt)
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-  @functools.partial(
-      pl.run_scoped,
-      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
-      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
-      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
-      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
+    row = lambda i: plgpu.load(rowdata_smem.at[i], layout=row_layout)
+    bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+    k0, k1, c_hi, c_lo = (bcast(row(i)) for i in range(4))
+    t = bcast(lax.bitcast_convert_type(row(4), jnp.float32))
+    greedy = t == 0.0
+    t_safe = jnp.where(greedy, 1.0, t)
+    col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
+    off = off_ref[0]
+
+    def chunk(c, start, first_new, best):
+      l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
+      local = col + c * epi  # vocabulary column within the tile
+      gid = local + (off + start)
+      valid = ((local >= first_new) & (local + start < rows_valid)
+               & (gid < vocab_size))
+      hi, lo = noise.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
+      g = noise.gumbel(k0, k1, hi, lo)
+      sc = jnp.where(greedy, l, _div_rn(l, t_safe) + g)
+      sc = jnp.where(valid, sc, -jnp.inf)
+      idx = jnp.where(valid, gid, _INT_MAX)
+      # The combine rule elementwise: NaN wins, then the larger score, then
+      # the lower id.
+      return _core.combine(best, (sc, idx))
+
+    def epilogue(acc, tile, start, first_new, best):
+      del tile
+      for c in range(n_chunks):
+        acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
+
+      def body(it, best):
+        for u in range(cfg.epi_unroll):
+          best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
+        return best
+
+      return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
+
+    init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
+                              wgmma_layout),
+            plgpu.layout_cast(jnp.full((n, epi), _INT_MAX, jnp.int32),
+                              wgmma_layout))
+    best_s, best_i = tile_loop(epilogue, init)
+    # Reduce the column slots inside each warp (axis 1: lanes of a quad
+    # and registers, no shared scratch, so trap 1 does not apply).
+    m = jnp.max(best_s, axis=1)  # NaN if the row holds one
+    mb = lax.broadcast_in_dim(m, (n, epi), (0,))
+    hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
+    idx = jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
+    out = lax.axis_index("sm") * 2 + wg
+    score_ref[out] = m
+    index_ref[out] = idx
+
+  _pingpong_frame(
+      compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
+      n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
+      rowdata_ref=rowdata_ref, batch_major=True,
       rowdata_smem=plgpu.SMEM((_ROWDATA, n), jnp.uint32),
-      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32),
-      acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
-      collective_axes="wg")
-  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
-             rowdata_barrier):
-    wg = lax.axis_index("wg")
-    cta = lax.axis_index("sm")
-    n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
-
-    @pl.when(wg == 2)
-    def _memory_wg():
-      _memory_warpgroup(
-          rowdata_ref, rowdata_smem, rowdata_barrier, w_ref=w_ref, h_ref=h_ref,
-          w_smem=w_smem, h_smem=h_smem, full=full, empty=empty, layout=layout,
-          vt=vt, dt=dt, S=S, k_steps=k_steps, rows=rows, cta=cta,
-          num_ctas=num_ctas, total=n_local * k_steps)
-
-    def operands(slot):
-      w_slot = w_smem.at[slot]
-      return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
-
-    @pl.when(wg < 2)
-    def _compute_wg():
-      plgpu.set_max_registers(232, action="increase")
-      plgpu.barrier_wait(rowdata_barrier)
-      row = lambda i: plgpu.load(rowdata_smem.at[i], layout=row_layout)
-      bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
-      k0, k1, c_hi, c_lo = (bcast(row(i)) for i in range(4))
-      t = bcast(lax.bitcast_convert_type(row(4), jnp.float32))
-      greedy = t == 0.0
-      t_safe = jnp.where(greedy, 1.0, t)
-      col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
-      off = off_ref[0]
-
-      def chunk(c, start, first_new, best):
-        best_s, best_i = best
-        l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
-        local = col + c * epi  # vocabulary column within the tile
-        gid = local + (off + start)
-        valid = ((local >= first_new) & (local + start < rows_valid)
-                 & (gid < vocab_size))
-        hi, lo = noise.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
-        g = noise.gumbel(k0, k1, hi, lo)
-        sc = jnp.where(greedy, l, _div_rn(l, t_safe) + g)
-        sc = jnp.where(valid, sc, -jnp.inf)
-        idx = jnp.where(valid, gid, _INT_MAX)
-        # The combine rule (_core.better) elementwise: NaN wins, then the
-        # larger score, then the lower id.
-        nan_new, nan_old = sc != sc, best_s != best_s
-        same = (sc == best_s) | (nan_new & nan_old)
-        take = (sc > best_s) | (nan_new & ~nan_old) | (same & (idx < best_i))
-        return jnp.where(take, sc, best_s), jnp.where(take, idx, best_i)
-
-      def epilogue(acc, tile, start, first_new, best):
-        del tile
-        for c in range(n_chunks):
-          acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
-
-        def body(it, best):
-          for u in range(cfg.epi_unroll):
-            best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
-          return best
-
-        return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
-
-      consume = functools.partial(_consume_tile, wg=wg, k_steps=k_steps, S=S,
-                                  full=full, empty=empty, operands=operands)
-
-      def tile_body(j, best):
-        return _pingpong_tile(
-            i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt, rows=rows,
-            acc_shape=(n, vt), n_local=n_local, acc_free=acc_free,
-            consume=consume, epilogue=epilogue, carry=best)
-
-      init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
-                                wgmma_layout),
-              plgpu.layout_cast(jnp.full((n, epi), _INT_MAX, jnp.int32),
-                                wgmma_layout))
-      best_s, best_i = lax.fori_loop(0, (n_local - wg + 1) // 2, tile_body,
-                                     init)
-      # Reduce the column slots inside each warp (axis 1: lanes of a quad
-      # and registers, no shared scratch, so trap 1 does not apply).
-      m = jnp.max(best_s, axis=1)  # NaN if the row holds one
-      mb = lax.broadcast_in_dim(m, (n, epi), (0,))
-      hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
-      idx = jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
-      out = cta * 2 + wg
-      score_ref[out] = m
-      index_ref[out] = idx
+      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32))
 
 
 # ----------------------------------------------------------------------------
