@@ -4,16 +4,23 @@ Run on the GPU (one process, one run)::
 
     PYTHONPATH=. python3 benchmarks/bench_controls.py [--out DIR] [--smoke]
 
-Providers, on shape S (D 4096, V 151936, bf16), B in {1, 16, 64, 256}:
+Shape S (D 4096, V 151936, bf16), logits with std ~3, B in {1, 16, 64, 128,
+256}. Each control is timed fused (``fs.sample``, backend auto: the mosaic
+kernel on an sm90 GPU) and as an XLA baseline that materializes the
+``[B, V]`` logits and applies the same filter, in the same run:
 
-* ``fused_plain``: ``fs.sample`` with temperature only (backend auto);
-* ``fused_topk_topp``: ``fs.sample(top_k=50, top_p=0.9)`` (backend auto; the
-  mosaic kernel has no controls yet, so this is the xla backend);
-* ``xla_plain``: ``jax.random.categorical(k, dot(h, w.T))``;
-* ``xla_topk_topp``: logits, ``lax.top_k(50)``, top-p on the 50, categorical;
-* ``xla_sort_topp``: logits, full sort, cumsum top-p, categorical.
+* ``plain``: temperature only | ``jax.random.categorical(k, dot(h, w.T))``;
+* ``topk_topp`` (k=50, p=0.9): fused, and fused on the xla backend
+  (``topk_topp_xlabackend``) | ``lax.top_k(50)``, top-p on the 50,
+  categorical (``xla_topk_topp``); full sort + cumsum (``xla_sort_topp``);
+* ``logprobs``: ``return_logprobs=True`` | categorical + ``log_softmax``;
+* ``bias_mask``: ``logit_bias`` + ``allowed_mask`` | add, mask, categorical;
+* ``softcap`` (c=30): | ``c * tanh(l / c)``, categorical;
+* ``samples4``: ``num_samples=4`` | ``categorical(shape=(4, B))``.
 
-Writes ``controls_<gpu>.json`` / ``.md`` under ``--out``.
+Also reports how many rows took the exact materialized fallback for top-k +
+top-p on these logits (``fallback_rows``). Writes ``controls_<gpu>.json`` /
+``.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -26,27 +33,28 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashsample_jax as fs  # noqa: E402
 from benchmarks import _timing  # noqa: E402
 
-TOP_K, TOP_P = 50, 0.9
+TOP_K, TOP_P, SOFTCAP = 50, 0.9, 30.0
 
 
 def _logits(h, w):
   return jnp.dot(h, w.T, preferred_element_type=jnp.float32)
 
 
-def _xla_topk_topp(k, h, w):
+def _xla_topk_topp(k, h, w, **_):
   vals, ids = jax.lax.top_k(_logits(h, w), TOP_K)           # sorted descending
   q = jax.nn.softmax(vals, axis=-1)
   vals = jnp.where(jnp.cumsum(q, axis=-1) - q < TOP_P, vals, -jnp.inf)
   return jnp.take_along_axis(ids, jax.random.categorical(k, vals)[:, None], 1)[:, 0]
 
 
-def _xla_sort_topp(k, h, w):
+def _xla_sort_topp(k, h, w, **_):
   l = _logits(h, w)
   order = jnp.argsort(-l, axis=-1)
   ls = jnp.take_along_axis(l, order, axis=-1)
@@ -55,13 +63,53 @@ def _xla_sort_topp(k, h, w):
   return jnp.take_along_axis(order, jax.random.categorical(k, ls)[:, None], 1)[:, 0]
 
 
+def _xla_logprobs(k, h, w, **_):
+  l = _logits(h, w)
+  tok = jax.random.categorical(k, l)
+  return tok, jnp.take_along_axis(jax.nn.log_softmax(l), tok[:, None], 1)[:, 0]
+
+
+def _xla_bias_mask(k, h, w, bias, mask):
+  l = _logits(h, w) + bias
+  v = l.shape[1]
+  ids = jnp.arange(v)
+  bits = (jnp.take(mask, ids // 32, axis=1) >> (ids % 32).astype(jnp.uint32)) & 1
+  return jax.random.categorical(k, jnp.where(bits == 1, l, -jnp.inf))
+
+
+# name -> (fused sampler, XLA baseline or None)
 PROVIDERS = {
-    "fused_plain": lambda k, h, w: fs.sample(h, w, k),
-    "fused_topk_topp": lambda k, h, w: fs.sample(h, w, k, top_k=TOP_K, top_p=TOP_P),
-    "xla_plain": lambda k, h, w: jax.random.categorical(k, _logits(h, w)),
-    "xla_topk_topp": _xla_topk_topp,
-    "xla_sort_topp": _xla_sort_topp,
+    "plain": (lambda k, h, w, **_: fs.sample(h, w, k),
+              lambda k, h, w, **_: jax.random.categorical(k, _logits(h, w))),
+    "topk_topp": (lambda k, h, w, **_: fs.sample(h, w, k, top_k=TOP_K, top_p=TOP_P),
+                  _xla_topk_topp),
+    "topk_topp_xlabackend": (
+        lambda k, h, w, **_: fs.sample(h, w, k, top_k=TOP_K, top_p=TOP_P, backend="xla"),
+        _xla_sort_topp),
+    "logprobs": (lambda k, h, w, **_: fs.sample(h, w, k, return_logprobs=True),
+                 _xla_logprobs),
+    "bias_mask": (lambda k, h, w, bias, mask: fs.sample(h, w, k, logit_bias=bias,
+                                                         allowed_mask=mask),
+                  _xla_bias_mask),
+    "softcap": (lambda k, h, w, **_: fs.sample(h, w, k, softcap=SOFTCAP),
+                lambda k, h, w, **_: jax.random.categorical(
+                    k, SOFTCAP * jnp.tanh(_logits(h, w) / SOFTCAP))),
+    "samples4": (lambda k, h, w, **_: fs.sample(h, w, k, num_samples=4),
+                 lambda k, h, w, **_: jax.random.categorical(
+                     k, _logits(h, w), shape=(4, h.shape[0]))),
 }
+
+
+def _fallback_rows(key, h, w):
+  """Rows of a top-k + top-p call that take the materialized path."""
+  from flashsample_jax import _validate, api, controls, xla_backend
+  p = _validate.prepare(h, w, key)
+  c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                                rows=p.weight_rows, top_k=TOP_K, top_p=TOP_P)
+  if api.resolve_backend("auto", p, c) == "mosaic":
+    st = api._mosaic_controls_module().controls_state(p, c)
+    return int(np.asarray(xla_backend.finish_controls(p, c, st)[2]).sum())
+  return int(np.asarray(xla_backend.sample_with_controls(p, c)[2]).sum())
 
 
 def main(argv=None):
@@ -70,41 +118,56 @@ def main(argv=None):
   ap.add_argument("--smoke", action="store_true", help="tiny shape, for a CPU")
   args = ap.parse_args(argv)
   d, v = (256, 8192) if args.smoke else (4096, 151936)
-  batches = (1, 16) if args.smoke else (1, 16, 64, 256)
+  batches = (1, 16) if args.smoke else (1, 16, 64, 128, 256)
   reps = 3 if args.smoke else 15
-  kw, kh = jax.random.split(jax.random.key(0))
+  kw, kh, kb, km = jax.random.split(jax.random.key(0), 4)
   # Logits with std ~3, an LLM-like spread.
   w = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / d**0.5)).astype(jnp.bfloat16)
+  bias = jax.random.normal(kb, (v,), jnp.float32)
   rows = []
   for b in batches:
     h = jax.random.normal(kh, (b, d), jnp.bfloat16)
+    # About 3/4 of the ids allowed.
+    mask = (jax.random.bits(km, (b, -(-v // 32)), jnp.uint32)
+            | jax.random.bits(jax.random.fold_in(km, 1), (b, -(-v // 32)), jnp.uint32))
     key = jax.random.key(1)
     row = dict(B=b, D=d, V=v, backend_plain=fs.which_backend(h, w, key),
-               backend_controls=fs.which_backend(h, w, key, top_k=TOP_K, top_p=TOP_P))
-    for name, f in PROVIDERS.items():
-      row[name + "_us"] = _timing.median_us(jax.jit(f), key, h, w, reps=reps)[0]
-    row["controls_over_plain"] = row["fused_topk_topp_us"] / row["fused_plain_us"]
-    row["speedup_vs_xla_topk"] = row["xla_topk_topp_us"] / row["fused_topk_topp_us"]
+               backend_controls=fs.which_backend(h, w, key, top_k=TOP_K, top_p=TOP_P),
+               fallback_rows=_fallback_rows(key, h, w))
+    extra = dict(bias=bias, mask=mask)
+    for name, (fused, xla) in PROVIDERS.items():
+      f = jax.jit(lambda k, h, w, bias, mask, f=fused: f(k, h, w, bias=bias, mask=mask))
+      row[name + "_us"] = _timing.median_us(f, key, h, w, bias, mask, reps=reps)[0]
+      if xla is not None:
+        g = jax.jit(lambda k, h, w, bias, mask, g=xla: g(k, h, w, bias=bias, mask=mask))
+        row["xla_" + name + "_us"] = _timing.median_us(g, key, h, w, bias, mask,
+                                                       reps=reps)[0]
+    row["topk_topp_over_plain"] = row["topk_topp_us"] / row["plain_us"]
+    row["speedup_vs_xla_topk"] = row["xla_topk_topp_us"] / row["topk_topp_us"]
     rows.append(row)
     print(json.dumps(row), flush=True)
   meta = dict(gpu=_timing.device_name(), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              top_k=TOP_K, top_p=TOP_P)
+              top_k=TOP_K, top_p=TOP_P, softcap=SOFTCAP)
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "controls_" + _timing.slug(meta["gpu"]))
   with open(stem + ".json", "w") as fh:
     json.dump(dict(meta, rows=rows), fh, indent=1)
-  cols = ["fused_plain", "fused_topk_topp", "xla_plain", "xla_topk_topp", "xla_sort_topp"]
   with open(stem + ".md", "w") as fh:
     fh.write(f"# Sampling controls on {meta['gpu']}\n\njax {meta['jax']}, {meta['date']}; "
-             f"shape D={d} V={v} bf16; top_k={TOP_K}, top_p={TOP_P}; median us.\n\n")
-    fh.write("| B | backend (controls) | " + " | ".join(cols)
-             + " | controls / plain (fused) | speedup vs XLA top-k |\n")
-    fh.write("|---" * (len(cols) + 4) + "|\n")
+             f"shape D={d} V={v} bf16, logits std ~3; top_k={TOP_K}, top_p={TOP_P}, "
+             f"softcap={SOFTCAP}; median us, fused (backend auto) / XLA baseline "
+             "that materializes the logits (speedup).\n\n")
+    fh.write("| B | backend | fallback rows | " + " | ".join(PROVIDERS)
+             + " | top-k+top-p / plain |\n")
+    fh.write("|---" * (len(PROVIDERS) + 4) + "|\n")
     for r in rows:
-      fh.write(f"| {r['B']} | {r['backend_controls']} | "
-               + " | ".join(f"{r[c + '_us']:.0f}" for c in cols)
-               + f" | {r['controls_over_plain']:.2f} | {r['speedup_vs_xla_topk']:.2f} |\n")
+      cells = []
+      for name in PROVIDERS:
+        x = r.get("xla_" + name + "_us")
+        cells.append(f"{r[name + '_us']:.0f} / {x:.0f} ({x / r[name + '_us']:.2f}x)")
+      fh.write(f"| {r['B']} | {r['backend_controls']} | {r['fallback_rows']} | "
+               + " | ".join(cells) + f" | {r['topk_topp_over_plain']:.2f} |\n")
   print(open(stem + ".md").read())
 
 

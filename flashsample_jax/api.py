@@ -24,16 +24,19 @@ def _mosaic_module():
   return mosaic_sm90
 
 
+def _mosaic_controls_module():
+  from pallas_kernels import mosaic_controls
+  return mosaic_controls
+
+
 def _check_supported(name: str, p: _validate.Problem,
                      c: _controls.Controls | None = None) -> None:
   """Raises NotImplementedError if backend ``name`` cannot run ``p`` here."""
   if name == "mosaic":
     if c is not None and c.active:
-      raise NotImplementedError(
-          "the mosaic backend does not implement sampling controls (top_k, "
-          "top_p, min_p, logit_bias, allowed_mask, softcap, num_samples, "
-          "return_logprobs) yet; the xla backend does")
-    _mosaic_module().check_supported(p)
+      _mosaic_controls_module().check_supported(p, c)
+    else:
+      _mosaic_module().check_supported(p)
   elif name != "xla":
     raise AssertionError(name)  # internal: names come from BACKENDS
 
@@ -113,10 +116,17 @@ def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
     if vocab_axes:
       score, token = sharding.combine_over_axis(score, token, vocab_axes)
     return token
-  # Only the xla backend implements controls (mosaic declines them).
-  tokens, out, _ = xla_backend.sample_with_controls(
-      p, c, vocab_offset=offset, axis=vocab_axes,
-      global_batch=p.batch * sharding.axes_size(batch_axes))
+  global_batch = p.batch * sharding.axes_size(batch_axes)
+  if backend == "mosaic":
+    # The kernel's per-warpgroup state; truncation is then decided as for
+    # the xla backend (xla_backend.finish_controls).
+    st = _mosaic_controls_module().controls_state(
+        p, c, vocab_offset=offset, global_batch=global_batch)
+    tokens, out, _ = xla_backend.finish_controls(
+        p, c, st, axis=vocab_axes, global_batch=global_batch)
+  else:
+    tokens, out, _ = xla_backend.sample_with_controls(
+        p, c, vocab_offset=offset, axis=vocab_axes, global_batch=global_batch)
   if c.allowed_mask is not None:
     empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
     tokens = jnp.where(empty, -1, tokens)

@@ -151,20 +151,28 @@ def _lse_merge(a, b):
 
 
 def _topm_merge(a, b, m: int):
-  """The ``m`` largest of two candidate lists; ties keep ``a`` (lower ids) first."""
+  """Merges candidate lists ``(vals [B, *], ids, bound [B])``: the ``m``
+  largest values (ties keep ``a``, lower ids, first) and the larger bound.
+
+  ``bound`` is an upper bound on every value of the row that is in no list
+  (``-inf`` for the xla backend's exact per-chunk lists; the mosaic kernel's
+  fixed-depth lists can overflow).
+  """
   vals = jnp.concatenate([a[0], b[0]], axis=1)
   ids = jnp.concatenate([a[1], b[1]], axis=1)
   vals, j = lax.top_k(vals, m)
-  return vals, jnp.take_along_axis(ids, j, axis=1)
+  return vals, jnp.take_along_axis(ids, j, axis=1), jnp.maximum(a[2], b[2])
 
 
-def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
+def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last):
   """Thresholds of the truncation rules from the top-M candidates.
 
-  Returns ``(keep [B, M], certified [B])``: which candidates survive every
-  rule, and whether that set is exactly the rows' kept set (every rule's
-  threshold is known from the candidates, and at least one rule's kept set
-  lies inside them). Mirrors :func:`controls.keep_mask`.
+  ``cand_t [B, M]`` (descending) holds every value of the row above
+  ``last [B]``, an upper bound on the values not listed (ties with it may
+  be unlisted). Returns ``(keep [B, M], certified [B])``: which candidates
+  survive every rule, and whether that set is exactly the rows' kept set
+  (every rule's threshold is known from the candidates, and at least one
+  rule's kept set lies inside them). Mirrors :func:`controls.keep_mask`.
   """
   b, m = cand_t.shape
   top = cand_t[:, :1]
@@ -172,7 +180,6 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete):
   known = jnp.ones((b,), bool)
   inside = jnp.zeros((b,), bool)
   active = jnp.zeros((b,), bool)
-  last = cand_t[:, -1]
   in_k = jnp.ones((b,), bool)
   # Each rule is "on" exactly where keep_mask applies it (NaN included).
   if c.top_k is not None:
@@ -252,12 +259,8 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   samples = c.samples
   global_batch = global_batch or p.batch
   vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
-  total_rows = p.weight_rows * p.vocab_shards
-  # Lists are padded to M entries when a shard has fewer rows, so that
-  # shards' lists merge with one shape.
-  m = min(CANDIDATES, total_rows)
+  m = candidate_count(p)
   offset = jnp.asarray(vocab_offset, jnp.int32)
-  perturbed = lambda x, t, gid, s: _perturbed(p, x, t, gid, s, global_batch)
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
@@ -265,7 +268,7 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
     t = _tempered(p, x)
     best = []
     for s in range(samples):
-      sc = perturbed(x, t, gid, s)
+      sc = _perturbed(p, x, t, gid, s, global_batch)
       j = jnp.argmax(sc, axis=1)
       pick = lambda a: jnp.take_along_axis(a, j[:, None], axis=1)[:, 0]
       best.append((pick(sc), gid[j], pick(t)))
@@ -279,9 +282,28 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
         pad = ((0, 0), (0, m - width))
         vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
         j = jnp.pad(j, pad, constant_values=width - 1)
-      state["cand"] = (vals, gid[j])
+      state["cand"] = (vals, gid[j], jnp.full((p.batch,), -jnp.inf))
     return state
 
+  st = _stream(p, block, state_combine(c, m), vc)
+  return finish_controls(p, c, st, axis=axis, global_batch=global_batch)
+
+
+def candidate_count(p: Problem) -> int:
+  """M: the candidates per row kept for truncation (at most the rows)."""
+  # Lists are padded to M entries when a shard has fewer rows, so that
+  # shards' lists merge with one shape.
+  return min(CANDIDATES, p.weight_rows * p.vocab_shards)
+
+
+def state_combine(c: controls.Controls, m: int):
+  """The associative merge of two per-row controls states.
+
+  A state is a dict: ``best`` a list (one per sample) of ``(score, id, t)``
+  ``[B]`` (the best perturbed score, its id and tempered logit), ``lse``
+  ``(max, sum of exp(t - max))`` ``[B]``, and with truncation ``cand``
+  ``(vals [B, M], ids [B, M], bound [B])`` (see :func:`_topm_merge`).
+  """
   def combine(a, b):
     best = []
     for (s1, i1, t1), (s2, i2, t2) in zip(a["best"], b["best"]):
@@ -292,8 +314,26 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
     if c.truncates:
       out["cand"] = _topm_merge(a["cand"], b["cand"], m)
     return out
+  return combine
 
-  st = _stream(p, block, combine, vc)
+
+def finish_controls(p: Problem, c: controls.Controls, st, *,
+                    axis: tuple[str, ...] | None = None,
+                    global_batch: int | None = None):
+  """Tokens and log-probabilities from a controls state (any backend's).
+
+  ``st`` is the state of :func:`state_combine` over this shard's rows; with
+  ``axis`` the shards' states are gathered and merged first. Then truncated
+  rows are decided on the candidates, or, where those cannot certify the
+  kept set, on the exact materialized path. Returns what
+  :func:`sample_with_controls` returns.
+  """
+  samples = c.samples
+  global_batch = global_batch or p.batch
+  m = candidate_count(p)
+  total_rows = p.weight_rows * p.vocab_shards
+  combine = state_combine(c, m)
+  perturbed = lambda x, t, gid, s: _perturbed(p, x, t, gid, s, global_batch)
   if axis:
     parts = jax.tree.map(lambda a: _core.all_gather_invariant(a, axis), st)
     n = jax.tree.leaves(parts)[0].shape[0]
@@ -306,9 +346,13 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
   fallback = jnp.zeros((p.batch,), bool)
   if c.truncates:
-    cand_t, cand_i = st["cand"]
-    complete = (m >= total_rows) | (cand_t[:, -1] == -jnp.inf)
-    keep, certified, active = _certify(p, c, cand_t, st["lse"], complete)
+    cand_t, cand_i, bound = st["cand"]
+    # Values at or below ``bound`` may have unlisted neighbours: only the
+    # values above it are known to be complete and in order.
+    last = jnp.maximum(bound, cand_t[:, -1])
+    cand_t = jnp.where(cand_t > bound[:, None], cand_t, -jnp.inf)
+    complete = (bound == -jnp.inf) & ((m >= total_rows) | (last == -jnp.inf))
+    keep, certified, active = _certify(p, c, cand_t, st["lse"], complete, last)
     # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
     # treat them in ways the candidates do not track; the exact path does.
     certified &= ~active | jnp.isfinite(st["lse"][0])

@@ -778,8 +778,8 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
 
   ``compute(wg=, tile_loop=, rowdata_smem=, acc_smem=, **scratch)`` runs on
   both compute warpgroups once the per-row data is in SMEM;
-  ``tile_loop(epilogue, carry) -> carry`` runs the warpgroup's local tiles
-  (:func:`_pingpong_tile`). ``rowdata_smem``, ``acc_smem`` and ``scratch``
+  ``tile_loop(epilogue, carry, prologue=None) -> carry`` runs the
+  warpgroup's local tiles (:func:`_pingpong_tile`). ``rowdata_smem``, ``acc_smem`` and ``scratch``
   are the kernel's own SMEM allocations (``plgpu.SMEM`` types).
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
@@ -830,14 +830,14 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       consume = functools.partial(_consume_tile, wg=wg, k_steps=k_steps, S=S,
                                   full=full, empty=empty, operands=operands)
 
-      def tile_loop(epilogue, carry):
+      def tile_loop(epilogue, carry, prologue=None):
         return lax.fori_loop(
             0, (n_local - wg + 1) // 2,
             lambda j, c: _pingpong_tile(
                 i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
                 rows=rows, acc_shape=acc_shape, n_local=n_local,
                 acc_free=acc_free, consume=consume, epilogue=epilogue,
-                carry=c),
+                prologue=prologue, carry=c),
             carry)
 
       compute(wg=wg, tile_loop=tile_loop, rowdata_smem=rowdata_smem,
@@ -845,12 +845,16 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
 
 
 def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
-                   acc_shape, n_local, acc_free, consume, epilogue, carry):
-  """Local tile ``i`` of a ping-pong compute warpgroup: its wgmma over the
-  stream (``consume``), then ``epilogue(acc, tile, start, first_new,
+                   acc_shape, n_local, acc_free, consume, epilogue, prologue,
+                   carry):
+  """Local tile ``i`` of a ping-pong compute warpgroup: ``prologue(tile,
+  start)`` if given (e.g. issue copies the epilogue needs), its wgmma over
+  the stream (``consume``), then ``epilogue(acc, tile, start, first_new,
   carry) -> carry`` while holding the shared accumulator buffer."""
   tile = cta + i * num_ctas
   start = _tile_start(tile, vt, rows)
+  if prologue is not None:
+    prologue(tile, start)
 
   def mma(acc_ref):
     consume(acc_ref, i=i)

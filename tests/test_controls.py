@@ -1,4 +1,11 @@
-"""Sampling controls: the xla backend against the reference (100% on exact inputs)."""
+"""Sampling controls: both backends against the reference (100% on exact inputs).
+
+The mosaic backend runs in interpret mode on the CPU and natively on an sm90
+GPU (the same tests; tests/test_mosaic_gpu.py adds the benchmark shapes).
+"""
+
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +14,7 @@ import pytest
 
 import flashsample_jax as fs
 from flashsample_jax import _validate, controls, xla_backend
+from pallas_kernels import mosaic_controls, mosaic_sm90
 from tests import inputs
 from tests.test_statistics import N, P_MIN, chi_square_p
 
@@ -34,8 +42,19 @@ CASES = {
 }
 
 
-def check(kw, key=KEYS["scalar"], h=H, w=W, t=T, **extra):
-  got = fs.sample(h, w, key, temperature=t, backend="xla", **kw, **extra)
+BACKENDS = ["xla", "mosaic"]
+
+
+def _context(backend):
+  """Interpret mode for the mosaic kernel where there is no sm90 GPU."""
+  if backend == "mosaic" and not mosaic_sm90._is_sm90_device():
+    return mosaic_sm90.interpret_mode()
+  return contextlib.nullcontext()
+
+
+def check(kw, key=KEYS["scalar"], h=H, w=W, t=T, backend="xla", **extra):
+  with _context(backend):
+    got = fs.sample(h, w, key, temperature=t, backend=backend, **kw, **extra)
   want = fs.reference.sample(h, w, key, temperature=t, **kw, **extra)
   if isinstance(want, fs.SampleOutput):
     np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -47,16 +66,49 @@ def check(kw, key=KEYS["scalar"], h=H, w=W, t=T, **extra):
   return np.asarray(got)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("key", sorted(KEYS))
-def test_control_matches_reference(case, key):
-  check(CASES[case], KEYS[key])
+def test_control_matches_reference(case, key, backend):
+  check(CASES[case], KEYS[key], backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["top_k", "top_p", "all"])
-def test_controls_with_samples_and_logprobs(case):
-  check(CASES[case], num_samples=3, return_logprobs=True)
-  check(CASES[case], KEYS["per_row"], num_samples=2, return_logprobs=True)
+def test_controls_with_samples_and_logprobs(case, backend):
+  check(CASES[case], num_samples=3, return_logprobs=True, backend=backend)
+  check(CASES[case], KEYS["per_row"], num_samples=2, return_logprobs=True,
+        backend=backend)
+
+
+def test_mosaic_more_samples_than_one_launch():
+  # 6 samples: two launches (4 + 2), the second keeps only the best.
+  assert mosaic_controls.MAX_KERNEL_SAMPLES < 6
+  check(CASES["all"], num_samples=6, return_logprobs=True, backend="mosaic")
+  check(CASES["bias"], KEYS["per_row"], num_samples=5, backend="mosaic")
+
+
+def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
+  # One value per slot and two per warpgroup: the bound is high, most rows
+  # cannot be certified from the candidates and take the materialized path.
+  monkeypatch.setattr(mosaic_controls, "_SLOT_DEPTH", 1)
+  monkeypatch.setattr(mosaic_controls, "_WG_CANDIDATES", 2)
+  for case in ("top_k", "top_p", "k_p_minp", "min_p", "all"):
+    check(CASES[case], return_logprobs=True, backend="mosaic")
+  p = _validate.prepare(H, W, KEYS["scalar"], temperature=T)
+  c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **CASES["top_k"])
+  with _context("mosaic"):
+    st = mosaic_controls.controls_state(p, c)
+  _, _, fallback = xla_backend.finish_controls(p, c, st)
+  assert np.asarray(fallback).sum() > 0
+  # The bound is never below a value the lists missed: every value above
+  # it is listed.
+  l = np.asarray(jnp.dot(H.astype(jnp.float32), W.astype(jnp.float32).T))
+  t = l / np.where(np.asarray(T) == 0, 1, np.asarray(T))[:, None]
+  vals, ids, bound = (np.asarray(a) for a in st["cand"])
+  for b in range(B):
+    above = set(np.flatnonzero(t[b] > bound[b]))
+    assert above <= set(ids[b][vals[b] > bound[b]]), b
 
 
 def test_fallback_path_is_exact(monkeypatch):
@@ -93,8 +145,10 @@ def test_num_samples_equals_categorical_shape():
   np.testing.assert_array_equal(got[0], fs.sample(H, W, rows))
 
 
-def test_edge_cases():
-  plain = check({}, t=4.0)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_edge_cases(backend):
+  check = functools.partial(globals()["check"], backend=backend)
+  plain = np.asarray(fs.sample(H, W, KEYS["scalar"], temperature=4.0))
   l = np.asarray(jnp.dot(H.astype(jnp.float32), W.astype(jnp.float32).T))
   top = l == l.max(axis=1, keepdims=True)          # integer logits: ties occur
   unique = top.sum(axis=1) == 1
@@ -120,32 +174,44 @@ def test_edge_cases():
   assert not np.isin(tok, plain).any()
 
 
-def test_rows_with_nothing_allowed_return_minus_one():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_with_nothing_allowed_return_minus_one(backend):
   mask = R.integers(0, 2**32, (B, -(-V // 32)), dtype=np.uint32)
   mask[3] = 0
   mask[5, :-1] = 0
   mask[5, -1] = np.uint32(0xFFFFFFFF) << np.uint32(V % 32)   # only ids >= V
-  out = fs.sample(H, W, KEYS["scalar"], temperature=T, allowed_mask=jnp.asarray(mask),
-                  return_logprobs=True)
+  with _context(backend):
+    out = fs.sample(H, W, KEYS["scalar"], temperature=T, allowed_mask=jnp.asarray(mask),
+                    return_logprobs=True, backend=backend)
   assert out.tokens[3] == -1 and out.tokens[5] == -1
   assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
   assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
-  check(dict(allowed_mask=jnp.asarray(mask)), return_logprobs=True)
+  check(dict(allowed_mask=jnp.asarray(mask)), return_logprobs=True, backend=backend)
 
 
-def test_traced_controls_under_jit():
-  f = jax.jit(lambda k, p, m: fs.sample(H, W, KEYS["scalar"], temperature=T,
-                                        top_k=k, top_p=p, min_p=m))
-  g = jax.jit(lambda k, p, m: fs.reference.sample(H, W, KEYS["scalar"], temperature=T,
-                                                  top_k=k, top_p=p, min_p=m))
-  args = (jnp.int32(25), jnp.float32(0.7), jnp.float32(0.03))
-  np.testing.assert_array_equal(f(*args), g(*args))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traced_controls_under_jit(backend):
+  f = jax.jit(lambda k, p, m, c: fs.sample(H, W, KEYS["scalar"], temperature=T,
+                                           top_k=k, top_p=p, min_p=m, softcap=c,
+                                           backend=backend))
+  g = jax.jit(lambda k, p, m, c: fs.reference.sample(
+      H, W, KEYS["scalar"], temperature=T, top_k=k, top_p=p, min_p=m, softcap=c))
+  args = (jnp.int32(25), jnp.float32(0.7), jnp.float32(0.03), jnp.float32(6.0))
+  with _context(backend):
+    got = f(*args)
+  np.testing.assert_array_equal(got, g(*args))
 
 
-def test_mosaic_declines_controls():
-  assert fs.which_backend(H, W, KEYS["scalar"], top_k=5) == "xla"
-  with pytest.raises(NotImplementedError, match="controls"):
-    fs.sample(H, W, KEYS["scalar"], top_k=5, backend="mosaic")
+def test_auto_picks_mosaic_for_controls_on_sm90():
+  with _context("mosaic"):
+    assert fs.which_backend(H, W, KEYS["scalar"], top_k=5, softcap=2.0) == "mosaic"
+  if not mosaic_sm90._is_sm90_device():
+    assert fs.which_backend(H, W, KEYS["scalar"], top_k=5) == "xla"
+    with pytest.raises(NotImplementedError, match="sm90"):
+      fs.sample(H, W, KEYS["scalar"], top_k=5, backend="mosaic")
+  # f32 weights: the kernel declines, auto takes the xla backend.
+  with _context("mosaic"):
+    assert fs.which_backend(H, W.astype(jnp.float32), KEYS["scalar"], top_k=5) == "xla"
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=10), dict(top_p=0.6), dict(min_p=0.2),

@@ -307,3 +307,38 @@ def test_unsupported_problems_raise_not_implemented():
     # auto still works: it moves on to xla.
     tok = fs.sample(h, w, jax.random.key(0))
   np.testing.assert_array_equal(tok, fs.reference.sample(h, w, jax.random.key(0)))
+
+
+# -- the controls kernel (pallas_kernels/mosaic_controls.py) -------------------
+
+
+@pytest.mark.parametrize("layout,b,d,v,kw", [
+    # Truncation lists and log-sum-exp on the Qwen3-8B head.
+    ("vd", 64, 4096, 151936, dict(top_k=50, top_p=0.9, return_logprobs=True)),
+    # Every control at once, two launches of samples (4 + 2), Dt = 64.
+    ("dv", 70, 192, 1000, dict(top_k=5, min_p=0.1, softcap=30.0, logit_bias=1,
+                               allowed_mask=1, num_samples=6,
+                               return_logprobs=True)),
+    ("vd", 5, 8192, 128256, dict(softcap=30.0)),
+])
+def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw):
+  from flashsample_jax import controls
+  from pallas_kernels import mosaic_controls
+  h = jax.ShapeDtypeStruct((b, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+  t = jax.ShapeDtypeStruct((b,), jnp.float32)
+
+  def f(h, w, key, t):
+    p = _validate.prepare(h, w, key, temperature=t, weight_layout=layout)
+    kk = dict(kw)
+    if "logit_bias" in kk:
+      kk["logit_bias"] = jnp.zeros((v,), jnp.float32)
+    if "allowed_mask" in kk:
+      kk["allowed_mask"] = jnp.zeros((b, -(-v // 32)), jnp.uint32)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, **kk)
+    return mosaic_controls.controls_state(p, c)
+
+  with mosaic_sm90.abstract_h100():
+    lowered = jax.jit(f).trace(h, w, jax.random.key(0), t).lower(
+        lowering_platforms=("cuda",))
+  assert "flashsample_sm90_controls" in lowered.as_text()

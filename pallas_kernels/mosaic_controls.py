@@ -1,0 +1,443 @@
+"""Sampling controls in the fused Mosaic GPU kernel (sm90).
+
+The kernel is the batch-major ping-pong of :mod:`pallas_kernels.mosaic_sm90`
+(``acc[N, Vt] = H @ W_tile.T``, N = 64 batch rows per launch, two compute
+warpgroups alternating tiles) with a longer epilogue. Per element, in the
+order of :mod:`flashsample_jax.controls`::
+
+    x = l                                   f32 accumulator
+    x = c * tanh(x / c)                     softcap
+    x = x + bias[gid]                       logit_bias (per-tile SMEM copy)
+    x = -inf unless allowed[row, gid]       allowed_mask (per-tile SMEM copy)
+    t = x / T                               (greedy rows: T = 1)
+    score_s = t + gumbel(key, ctr_s + gid)  per sample s (greedy: x)
+
+and per (batch row, column slot) of each warpgroup's registers it carries:
+
+* the best ``(score, id, t)`` of every sample (the combine rule);
+* an online log-sum-exp ``(max, sum exp(t - max))`` of ``t``, one ``exp``
+  per element (for log-probabilities and the top-p normalizer);
+* with top-k / top-p / min-p, the ``_SLOT_DEPTH`` largest ``t`` with their
+  ids, a sorted list updated by compare-and-select.
+
+After its last tile each warpgroup reduces its slots inside each warp: the
+best of every sample, the row's log-sum-exp, and its ``_WG_CANDIDATES``
+largest ``t`` (popped from the slot lists), plus a bound: no value of the
+row that the warpgroup saw and did not list is larger than it (the largest
+value that fell off a full slot list, or the next one after the popped).
+:func:`controls_state` merges the warpgroups' outputs into the controls
+state of :mod:`flashsample_jax.xla_backend`, whose
+:func:`~flashsample_jax.xla_backend.finish_controls` decides truncated rows on
+the top candidates exactly as for the xla backend; a row whose kept set is
+not certified (a list overflowed above the threshold, a nucleus wider than
+the candidates) takes the exact materialized path.
+
+Bias and mask tiles are copied to SMEM by TMA, issued by the compute
+warpgroup before its tile's wgmma (so their latency hides under the weight
+stream). The mask is passed transposed, ``[rows / 32, N]``: a chunk of 16
+columns lies in one 32-id word, one word per batch row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from flashsample_jax import _core, controls, noise, xla_backend
+from flashsample_jax._validate import Problem
+from pallas_kernels import mosaic_sm90 as base
+
+# Batch rows per launch (the wgmma M side of one warpgroup).
+BATCH = 64
+# Largest tempered logits kept per (row, column slot) of a warpgroup's
+# registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
+_SLOT_DEPTH = 4
+# Candidates per row that each warpgroup writes out (popped from its slots).
+_WG_CANDIDATES = 16
+# Samples per launch; more take further launches (each re-reads W).
+MAX_KERNEL_SAMPLES = 4
+# Tile starts are multiples of 32 (the rows are padded to it), so a 16-wide
+# column chunk lies in one word of the allowed mask.
+_ROW_ALIGN = 32
+_EPI = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What one launch computes (static)."""
+
+  samples: int
+  softcap: bool = False
+  bias: bool = False
+  mask: bool = False
+  lse: bool = False          # online log-sum-exp
+  truncates: bool = False    # candidate lists
+  t_best: bool = False       # t of each sample's best (log-probabilities)
+
+  @property
+  def f_rows(self) -> int:
+    """f32 outputs per warpgroup: scores, t of the best, lse max and sum,
+    bound, candidates."""
+    return 2 * self.samples + 3 + (_WG_CANDIDATES if self.truncates else 0)
+
+  @property
+  def i_rows(self) -> int:
+    return self.samples + (_WG_CANDIDATES if self.truncates else 0)
+
+  @property
+  def rowdata_rows(self) -> int:
+    # k0, k1, bits of T, bits of the softcap, then (hi, lo) per sample.
+    return base._round_up(4 + 2 * self.samples, 8)
+
+
+def config(dim: int, rows: int, itemsize: int = 2) -> base.TuningConfig:
+  """The launch config: batch-major ping-pong, N = 64, tiles of 128 (64 when
+  the weight has fewer rows), Dt = 128 when D allows, as many slots as fit
+  next to the bias and mask tiles (at least 2)."""
+  tile_v = 128 if rows >= 128 else 64
+  tile_d = 128 if dim % 128 == 0 else 64
+  cfg = base.TuningConfig(tile_v=tile_v, tile_d=tile_d, max_concurrent_steps=2,
+                          epi_cols=_EPI, compute_wgs=2, pingpong=True,
+                          batch_major=True)
+  aux = 2 * tile_v * 4 + 2 * (tile_v // 32) * BATCH * 4 + 8 * BATCH * 4
+  fixed = cfg.smem_bytes(BATCH, itemsize) - 2 * (tile_v + BATCH) * tile_d * itemsize
+  steps = (base._SMEM_BUDGET - fixed - aux) // ((tile_v + BATCH) * tile_d * itemsize)
+  return dataclasses.replace(cfg, max_concurrent_steps=int(max(2, min(8, steps))))
+
+
+def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
+            layout: str, n: int, dim: int, rows: int, rows_valid: int,
+            vocab_size: int, n_tiles: int, num_ctas: int):
+  """One CTA of the controls kernel (see the module docstring).
+
+  Refs: ``rowdata_ref`` uint32 ``[spec.rowdata_rows, N]``; optional
+  ``bias_ref`` f32 ``[rows / 16, 16]`` and ``mask_ref`` uint32
+  ``[rows / 32, N]``; outputs ``f_ref`` f32 ``[2 * num_ctas,
+  spec.f_rows, N]`` and ``i_ref`` int32 ``[2 * num_ctas, spec.i_rows, N]``,
+  one block per compute warpgroup.
+  """
+  refs = list(refs)
+  bias_ref = refs.pop(0) if spec.bias else None
+  mask_ref = refs.pop(0) if spec.mask else None
+  f_ref, i_ref = refs
+  vt, epi = cfg.tile_v, cfg.epi_cols
+  n_chunks = vt // epi
+  words = vt // 32
+  S = spec.samples
+  wgmma = plgpu.Layout.WGMMA
+  row_layout = wgmma.reduce(1)
+  col_layout = wgmma.reduce(0)
+  n_aux = int(spec.bias) + int(spec.mask)
+  aux = {}
+  if spec.bias:
+    aux["bias_smem"] = plgpu.SMEM((2, n_chunks, epi), jnp.float32)
+  if spec.mask:
+    aux["mask_smem"] = plgpu.SMEM((2, words, n), jnp.uint32)
+  if n_aux:
+    aux["aux_bar"] = plgpu.Barrier(num_arrivals=n_aux, num_barriers=2)
+
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem, bias_smem=None,
+              mask_smem=None, aux_bar=None):
+    row = lambda i: plgpu.load(rowdata_smem.at[i], layout=row_layout)
+    bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+    f32 = lambda x: lax.bitcast_convert_type(x, jnp.float32)
+    k0, k1 = bcast(row(0)), bcast(row(1))
+    t_row = bcast(f32(row(2)))
+    greedy = t_row == 0.0
+    t_safe = jnp.where(greedy, 1.0, t_row)
+    cap = bcast(f32(row(3))) if spec.softcap else None
+    ctr = [(bcast(row(4 + 2 * s)), bcast(row(5 + 2 * s))) for s in range(S)]
+    col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
+    off = off_ref[0]
+
+    def prologue(tile, start):
+      del tile
+      if spec.bias:
+        plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(start // epi, n_chunks)],
+                                bias_smem.at[wg], aux_bar.at[wg])
+      if spec.mask:
+        plgpu.copy_gmem_to_smem(mask_ref.at[pl.ds(start // 32, words)],
+                                mask_smem.at[wg], aux_bar.at[wg])
+
+    def chunk(c, start, first_new, state):
+      best, lse, lists = state
+      l = plgpu.load(acc_smem.at[c], layout=wgmma)
+      local = col + c * epi  # vocabulary column within the tile
+      gid = local + (off + start)
+      valid = ((local >= first_new) & (local + start < rows_valid)
+               & (gid < vocab_size))
+      x = l
+      if spec.softcap:
+        x = cap * jnp.tanh(x / cap)
+      if spec.bias:
+        b = plgpu.load(bias_smem.at[wg, c], layout=col_layout)
+        x = x + lax.broadcast_in_dim(b, (n, epi), (1,))
+      if spec.mask:
+        word = bcast(plgpu.load(mask_smem.at[wg, (c * epi) // 32],
+                                layout=row_layout))
+        shift = (col + (c * epi) % 32).astype(jnp.uint32)
+        valid = valid & (((word >> shift) & jnp.uint32(1)) == 1)
+      x = jnp.where(valid, x, -jnp.inf)
+      t = base._div_rn(x, t_safe)
+      idx = jnp.where(valid, gid, base._INT_MAX)
+      gid_u = gid.astype(jnp.uint32)
+      new_best = []
+      for (c_hi, c_lo), b in zip(ctr, best):
+        hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
+        sc = jnp.where(greedy, x, t + noise.gumbel(k0, k1, hi, lo))
+        sc = jnp.where(valid, sc, -jnp.inf)
+        take = _core.better(sc, idx, b[0], b[1])
+        nb = (jnp.where(take, sc, b[0]), jnp.where(take, idx, b[1]))
+        if spec.t_best:
+          nb += (jnp.where(take, t, b[2]),)
+        new_best.append(nb)
+      if spec.lse:
+        # One exp per element: exp(-|t - m|) is the factor for whichever of
+        # the old sum and the new element is below the new max. NaN is
+        # carried into the max (rows with NaN take the exact path).
+        m, total = lse
+        up = t > m
+        e = jnp.exp(-jnp.abs(t - m))
+        total = jnp.where(t == -jnp.inf, total,
+                          jnp.where(up, total * e + 1.0, total + e))
+        lse = (jnp.where(up | (t != t), t, m), total)
+      if spec.truncates:
+        # Sorted insertion into each slot's list (strict >: NaN and -inf
+        # never enter; an equal value goes after the earlier one).
+        vals, ids = lists[:_SLOT_DEPTH], lists[_SLOT_DEPTH:]
+        gt = [t > v for v in vals]
+        nv, ni = [], []
+        for j in range(_SLOT_DEPTH):
+          if j == 0:
+            nv.append(jnp.where(gt[0], t, vals[0]))
+            ni.append(jnp.where(gt[0], gid, ids[0]))
+          else:
+            nv.append(jnp.where(gt[j - 1], vals[j - 1], jnp.where(gt[j], t, vals[j])))
+            ni.append(jnp.where(gt[j - 1], ids[j - 1], jnp.where(gt[j], gid, ids[j])))
+        lists = tuple(nv) + tuple(ni)
+      return tuple(new_best), lse, lists
+
+    def epilogue(acc, tile, start, first_new, state):
+      del tile
+      for c in range(n_chunks):
+        acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
+      if n_aux:
+        plgpu.barrier_wait(aux_bar.at[wg])
+      return lax.fori_loop(
+          0, n_chunks, lambda c, st: chunk(c, start, first_new, st), state)
+
+    full = lambda v, dtype: plgpu.layout_cast(jnp.full((n, epi), v, dtype), wgmma)
+    neg = lambda: full(-jnp.inf, jnp.float32)
+    big = lambda: full(base._INT_MAX, jnp.int32)
+    best0 = tuple((neg(), big()) + ((neg(),) if spec.t_best else ())
+                  for _ in range(S))
+    lse0 = (neg(), full(0.0, jnp.float32)) if spec.lse else ()
+    lists0 = (tuple(neg() for _ in range(_SLOT_DEPTH))
+              + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.truncates else ()
+    best, lse, lists = tile_loop(epilogue, (best0, lse0, lists0),
+                                 prologue if n_aux else None)
+
+    # Reduce the column slots inside each warp (no shared scratch).
+    out = lax.axis_index("sm") * 2 + wg
+    for s, b in enumerate(best):
+      m = jnp.max(b[0], axis=1)  # NaN if the row holds one
+      mb = bcast(m)
+      hit = (b[0] == mb) | ((b[0] != b[0]) & (mb != mb))
+      idx = jnp.min(jnp.where(hit, b[1], base._INT_MAX), axis=1)
+      f_ref[out, s] = m
+      i_ref[out, s] = idx
+      if spec.t_best:
+        own = hit & (b[1] == bcast(idx))
+        f_ref[out, S + s] = jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1)
+    if spec.lse:
+      m, total = lse
+      mx = jnp.max(m, axis=1)
+      scale = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - bcast(mx)))
+      f_ref[out, 2 * S] = mx
+      f_ref[out, 2 * S + 1] = jnp.sum(total * scale, axis=1)
+    if spec.truncates:
+      vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
+      # Values that fell off a full slot list are <= its last entry.
+      overflow = jnp.max(vals[-1], axis=1)
+      for r in range(_WG_CANDIDATES):
+        mx = jnp.max(vals[0], axis=1)
+        hit = vals[0] == bcast(mx)
+        top_id = jnp.min(jnp.where(hit, ids[0], base._INT_MAX), axis=1)
+        pop = hit & (ids[0] == bcast(top_id))
+        for j in range(_SLOT_DEPTH):
+          nxt_v = vals[j + 1] if j + 1 < _SLOT_DEPTH else neg()
+          nxt_i = ids[j + 1] if j + 1 < _SLOT_DEPTH else big()
+          vals[j] = jnp.where(pop, nxt_v, vals[j])
+          ids[j] = jnp.where(pop, nxt_i, ids[j])
+        f_ref[out, 2 * S + 3 + r] = mx
+        i_ref[out, S + r] = top_id
+      f_ref[out, 2 * S + 2] = jnp.maximum(overflow, jnp.max(vals[0], axis=1))
+
+  base._pingpong_frame(
+      compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
+      n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
+      rowdata_ref=rowdata_ref, batch_major=True,
+      rowdata_smem=plgpu.SMEM((spec.rowdata_rows, n), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
+
+
+def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
+            rows_valid: int, vocab_size: int):
+  n, dim = h.shape
+  rows = w.shape[0] if layout == "vd" else w.shape[1]
+  n_tiles = -(-rows // cfg.tile_v)
+  cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
+  num_ctas = min(cfg.num_ctas or base._num_sms(), n_tiles)
+  body = functools.partial(_kernel, cfg=cfg, spec=spec, layout=layout, n=n,
+                           dim=dim, rows=rows, rows_valid=rows_valid,
+                           vocab_size=vocab_size, n_tiles=n_tiles,
+                           num_ctas=num_ctas)
+  out_type = (jax.ShapeDtypeStruct((2 * num_ctas, spec.f_rows, n), jnp.float32),
+              jax.ShapeDtypeStruct((2 * num_ctas, spec.i_rows, n), jnp.int32))
+  f = plgpu.kernel(
+      body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      kernel_name="flashsample_sm90_controls",
+      compiler_params=plgpu.CompilerParams(
+          reduction_scratch_bytes=base._REDUCTION_SCRATCH_BYTES,
+          lowering_semantics=plgpu.LoweringSemantics.Lane))
+  extra = [a for a in (bias, mask) if a is not None]
+  return f(offset, rowdata, h, w, *extra)
+
+
+def check_supported(p: Problem, c: controls.Controls) -> None:
+  """Raises NotImplementedError where the controls kernel cannot run."""
+  base.check_supported(p)
+  del c  # every control is implemented
+
+
+def _local_bias(c: controls.Controls, offset, rows_k: int, total_rows: int):
+  """f32 ``[rows_k / 16, 16]``: the bias of this weight's rows (0 past V).
+
+  Padded so that ``offset + rows_k`` (offset <= the rows of all shards) is
+  in range: ``dynamic_slice`` would clamp the start otherwise."""
+  bias = jnp.pad(c.logit_bias, (0, total_rows + rows_k - c.logit_bias.shape[0]))
+  return lax.dynamic_slice_in_dim(bias, offset, rows_k).reshape(-1, _EPI)
+
+
+def _local_mask(c: controls.Controls, offset, rows_k: int, total_rows: int):
+  """uint32 ``[B, rows_k / 32]``: the allowed bits of this weight's rows,
+  realigned so that word ``j`` holds local ids ``32 j .. 32 j + 31`` (bits
+  past the mask's words are 0: not allowed)."""
+  mask = c.allowed_mask
+  n_words = rows_k // 32
+  total_words = -(-total_rows // 32) + n_words + 1
+  mask = jnp.pad(mask, ((0, 0), (0, total_words - mask.shape[1])))
+  q, r = offset // 32, (offset % 32).astype(jnp.uint32)
+  a = lax.dynamic_slice_in_dim(mask, q, n_words + 1, axis=1)
+  hi = jnp.where(r == 0, jnp.uint32(0),
+                 a[:, 1:] << jnp.where(r == 0, jnp.uint32(0), jnp.uint32(32) - r))
+  return (a[:, :-1] >> r) | hi
+
+
+def _merge_outputs(fo, io, spec: Spec, m: int):
+  """Controls state ``[N]`` rows from the warpgroups' outputs ``[W, *, N]``."""
+  S = spec.samples
+  best = []
+  for s in range(S):
+    score, tok = _core.reduce_candidates(fo[:, s], io[:, s], axis=0)
+    if spec.t_best:
+      t = jnp.max(jnp.where(io[:, s] == tok[None], fo[:, S + s], -jnp.inf), axis=0)
+    else:
+      t = jnp.zeros_like(score)
+    best.append((score, tok, t))
+  state = {"best": best}
+  if spec.lse:
+    mw, sw = fo[:, 2 * S], fo[:, 2 * S + 1]
+    mx = jnp.max(mw, axis=0)
+    scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[None]))
+    state["lse"] = (mx, jnp.sum(sw * scale, axis=0))
+  if spec.truncates:
+    n = fo.shape[-1]
+    vals = fo[:, 2 * S + 3:].transpose(2, 0, 1).reshape(n, -1)
+    ids = io[:, S:].transpose(2, 0, 1).reshape(n, -1)
+    if vals.shape[1] < m:
+      pad = ((0, 0), (0, m - vals.shape[1]))
+      vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+      ids = jnp.pad(ids, pad, constant_values=base._INT_MAX)
+    vals, j = lax.top_k(vals, m)
+    state["cand"] = (vals, jnp.take_along_axis(ids, j, axis=1),
+                     jnp.max(fo[:, 2 * S + 2], axis=0))
+  return state
+
+
+def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
+                   global_batch: int | None = None,
+                   config_override: base.TuningConfig | None = None):
+  """This shard's controls state (:func:`xla_backend.state_combine`'s form)
+  from the fused kernel: batch chunks of :data:`BATCH` rows, samples in
+  groups of :data:`MAX_KERNEL_SAMPLES` per launch."""
+  check_supported(p, c)
+  global_batch = global_batch or p.batch
+  offset = jnp.asarray(vocab_offset, jnp.int32)
+  rows = p.weight_rows
+  w = p.weight
+  align = np.lcm(_ROW_ALIGN, base._VD_ROW_ALIGN if p.layout == "vd"
+                 else base._DV_COL_ALIGN)
+  rows_k = max(base._round_up(rows, align), 64)
+  if rows_k != rows:  # a copy of W; real LM heads are multiples of 64
+    w = jnp.pad(w, [(0, rows_k - rows), (0, 0)] if p.layout == "vd"
+                else [(0, 0), (0, rows_k - rows)])
+  cfg = config_override or config(p.hidden_dim, rows_k,
+                                  jnp.dtype(p.weight.dtype).itemsize)
+  m = xla_backend.candidate_count(p)
+  total_rows = p.weight_rows * p.vocab_shards
+  bias = (_local_bias(c, offset, rows_k, total_rows)
+          if c.logit_bias is not None else None)
+  mask = (_local_mask(c, offset, rows_k, total_rows)
+          if c.allowed_mask is not None else None)
+  # The log-sum-exp feeds log-probabilities and the truncation rules.
+  need_lse = c.return_logprobs or c.truncates
+  softcap = (jnp.broadcast_to(lax.bitcast_convert_type(c.softcap, jnp.uint32),
+                              (p.batch,)) if c.softcap is not None
+             else jnp.zeros((p.batch,), jnp.uint32))
+  counters = [xla_backend._sample_counters(p, s, global_batch)
+              for s in range(c.samples)]
+  hidden = p.hidden.astype(p.weight.dtype)
+  temp_bits = lax.bitcast_convert_type(p.temperature, jnp.uint32)
+  states = []
+  for b0 in range(0, p.batch, BATCH):
+    b1 = min(p.batch, b0 + BATCH)
+    pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, BATCH - (b1 - b0))]
+                                 + [(0, 0)] * (x.ndim - 1))
+    mask_t = pad_rows(mask).T if mask is not None else None
+    parts = []
+    for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
+      group = range(g0, min(c.samples, g0 + MAX_KERNEL_SAMPLES))
+      first = g0 == 0
+      spec = Spec(samples=len(group), softcap=c.softcap is not None,
+                  bias=bias is not None, mask=mask is not None,
+                  lse=first and need_lse, truncates=first and c.truncates,
+                  t_best=c.return_logprobs)
+      rowdata = [p.k0, p.k1, temp_bits, softcap]
+      for s in group:
+        rowdata += list(counters[s])
+      rowdata = jnp.stack(rowdata)
+      rowdata = jnp.pad(rowdata, [(0, spec.rowdata_rows - rowdata.shape[0]), (0, 0)])
+      rowdata = pad_rows(rowdata.T).T
+      fo, io = _launch(offset.reshape((1,)), rowdata, pad_rows(hidden), w, bias,
+                       mask_t, cfg=cfg, spec=spec, layout=p.layout,
+                       rows_valid=rows, vocab_size=p.vocab_size)
+      parts.append(_merge_outputs(fo, io, spec, m))
+    state = parts[0]
+    for extra in parts[1:]:
+      state["best"] = state["best"] + extra["best"]
+    if not need_lse:  # unused: finish_controls reads lse only for these
+      zero = jnp.zeros((BATCH,), jnp.float32)
+      state["lse"] = (zero, zero + 1.0)
+    states.append(jax.tree.map(lambda a, n=b1 - b0: a[:n], state))
+  if len(states) == 1:
+    return states[0]
+  return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *states)
