@@ -8,6 +8,9 @@ fallback for ``backend="auto"``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -164,7 +167,8 @@ def _topm_merge(a, b, m: int):
   return vals, jnp.take_along_axis(ids, j, axis=1), jnp.maximum(a[2], b[2])
 
 
-def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last):
+def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last,
+             margin: float = _TOP_P_MARGIN):
   """Thresholds of the truncation rules from the top-M candidates.
 
   ``cand_t [B, M]`` (descending) holds every value of the row above
@@ -173,6 +177,8 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last):
   survive every rule, and whether that set is exactly the rows' kept set
   (every rule's threshold is known from the candidates, and at least one
   rule's kept set lies inside them). Mirrors :func:`controls.keep_mask`.
+  Rows where the mass before a listed id is within ``margin`` (relative) of
+  ``top_p`` are not certified (rounding could move the nucleus edge).
   """
   b, m = cand_t.shape
   top = cand_t[:, :1]
@@ -215,7 +221,7 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last):
     # Where it lies within rounding of p the two could disagree on the
     # edge: such rows take the exact path.
     near = jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
-                                      <= _TOP_P_MARGIN * pp[:, None]), axis=1)
+                                      <= margin * pp[:, None]), axis=1)
     known &= ~on | (((k_on & in_k) | (~k_on & edge_inside) | complete) & ~near)
     inside |= on & (complete | (last < thr))
     active |= on
@@ -352,30 +358,61 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
     last = jnp.maximum(bound, cand_t[:, -1])
     cand_t = jnp.where(cand_t > bound[:, None], cand_t, -jnp.inf)
     complete = (bound == -jnp.inf) & ((m >= total_rows) | (last == -jnp.inf))
-    keep, certified, active = _certify(p, c, cand_t, st["lse"], complete, last)
+    certify = functools.partial(_certify, p, cand_t=cand_t, lse=st["lse"],
+                                complete=complete, last=last)
+    keep, certified, active = certify(c)
     # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
     # treat them in ways the candidates do not track; the exact path does.
-    certified &= ~active | jnp.isfinite(st["lse"][0])
-    kept_t = jnp.where(keep, cand_t, -jnp.inf)
+    finite = ~active | jnp.isfinite(st["lse"][0])
+    certified &= finite
     sampled = p.temperature != 0
+    if not c.return_logprobs:  # greedy rows ignore truncation (argmax of x)
+      certified |= ~sampled
     use = active & sampled & (st["lse"][0] > -jnp.inf)
-    new_tok, new_t = [], []
-    for s in range(samples):
-      sc = perturbed(kept_t, kept_t, cand_i, s)
-      # The list is sorted by t, not id: ties of the perturbed score must go
-      # to the lowest id (the combine rule), not the first list position.
-      _, tok = _core.reduce_candidates(sc, cand_i, axis=1)
-      new_tok.append(tok)
-      new_t.append(jnp.max(jnp.where(cand_i == tok[:, None], cand_t, -jnp.inf), axis=1))
-    tokens = jnp.where(use[None], jnp.stack(new_tok), tokens)
-    t_tok = jnp.where(use[None], jnp.stack(new_t), t_tok)
-    lse_kept = jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept)
+
+    def pick(keep):
+      """Tokens, their t and the kept log-sum-exp with ``keep`` applied."""
+      kept_t = jnp.where(keep, cand_t, -jnp.inf)
+      new_tok, new_t = [], []
+      for s in range(samples):
+        sc = perturbed(kept_t, kept_t, cand_i, s)
+        # The list is sorted by t, not id: ties of the perturbed score must
+        # go to the lowest id (the combine rule), not the first list position.
+        _, tok = _core.reduce_candidates(sc, cand_i, axis=1)
+        new_tok.append(tok)
+        new_t.append(jnp.max(jnp.where(cand_i == tok[:, None], cand_t, -jnp.inf),
+                             axis=1))
+      return (jnp.where(use[None], jnp.stack(new_tok), tokens),
+              jnp.where(use[None], jnp.stack(new_t), t_tok),
+              jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept))
+
+    tokens, t_tok, lse_kept = pick(keep)
     fallback = ~certified
+
+    def resolve():
+      """The uncertified rows: first, rows whose nucleus edge lies within
+      rounding of top_p but whose tokens are the same with the edge ids kept
+      or dropped (the edge ids rarely win); then the exact path for the rest.
+      The kept log-sum-exp depends on the edge, so not with logprobs."""
+      still = fallback
+      out = (tokens, t_tok, lse_kept)
+      if c.top_p is not None and not c.return_logprobs:
+        width = 2 * _TOP_P_MARGIN * c.top_p
+        readings = [certify(dataclasses.replace(c, top_p=c.top_p + d), margin=0.0)
+                    for d in (-width, width)]
+        (k_lo, ok_lo, _), (k_hi, ok_hi, _) = readings
+        (tok_lo, t_lo, _), (tok_hi, _, _) = pick(k_lo), pick(k_hi)
+        same = ok_lo & ok_hi & finite & jnp.all(tok_lo == tok_hi, axis=0)
+        out = (jnp.where(same[None], tok_lo, tokens),
+               jnp.where(same[None], t_lo, t_tok), lse_kept)
+        still = fallback & ~same
+      return lax.cond(
+          jnp.any(still),
+          lambda: _materialized(p, c, still, *out, perturbed, axis),
+          lambda: out)
+
     tokens, t_tok, lse_kept = lax.cond(
-        jnp.any(fallback),
-        lambda: _materialized(p, c, fallback, tokens, t_tok, lse_kept,
-                              perturbed, axis),
-        lambda: (tokens, t_tok, lse_kept))
+        jnp.any(fallback), resolve, lambda: (tokens, t_tok, lse_kept))
   out = None
   if c.return_logprobs:
     out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],

@@ -59,8 +59,10 @@ BATCH = 64
 # Largest tempered logits kept per (row, column slot) of a warpgroup's
 # registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
 _SLOT_DEPTH = 4
-# Candidates per row that each warpgroup writes out (popped from its slots).
-_WG_CANDIDATES = 16
+# Candidates per row that each warpgroup writes out (popped from its slots):
+# 264 warpgroups x 8 >> the 128 candidates that stage 2 keeps; a warpgroup
+# holds ~V / 264 ids, so 9 of a row's top 128 in one is very unlikely.
+_WG_CANDIDATES = 8
 # Samples per launch; more take further launches (each re-reads W).
 MAX_KERNEL_SAMPLES = 4
 # Tile starts are multiples of 32 (the rows are padded to it), so a 16-wide
