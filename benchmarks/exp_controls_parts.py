@@ -24,10 +24,15 @@ from pallas_kernels import mosaic_controls  # noqa: E402
 
 
 def main():
+  if "--no-cond" in sys.argv:
+    # Experiment only: every lax.cond takes its false branch (no fallback),
+    # to measure what the conditional (a host round trip on GPUs) costs.
+    jax.lax.cond = lambda pred, t, f, *a: f(*a)
+  batches = [int(x) for x in sys.argv[1:] if x.isdigit()] or (1, 64, 128)
   d, v = 4096, 151936
   kw, kh = jax.random.split(jax.random.key(0))
   w = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / d**0.5)).astype(jnp.bfloat16)
-  for b in (1, 64, 128):
+  for b in batches:
     h = jax.random.normal(kh, (b, d), jnp.bfloat16)
     key = jax.random.key(1)
 

@@ -260,7 +260,8 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
   count rows across it); default ``p.batch``.
 
   Returns:
-    ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``.
+    ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``:
+    ``fallback`` marks the rows that took the materialized path.
   """
   samples = c.samples
   global_batch = global_batch or p.batch
@@ -406,13 +407,14 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
         out = (jnp.where(same[None], tok_lo, tokens),
                jnp.where(same[None], t_lo, t_tok), lse_kept)
         still = fallback & ~same
-      return lax.cond(
+      out = lax.cond(
           jnp.any(still),
           lambda: _materialized(p, c, still, *out, perturbed, axis),
           lambda: out)
+      return (*out, still)
 
-    tokens, t_tok, lse_kept = lax.cond(
-        jnp.any(fallback), resolve, lambda: (tokens, t_tok, lse_kept))
+    tokens, t_tok, lse_kept, fallback = lax.cond(
+        jnp.any(fallback), resolve, lambda: (tokens, t_tok, lse_kept, fallback))
   out = None
   if c.return_logprobs:
     out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],

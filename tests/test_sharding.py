@@ -426,7 +426,8 @@ _CONTROLS = {
 }
 
 
-def _controls_in_shard_map(h, w, key, t, mesh, ctl, *, batch_axis=None):
+def _controls_in_shard_map(h, w, key, t, mesh, ctl, *, batch_axis=None,
+                           backend="auto"):
   """Each vocab shard's output of sample(..., **ctl) in a user's shard_map."""
   arrays = {n: v for n, v in ctl.items() if hasattr(v, "ndim")}
   statics = {n: v for n, v in ctl.items() if n not in arrays}
@@ -436,7 +437,7 @@ def _controls_in_shard_map(h, w, key, t, mesh, ctl, *, batch_axis=None):
 
   def f(h, w, k, t, arrays):
     out = fs.sample(h, w, k, temperature=t, vocab_axis="tp", batch_axis=batch_axis,
-                    **arrays, **statics)
+                    backend=backend, **arrays, **statics)
     return jax.tree.map(lambda a: a[None], out)
 
   s = statics.get("num_samples")
@@ -516,3 +517,27 @@ def test_top_p_boundary_rows_same_on_any_shard_count():
     want = np.asarray(fs.reference.sample(hr, w, key, temperature=t, **ctl))
     for n in (1, 4):
       _check_controls(_controls_in_shard_map(hr, w, key, t, make_mesh(1, n), ctl), want)
+
+
+@pytest.mark.parametrize("case", ["transforms", "truncation"])
+def test_mosaic_controls_on_shards_not_multiple_of_32(case):
+  # The mosaic controls kernel in interpret mode inside shard_map: 1000 ids
+  # on 2 and 4 shards (500 and 250 rows: shard offsets that are not
+  # multiples of 32, so the bias and the mask words are realigned per shard).
+  from pallas_kernels import mosaic_sm90
+  v = 1000
+  h, w = inputs.exact_inputs(_CB, _CD, v, scale=1, seed=9)
+  t = inputs.pow2_temperatures(_CB, greedy_every=5, seed=9) * 4
+  r = np.random.default_rng(9)
+  ctl = dict(_CONTROLS[case])
+  if case == "transforms":
+    ctl["logit_bias"] = jnp.asarray(r.integers(-3, 4, v), jnp.float32)
+    ctl["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, (_CB, -(-v // 32)),
+                                                 dtype=np.uint32))
+  key = jax.random.key(9)
+  want = fs.reference.sample(h, w, key, temperature=t, **ctl)
+  for n in (2, 4):
+    with mosaic_sm90.interpret_mode():
+      got = _controls_in_shard_map(h, w, key, t, make_mesh(1, n), ctl,
+                                   backend="mosaic")
+    _check_controls(got, want)
