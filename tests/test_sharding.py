@@ -521,10 +521,15 @@ def test_top_p_boundary_rows_same_on_any_shard_count():
 
 @pytest.mark.parametrize("case", ["transforms", "truncation"])
 def test_mosaic_controls_on_shards_not_multiple_of_32(case):
-  # The mosaic controls kernel in interpret mode inside shard_map: 1000 ids
-  # on 2 and 4 shards (500 and 250 rows: shard offsets that are not
-  # multiples of 32, so the bias and the mask words are realigned per shard).
-  from pallas_kernels import mosaic_sm90
+  # The mosaic controls kernel on vocabulary shards of 500 and 250 rows:
+  # shard offsets that are not multiples of 32, so the bias and the mask
+  # words are realigned per shard. Interpret mode cannot run a Mosaic GPU
+  # kernel on several devices at once (its shared-memory bookkeeping
+  # reports barriers left allocated, for the plain kernel too), so the
+  # shards run one after another on one device, each with its own offset,
+  # and their states are merged as the all-gather inside shard_map does.
+  from flashsample_jax import controls, xla_backend
+  from pallas_kernels import mosaic_controls, mosaic_sm90
   v = 1000
   h, w = inputs.exact_inputs(_CB, _CD, v, scale=1, seed=9)
   t = inputs.pow2_temperatures(_CB, greedy_every=5, seed=9) * 4
@@ -537,7 +542,19 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
   key = jax.random.key(9)
   want = fs.reference.sample(h, w, key, temperature=t, **ctl)
   for n in (2, 4):
+    rows = v // n
+    c = controls.prepare_controls(batch=_CB, vocab_size=v, rows=v, **ctl)
+    shard = lambda i: _validate.prepare(h, w[i * rows:(i + 1) * rows], key,
+                                        temperature=t, vocab_size=v, vocab_shards=n)
     with mosaic_sm90.interpret_mode():
-      got = _controls_in_shard_map(h, w, key, t, make_mesh(1, n), ctl,
-                                   backend="mosaic")
-    _check_controls(got, want)
+      states = [mosaic_controls.controls_state(shard(i), c, vocab_offset=i * rows)
+                for i in range(n)]
+    combine = xla_backend.state_combine(c, xla_backend.candidate_count(shard(0)))
+    st = states[0]
+    for other in states[1:]:   # shard order = id order, as after the all-gather
+      st = combine(st, other)
+    # Decided on the whole head: the rare materialized rows read all of W,
+    # as the gathered logits inside shard_map do.
+    whole = _validate.prepare(h, w, key, temperature=t)
+    tokens, _, _ = xla_backend.finish_controls(whole, c, st)
+    np.testing.assert_array_equal(tokens[0], want, err_msg=f"{n} shards")
