@@ -29,6 +29,10 @@ by batch size (measurements in ``benchmarks/PERF_LOG.md``):
   inside each warp (no barriers, no scratch) with a running best carried
   over chunks and tiles.
 
+Sampling controls (top-k/top-p/min-p, bias, mask, soft-cap, several samples,
+log-probabilities) run in a fourth kernel built on the same ping-pong frame,
+:mod:`pallas_kernels.mosaic_controls`.
+
 The module has four parts (STYLE.md): the frozen :class:`TuningConfig`, the
 kernel bodies (with the shared :func:`_epilogue`), the launcher
 (:func:`_launch` and the public :func:`candidates`), and the heuristic
