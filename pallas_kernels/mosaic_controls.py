@@ -376,8 +376,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
 
 
 def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
-                   global_batch: int | None = None,
-                   config_override: base.TuningConfig | None = None):
+                   global_batch: int | None = None):
   """This shard's controls state (:func:`xla_backend.state_combine`'s form)
   from the fused kernel: batch chunks of :data:`BATCH` rows, samples in
   groups of :data:`MAX_KERNEL_SAMPLES` per launch."""
@@ -392,8 +391,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   if rows_k != rows:  # a copy of W; real LM heads are multiples of 64
     w = jnp.pad(w, [(0, rows_k - rows), (0, 0)] if p.layout == "vd"
                 else [(0, 0), (0, rows_k - rows)])
-  cfg = config_override or config(p.hidden_dim, rows_k,
-                                  jnp.dtype(p.weight.dtype).itemsize)
+  cfg = config(p.hidden_dim, rows_k, jnp.dtype(p.weight.dtype).itemsize)
   m = xla_backend.candidate_count(p)
   total_rows = p.weight_rows * p.vocab_shards
   bias = (_local_bias(c, offset, rows_k, total_rows)
