@@ -45,7 +45,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -384,13 +383,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   global_batch = global_batch or p.batch
   offset = jnp.asarray(vocab_offset, jnp.int32)
   rows = p.weight_rows
-  w = p.weight
-  align = np.lcm(_ROW_ALIGN, base._VD_ROW_ALIGN if p.layout == "vd"
-                 else base._DV_COL_ALIGN)
-  rows_k = max(base._round_up(rows, align), 64)
-  if rows_k != rows:  # a copy of W; real LM heads are multiples of 64
-    w = jnp.pad(w, [(0, rows_k - rows), (0, 0)] if p.layout == "vd"
-                else [(0, 0), (0, rows_k - rows)])
+  w, rows_k = base.pad_vocab(p, _ROW_ALIGN)
   cfg = config(p.hidden_dim, rows_k, jnp.dtype(p.weight.dtype).itemsize)
   m = xla_backend.candidate_count(p)
   total_rows = p.weight_rows * p.vocab_shards
@@ -413,6 +406,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, BATCH - (b1 - b0))]
                                  + [(0, 0)] * (x.ndim - 1))
     mask_t = pad_rows(mask).T if mask is not None else None
+    h_chunk = pad_rows(hidden)
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       group = range(g0, min(c.samples, g0 + MAX_KERNEL_SAMPLES))
@@ -427,7 +421,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
       rowdata = jnp.stack(rowdata)
       rowdata = jnp.pad(rowdata, [(0, spec.rowdata_rows - rowdata.shape[0]), (0, 0)])
       rowdata = pad_rows(rowdata.T).T
-      fo, io = _launch(offset.reshape((1,)), rowdata, pad_rows(hidden), w, bias,
+      fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
                        mask_t, cfg=cfg, spec=spec, layout=p.layout,
                        rows_valid=rows, vocab_size=p.vocab_size)
       parts.append(_merge_outputs(fo, io, spec, m))

@@ -783,8 +783,9 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   ``compute(wg=, tile_loop=, rowdata_smem=, acc_smem=, **scratch)`` runs on
   both compute warpgroups once the per-row data is in SMEM;
   ``tile_loop(epilogue, carry, prologue=None) -> carry`` runs the
-  warpgroup's local tiles (:func:`_pingpong_tile`). ``rowdata_smem``, ``acc_smem`` and ``scratch``
-  are the kernel's own SMEM allocations (``plgpu.SMEM`` types).
+  warpgroup's local tiles (:func:`_pingpong_tile`). ``rowdata_smem``,
+  ``acc_smem`` and ``scratch`` are the kernel's own SMEM allocations
+  (``plgpu.SMEM`` types).
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
   k_steps = dim // dt
@@ -1074,6 +1075,26 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   return s.reshape(n_out, n), i.reshape(n_out, n)
 
 
+def pad_vocab(p: Problem, align: int = 1):
+  """``(W, rows_k)``: the weight with its vocabulary axis padded for TMA.
+
+  TMA with a tiled SMEM destination tiles the whole GMEM array, so the
+  vocabulary axis must be a multiple of the tile there: 8 rows for "vd",
+  one 64-wide swizzle row for "dv" (and of ``align``), at least one 64-row
+  tile. Real LM heads are padded that way (151936 and 128256 are multiples
+  of 64); anything else pays one copy of W here, and the padding rows are
+  masked in the kernel.
+  """
+  rows = p.weight_rows
+  align = int(np.lcm(align, _VD_ROW_ALIGN if p.layout == "vd" else _DV_COL_ALIGN))
+  rows_k = max(_round_up(rows, align), 64)
+  w = p.weight
+  if rows_k != rows:
+    w = jnp.pad(w, [(0, rows_k - rows), (0, 0)] if p.layout == "vd"
+                else [(0, 0), (0, rows_k - rows)])
+  return w, rows_k
+
+
 def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None):
   """Best ``(score f32 [B], global id int32 [B])`` over ``p.weight``'s rows.
 
@@ -1091,17 +1112,7 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
   check_supported(p)
   offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
   rows = p.weight_rows
-  w = p.weight
-  # TMA with a tiled SMEM destination tiles the whole GMEM array, so the
-  # vocabulary axis must be a multiple of the tile there: 8 rows for "vd",
-  # one 64-wide swizzle row for "dv". Real LM heads are padded that way
-  # (151936 and 128256 are multiples of 64); anything else pays one copy of
-  # W here, and the padding rows are masked in the kernel.
-  align = _VD_ROW_ALIGN if p.layout == "vd" else _DV_COL_ALIGN
-  rows_k = max(_round_up(rows, align), 64)  # at least one 64-row tile
-  if rows_k != rows:
-    w = jnp.pad(w, [(0, rows_k - rows), (0, 0)] if p.layout == "vd"
-                else [(0, 0), (0, rows_k - rows)])
+  w, rows_k = pad_vocab(p)
   scores, tokens = [], []
   for b0 in range(0, p.batch, MAX_N):
     b1 = min(p.batch, b0 + MAX_N)
