@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 
@@ -207,6 +208,21 @@ def none_allowed(allowed_mask, vocab_size: int):
   return ~jnp.any((allowed_mask & valid_bits[None, :]) != 0, axis=1)
 
 
+def _sort_desc(x):
+  """Rows of ``x`` sorted descending (ties: ascending id), and the ids.
+
+  One sort with two keys, ``(-x, id)``: the same order as a stable argsort
+  of ``-x``. A sort of one or two operands with one key may become a CUB
+  radix-sort custom call on GPUs, which CUDA graphs cannot hold; then XLA
+  decides a ``lax.cond`` around this (the exact fallback of the fused
+  path) on the host, stalling every launch after it. A two-key sort stays
+  an XLA sort kernel, and the conditional stays on the device.
+  """
+  ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  neg, ids = lax.sort((-x, ids), dimension=x.ndim - 1, num_keys=2)
+  return -neg, ids
+
+
 def keep_mask(t, c: Controls):
   """The truncation rules of the module docstring on materialized rows.
 
@@ -219,15 +235,21 @@ def keep_mask(t, c: Controls):
   """
   keep = jnp.ones(t.shape, bool)
   v = t.shape[1]
+  if c.top_k is None and c.top_p is None:
+    desc = None
+  else:
+    desc, _ = _sort_desc(t)       # one sort serves both rules
   if c.top_k is not None:
     k = c.top_k[:, None]
-    desc = -jnp.sort(-t, axis=1)
     kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, v - 1), axis=1)
     keep &= (k <= 0) | (t >= kth)
   if c.top_p is not None:
+    # The top-k survivors sorted (ties by id), then -inf: the kept set of
+    # top-k is a prefix of ``desc`` (every value >= kth).
+    ts = desc
+    if c.top_k is not None:
+      ts = jnp.where((k <= 0) | (desc >= kth), desc, -jnp.inf)
     tk = jnp.where(keep, t, -jnp.inf)
-    order = jnp.argsort(-tk, axis=1, stable=True)         # descending, ties by id
-    ts = jnp.take_along_axis(tk, order, axis=1)
     q = jnp.exp(ts - ts[:, :1])
     q = q / jnp.sum(q, axis=1, keepdims=True)
     before = jnp.cumsum(q, axis=1) - q                    # mass ranked before

@@ -334,6 +334,14 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
   rows are decided on the candidates, or, where those cannot certify the
   kept set, on the exact materialized path. Returns what
   :func:`sample_with_controls` returns.
+
+  The exact path sits behind ``lax.cond``. On a GPU, XLA keeps such a
+  conditional inside its CUDA graph (decided on the device) only if every
+  op of both branches can live in a graph; else it copies the predicate to
+  the host on every call, and nothing after it is launched until the copy
+  lands (+70-140 us per call measured, benchmarks/exp_cond.py). Hence
+  :func:`controls.keep_mask` sorts with two keys (never a CUB sort). The
+  sharded path's all-gather in the branch may still need the host.
   """
   samples = c.samples
   global_batch = global_batch or p.batch

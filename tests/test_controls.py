@@ -6,6 +6,7 @@ GPU (the same tests; tests/test_mosaic_gpu.py adds the benchmark shapes).
 
 import contextlib
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +262,52 @@ def test_bad_controls(sampler, kwargs, exc, match):
 
 
 # -- regressions found in review: each failed before its fix ----------------------
+
+
+def test_keep_mask_matches_the_argsort_formulation():
+  # keep_mask sorts once with two keys (value desc, id asc), which XLA never
+  # hands to CUB (a CUB sort cannot live in a CUDA graph; see _sort_desc).
+  # It must keep exactly what the textbook formulation keeps: a sort for
+  # the k-th value, a stable argsort of the top-k survivors for top-p. Rows
+  # with ties, signed zeros, +-inf and NaN; k and p at and past their ends.
+  def textbook(t, c):
+    keep = jnp.ones(t.shape, bool)
+    if c.top_k is not None:
+      k = c.top_k[:, None]
+      desc = -jnp.sort(-t, axis=1)
+      kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, t.shape[1] - 1), axis=1)
+      keep &= (k <= 0) | (t >= kth)
+    if c.top_p is not None:
+      tk = jnp.where(keep, t, -jnp.inf)
+      ts = jnp.take_along_axis(tk, jnp.argsort(-tk, axis=1, stable=True), axis=1)
+      q = jnp.exp(ts - ts[:, :1])
+      q = q / jnp.sum(q, axis=1, keepdims=True)
+      before = jnp.cumsum(q, axis=1) - q
+      n = jnp.maximum(jnp.sum(before < c.top_p[:, None], axis=1), 1)
+      thr = jnp.take_along_axis(ts, (n - 1)[:, None], axis=1)
+      keep &= (c.top_p[:, None] >= 1) | (tk >= thr)
+    return keep
+
+  r = np.random.default_rng(11)
+  checked = 0
+  for _ in range(60):
+    b, v = int(r.integers(1, 6)), int(r.integers(1, 200))
+    x = np.round(r.normal(size=(b, v)) * r.choice([0.1, 1, 5]), int(r.integers(0, 3)))
+    u = r.random((b, v))
+    x[u < 0.05] = -np.inf
+    x[(u > 0.05) & (u < 0.07)] = np.inf
+    x[(u > 0.07) & (u < 0.09)] = np.nan
+    x[(u > 0.09) & (u < 0.12)] = -0.0
+    t = jnp.asarray(x, jnp.float32)
+    k = jnp.asarray(r.choice([0, 1, 2, 5, v, v + 3, -1], size=b), jnp.int32)
+    p = jnp.asarray(r.choice([1.0, 0.0, 1e-6, 0.3, 0.9, 0.999, np.nan], size=b),
+                    jnp.float32)
+    for kw in (dict(top_k=k), dict(top_p=p), dict(top_k=k, top_p=p)):
+      # Raw rule values (k < 0, p = 0 or NaN: what traced values may hold).
+      c = types.SimpleNamespace(**{"top_k": None, "top_p": None, "min_p": None, **kw})
+      np.testing.assert_array_equal(controls.keep_mask(t, c), textbook(t, c))
+      checked += 1
+  assert checked == 180
 
 
 def test_perturbed_ties_among_candidates_go_to_the_lowest_id():

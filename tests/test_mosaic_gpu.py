@@ -272,3 +272,18 @@ def test_controls_are_certified_on_llm_like_rows():
   st = mosaic_controls.controls_state(p, c)
   _, _, fallback = xla_backend.finish_controls(p, c, st)
   assert int(np.asarray(fallback).sum()) == 0
+
+
+@pytest.mark.parametrize("b", [1, 64])
+def test_controls_fallback_has_no_cub_sort(b):
+  # The exact fallback sits in a lax.cond. A CUB radix sort (XLA's rewrite
+  # of a one-key sort of 1-2 operands at these sizes) cannot be held in a
+  # CUDA graph, and then XLA decides the conditional on the host on every
+  # call (measured: +90-180 us per call). keep_mask sorts with two keys to
+  # keep XLA's own sort kernel; this checks the compiled program.
+  d, v = 4096, 151936
+  h, w = _device_random_inputs(b, d, v, seed=7)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, top_k=50, top_p=0.9, backend="mosaic"))
+  hlo = f.lower(h, w, jax.random.key(7)).compile().as_text()
+  assert "conditional(" in hlo
+  assert "cub_sort" not in hlo and "DeviceRadixSort" not in hlo

@@ -1,0 +1,181 @@
+"""What a never-taken ``lax.cond`` after the fused sampler costs on a GPU.
+
+    PYTHONPATH=. python3 benchmarks/exp_cond.py [B]
+
+The exact fallback of the controls path sits behind a ``lax.cond`` whose
+predicate is computed on the device. Outside a command buffer (CUDA graph)
+XLA copies the predicate to the host and launches nothing after it until it
+arrives. This experiment times the plain fused sampler followed by a
+conditional whose (never-taken) branch holds one kind of op each, so that
+one sees which ops keep XLA from putting the conditional into a command
+buffer, and prints, per variant, whether the optimized HLO wraps the
+conditional in one. Run it under different ``XLA_FLAGS`` to compare.
+Medians in us, one JSON line per variant.
+"""
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flashsample_jax as fs  # noqa: E402
+from benchmarks import _timing  # noqa: E402
+
+
+def _in_command_buffer(hlo: str) -> str:
+  """'yes' if every conditional sits in a command_buffer computation, 'no'
+  if none does, 'some' else, '-' without conditionals."""
+  comps = re.split(r"\n(?=\S)", hlo)
+  total = inside = 0
+  for comp in comps:
+    n = len(re.findall(r"= \S+ conditional\(", comp))
+    total += n
+    if n and "command_buffer" in comp.split("\n", 1)[0]:
+      inside += n
+  if not total:
+    return "-"
+  return "yes" if inside == total else ("no" if inside == 0 else "some")
+
+
+def _barrier_cond(pred, true_fun, false_fun, *operands):
+  """Experiment only: the false branch, with the predicate kept alive."""
+  pred, out = lax.optimization_barrier((pred, false_fun(*operands)))
+  return out
+
+
+def finish_variants(b, h, w, key):
+  """The top-k + top-p call as is, and with its conditional replaced by the
+  false branch (the predicate still computed): their difference is what the
+  conditional costs beyond the work that decides it."""
+  rows = {}
+  for name in ("cond", "barrier"):
+    cond = lax.cond
+    jax.clear_caches()   # the inner jit would reuse its trace with the cond
+    if name == "barrier":
+      lax.cond = _barrier_cond
+    try:
+      f = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
+      f.lower(h, w, key).compile()
+      rows[name] = round(_timing.median_us(f, h, w, key, reps=15)[0], 1)
+    finally:
+      lax.cond = cond
+  plain = jax.jit(lambda h, w, key: fs.sample(h, w, key))
+  rows["plain"] = round(_timing.median_us(plain, h, w, key, reps=15)[0], 1)
+  print(json.dumps({"B": b, **rows}), flush=True)
+
+
+def profile(h, w, key, out_dir):
+  """GPU kernels of the last two of five calls, from a JAX profiler trace:
+  start (us, from the first listed kernel), duration (us) and name, plus
+  the GPU's idle time in that window (launch gaps, host waits)."""
+  import glob
+  import tempfile
+  ctl = {} if "--plain" in sys.argv else dict(top_k=50, top_p=0.9)
+  if "--barrier" in sys.argv:
+    lax.cond = _barrier_cond
+  f = jax.jit(lambda h, w, key: fs.sample(h, w, key, **ctl))
+  jax.block_until_ready(f(h, w, key))
+  trace_dir = tempfile.mkdtemp()
+  jax.profiler.start_trace(trace_dir)
+  for _ in range(5):
+    out = f(h, w, key)
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+  data = jax.profiler.ProfileData.from_file(path)
+  events = []
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():
+        continue
+      events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+  events.sort()
+  if not events:
+    print("no GPU stream events; planes:", [p.name for p in data.planes])
+    return
+  mains = [i for i, e in enumerate(events) if "flashsample" in e[2]]
+  events = events[mains[-2] - 3:] if len(mains) >= 2 else events
+  t0 = events[0][0]
+  busy = sum(d for _, d, _ in events)
+  lines = [f"{(s - t0) / 1e3:9.1f} {d / 1e3:8.1f}  {n[:90]}" for s, d, n in events]
+  span = (events[-1][0] + events[-1][1] - t0) / 1e3
+  lines.append(f"window {span:.1f} us, kernels busy {busy / 1e3:.1f} us, "
+               f"{len(events)} kernels")
+  t_end = events[-1][0] + events[-1][1]
+  host = []
+  for plane in data.planes:
+    if plane.name != "/host:CPU":
+      continue
+    for line in plane.lines:
+      host += [(e.start_ns, e.duration_ns, line.name, e.name) for e in line.events
+               if e.duration_ns > 2000 and t0 - 400_000 <= e.start_ns <= t_end]
+  host.sort()
+  lines.append("host events over 2 us (start from the first kernel, duration, thread, name):")
+  lines += [f"{(s - t0) / 1e3:9.1f} {d / 1e3:8.1f}  {ln[:20]:20s} {n[:90]}"
+            for s, d, ln, n in host]
+  text = "\n".join(lines)
+  print(text, flush=True)
+  with open(os.path.join(out_dir, "profile_B%d%s.txt" % (h.shape[0], os.environ.get("TAG", ""))), "w") as fh:
+    fh.write(text + "\n")
+
+
+def main():
+  b = next((int(x) for x in sys.argv[1:] if x.isdigit()), 64)
+  d, v = (256, 4096) if "--small" in sys.argv else (4096, 151936)
+  kw, kh, kx = jax.random.split(jax.random.key(0), 3)
+  w = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / d**0.5)).astype(jnp.bfloat16)
+  h = jax.random.normal(kh, (b, d), jnp.bfloat16)
+  x = jax.random.normal(kx, (b, v), jnp.float32)
+  key = jax.random.key(1)
+
+  def with_branch(branch):
+    def f(h, w, key, x):
+      tok = fs.sample(h, w, key)
+      if branch is None:
+        return tok
+      return lax.cond(jnp.any(tok < 0), lambda: branch(h, w, x, tok), lambda: tok)
+    return jax.jit(f)
+
+  branches = {
+      "no_cond": None,
+      "elementwise": lambda h, w, x, tok: tok + 1,
+      "dot": lambda h, w, x, tok: jnp.argmax(
+          jnp.dot(h, w.T, preferred_element_type=jnp.float32), axis=1).astype(jnp.int32),
+      "sort": lambda h, w, x, tok: jnp.argsort(-x, axis=1)[:, 0].astype(jnp.int32),
+      "top_k": lambda h, w, x, tok: lax.top_k(x, 64)[1][:, 0],
+      "cumsum": lambda h, w, x, tok: jnp.argmax(jnp.cumsum(x, axis=1), axis=1).astype(jnp.int32),
+      "threefry": lambda h, w, x, tok: jax.random.categorical(key, x).astype(jnp.int32),
+  }
+  if "--finish" in sys.argv:
+    return finish_variants(b, h, w, key)
+  if "--profile" in sys.argv:
+    return profile(h, w, key, os.environ.get("OUT", "/tmp"))
+  print(json.dumps({"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "B": b,
+                    "device": _timing.device_name()}), flush=True)
+  for name, branch in branches.items():
+    f = with_branch(branch)
+    hlo = f.lower(h, w, key, x).compile().as_text()
+    us = _timing.median_us(f, h, w, key, x, reps=15)[0]
+    print(json.dumps({"variant": name, "us": round(us, 1),
+                      "cond_in_command_buffer": _in_command_buffer(hlo)}), flush=True)
+  full = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
+  hlo = full.lower(h, w, key).compile().as_text()
+  us = _timing.median_us(full, h, w, key, reps=15)[0]
+  print(json.dumps({"variant": "top_k50_top_p0.9", "us": round(us, 1),
+                    "cond_in_command_buffer": _in_command_buffer(hlo)}), flush=True)
+  if "--dump" in sys.argv:
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "topk_topp_optimized.hlo.txt"), "w") as fh:
+      fh.write(hlo)
+
+
+if __name__ == "__main__":
+  main()
