@@ -250,8 +250,13 @@ def keep_mask(t, c: Controls):
     if c.top_k is not None:
       ts = jnp.where((k <= 0) | (desc >= kth), desc, -jnp.inf)
     tk = jnp.where(keep, t, -jnp.inf)
-    q = jnp.exp(ts - ts[:, :1])
-    q = q / jnp.sum(q, axis=1, keepdims=True)
+    e = jnp.exp(ts - ts[:, :1])
+    # The normalizer is the last prefix sum, not jnp.sum: on a GPU a
+    # reduction adds in the order of the tiling XLA picks for its fusion,
+    # which may differ between two programs (the reference and a backend's
+    # exact fallback), and a row whose mass sits at p within one ulp would
+    # then keep different ids. A cumsum (a reduce-window) adds in one order.
+    q = e / jnp.cumsum(e, axis=1)[:, -1:]
     before = jnp.cumsum(q, axis=1) - q                    # mass ranked before
     n = jnp.maximum(jnp.sum(before < c.top_p[:, None], axis=1), 1)
     thr = jnp.take_along_axis(ts, (n - 1)[:, None], axis=1)
