@@ -16,6 +16,8 @@ Truncation of sampled rows, on the tempered ``t``:
   sort ids by ``t`` descending (ties by id); keep an id if the probability
   mass ranked strictly before it is ``< p`` (so the most probable id is
   always kept), and also every id whose ``t`` equals the last kept one's.
+  In f32: ``e = exp(t - max t)`` in that order, ``q = e / Z`` with ``Z`` the
+  last prefix sum of ``e``, the mass before an id ``cumsum(q) - q``.
 * ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
   least ``m`` times the row's top probability. For finite logits the top id
   is never removed by any rule, so min-p's order among the rules does not
