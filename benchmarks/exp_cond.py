@@ -1,21 +1,32 @@
-"""What a never-taken ``lax.cond`` after the fused sampler costs on a GPU.
+"""What the ``lax.cond`` around the exact fallback costs on a GPU.
 
-    PYTHONPATH=. python3 benchmarks/exp_cond.py [B]
+    PYTHONPATH=. python3 benchmarks/exp_cond.py [B]             # variants
+    PYTHONPATH=. python3 benchmarks/exp_cond.py B --finish      # cond vs none
+    TAG=_x PYTHONPATH=. python3 benchmarks/exp_cond.py B --profile [--plain|--barrier]
 
 The exact fallback of the controls path sits behind a ``lax.cond`` whose
-predicate is computed on the device. Outside a command buffer (CUDA graph)
-XLA copies the predicate to the host and launches nothing after it until it
-arrives. This experiment times the plain fused sampler followed by a
-conditional whose (never-taken) branch holds one kind of op each, so that
-one sees which ops keep XLA from putting the conditional into a command
-buffer, and prints, per variant, whether the optimized HLO wraps the
-conditional in one. Run it under different ``XLA_FLAGS`` to compare.
+predicate is computed on the device. XLA keeps a conditional in its CUDA
+graph (command buffer) only if every op of its branches can live in one;
+else it copies the predicate to the host on every call and launches nothing
+after it until the copy lands.
+
+* default: the plain fused sampler followed by a conditional whose
+  (never-taken) branch holds one kind of op each (dot, sort, top_k, cumsum,
+  threefry), and the top-k + top-p call. Which conditionals stay in the
+  graph: run with ``XLA_FLAGS=--xla_dump_to=DIR`` and read
+  ``DIR/*thunk_sequence_after_thunk_passes.txt`` (a ``kConditional`` nested
+  under ``kCommandBuffer`` is on the device).
+* ``--finish``: top-k + top-p as is, and with the conditional replaced by
+  its false branch with the predicate kept alive (an optimization barrier),
+  and plain sampling.
+* ``--profile``: GPU kernels and host events of two calls from a JAX
+  profiler trace, written to ``$OUT/profile_B<B><TAG>.txt``.
+
 Medians in us, one JSON line per variant.
 """
 
 import json
 import os
-import re
 import sys
 
 import jax
@@ -26,21 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashsample_jax as fs  # noqa: E402
 from benchmarks import _timing  # noqa: E402
-
-
-def _in_command_buffer(hlo: str) -> str:
-  """'yes' if every conditional sits in a command_buffer computation, 'no'
-  if none does, 'some' else, '-' without conditionals."""
-  comps = re.split(r"\n(?=\S)", hlo)
-  total = inside = 0
-  for comp in comps:
-    n = len(re.findall(r"= \S+ conditional\(", comp))
-    total += n
-    if n and "command_buffer" in comp.split("\n", 1)[0]:
-      inside += n
-  if not total:
-    return "-"
-  return "yes" if inside == total else ("no" if inside == 0 else "some")
 
 
 def _barrier_cond(pred, true_fun, false_fun, *operands):
@@ -162,15 +158,12 @@ def main():
                     "device": _timing.device_name()}), flush=True)
   for name, branch in branches.items():
     f = with_branch(branch)
-    hlo = f.lower(h, w, key, x).compile().as_text()
     us = _timing.median_us(f, h, w, key, x, reps=15)[0]
-    print(json.dumps({"variant": name, "us": round(us, 1),
-                      "cond_in_command_buffer": _in_command_buffer(hlo)}), flush=True)
+    print(json.dumps({"variant": name, "us": round(us, 1)}), flush=True)
   full = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
   hlo = full.lower(h, w, key).compile().as_text()
   us = _timing.median_us(full, h, w, key, reps=15)[0]
-  print(json.dumps({"variant": "top_k50_top_p0.9", "us": round(us, 1),
-                    "cond_in_command_buffer": _in_command_buffer(hlo)}), flush=True)
+  print(json.dumps({"variant": "top_k50_top_p0.9", "us": round(us, 1)}), flush=True)
   if "--dump" in sys.argv:
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "topk_topp_optimized.hlo.txt"), "w") as fh:
