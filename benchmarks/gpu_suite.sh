@@ -1,0 +1,43 @@
+#!/bin/bash
+# The test suite on the GPU in one device call, in groups with a time limit
+# each, so that one slow (compile-heavy) group cannot take the whole call and
+# every group leaves a log. Each test's outcome is printed as it ends (-v),
+# so a group stopped by its limit still says what passed and what failed.
+#
+#   bash benchmarks/gpu_suite.sh [group ...]     (on the device; logs in $OUT)
+#
+# Groups: mosaic (tests/test_mosaic_gpu.py, all marked gpu), controls
+# (tests/test_controls.py, both backends natively), rest (everything else).
+# N sets the pytest-xdist workers (default 14 of the 16 cores: compiling is
+# the bottleneck). Limits in seconds: T_MOSAIC, T_CONTROLS, T_REST.
+export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+N=${N:-14}
+groups=${*:-"mosaic controls rest"}
+
+run_group() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -v --tb=short -p no:benchmark -n "$N" "$@" \
+    > "$OUT/gpu_$name.log" 2>&1
+  local rc=$?
+  local passed failed
+  passed=$(grep -c " PASSED " "$OUT/gpu_$name.log")
+  failed=$(grep -c " FAILED " "$OUT/gpu_$name.log")
+  echo "$name: rc=$rc (124 = time limit) passed=$passed failed=$failed"
+  grep " FAILED " "$OUT/gpu_$name.log" | sed 's/^/  /'
+}
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+for g in $groups; do
+  case $g in
+    mosaic)   run_group mosaic "${T_MOSAIC:-240}" tests/test_mosaic_gpu.py ;;
+    controls) run_group controls "${T_CONTROLS:-240}" tests/test_controls.py ;;
+    rest)     run_group rest "${T_REST:-100}" tests --ignore=tests/test_mosaic_gpu.py \
+                --ignore=tests/test_controls.py --ignore=tests/test_notebooks.py \
+                --ignore=tests/test_examples.py ;;
+    *) echo "unknown group $g" ;;
+  esac
+done
