@@ -211,18 +211,19 @@ def none_allowed(allowed_mask, vocab_size: int):
 
 
 def _sort_desc(x):
-  """Rows of ``x`` sorted descending (ties: ascending id), and the ids.
+  """Rows of ``x`` sorted descending.
 
-  One sort with two keys, ``(-x, id)``: the same order as a stable argsort
-  of ``-x``. A sort of one or two operands with one key may become a CUB
-  radix-sort custom call on GPUs, which CUDA graphs cannot hold; then XLA
-  decides a ``lax.cond`` around this (the exact fallback of the fused
-  path) on the host, stalling every launch after it. A two-key sort stays
-  an XLA sort kernel, and the conditional stays on the device.
+  One sort with two keys, ``(-x, id)``: the ids only break ties, so the
+  values come out as a stable argsort of ``-x`` would order them. A sort of
+  one or two operands with one key may become a CUB radix-sort custom call
+  on GPUs, which CUDA graphs cannot hold; then XLA decides a ``lax.cond``
+  around this (the exact fallback of the fused path) on the host, stalling
+  every launch after it. A two-key sort stays an XLA sort kernel, and the
+  conditional stays on the device.
   """
   ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  neg, ids = lax.sort((-x, ids), dimension=x.ndim - 1, num_keys=2)
-  return -neg, ids
+  neg, _ = lax.sort((-x, ids), dimension=x.ndim - 1, num_keys=2)
+  return -neg
 
 
 def keep_mask(t, c: Controls):
@@ -240,7 +241,7 @@ def keep_mask(t, c: Controls):
   if c.top_k is None and c.top_p is None:
     desc = None
   else:
-    desc, _ = _sort_desc(t)       # one sort serves both rules
+    desc = _sort_desc(t)          # one sort serves both rules
   if c.top_k is not None:
     k = c.top_k[:, None]
     kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, v - 1), axis=1)

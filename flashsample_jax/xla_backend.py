@@ -339,7 +339,7 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
   conditional inside its CUDA graph (decided on the device) only if every
   op of both branches can live in a graph; else it copies the predicate to
   the host on every call, and nothing after it is launched until the copy
-  lands (+70-140 us per call measured, benchmarks/exp_cond.py). Hence
+  lands (up to ~150 us per call at B=64, benchmarks/exp_cond.py). Hence
   :func:`controls.keep_mask` sorts with two keys (never a CUB sort). The
   sharded path's all-gather in the branch may still need the host.
   """

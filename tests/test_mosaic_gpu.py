@@ -281,7 +281,7 @@ def test_controls_fallback_stays_in_the_cuda_graph(b):
   # The exact fallback sits in a lax.cond. A CUB radix sort (XLA's rewrite
   # of a one-key sort of 1-2 operands at these sizes) cannot be held in a
   # CUDA graph, and then XLA decides the conditional on the host on every
-  # call (measured: +90-180 us per call). keep_mask sorts with two keys to
+  # call (up to ~150 us per call at B=64). keep_mask sorts with two keys to
   # keep XLA's own sort kernel; this checks the compiled program.
   d, v = 4096, 151936
   h, w = _device_random_inputs(b, d, v, seed=7)
