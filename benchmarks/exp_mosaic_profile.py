@@ -14,6 +14,7 @@ Two modes, both on the GPU:
   python3 benchmarks/exp_mosaic_profile.py time
   python3 benchmarks/exp_mosaic_profile.py ncu 256
 """
+import dataclasses
 import os
 import sys
 
@@ -82,6 +83,99 @@ def time_mode(batches=(64, 128)):
   print("\n".join(rows))
 
 
+def _stream_steps_h_once(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout,
+                         vt, dt, S, k_steps, rows, cta, num_ctas, total):
+  """Ablation (wrong tokens): each slot gets its H slice once, later steps
+  load only the weight slice (the barrier's second arrival is a plain one),
+  so the H bytes from L2 fall from (N / Vt) x the weight bytes to ~0."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  @pl.loop(0, total)
+  def _step(s):
+    slot = lax.rem(s, S)
+    i = s // k_steps
+    k = s - i * k_steps
+
+    @pl.when(s >= S)
+    def _():
+      plgpu.barrier_wait(empty.at[slot])
+
+    start = m._tile_start(cta + i * num_ctas, vt, rows)
+    w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
+    bar = full.at[lax.rem(i, 2) * S + slot]
+    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
+
+    @pl.when(s < S)
+    def _():
+      plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_smem.at[slot], bar)
+
+    @pl.when(s >= S)
+    def _():
+      plgpu.barrier_arrive(bar)
+
+  @pl.loop(jnp.maximum(total - S, 0), total)
+  def _drain(s):
+    plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+
+
+def chunk_mode(batches=(192, 256)):
+  """B > 128: one v3 launch (N = 256, cooperative) vs two batch-major
+  launches of <= 128 rows (two passes over W, PERF_LOG v7)."""
+  global D, V
+  rows = []
+  for d, v in ((4096, 151936), (8192, 128256)):
+    D, V = d, v
+    for b in batches:
+      h, w = _inputs(b)
+      ref = None
+      for chunk, cfg in ((256, None), (128, None),
+                         (128, _bm(max_concurrent_steps=4, mma_in_flight=1))):
+        m.CHUNK_ROWS = chunk
+        try:
+          f = _fn(cfg)
+          tok = np.asarray(f(h, w)[1])
+          us, _ = _timing.median_us(f, h, w, reps=15, inner=30)
+          same = ref is None or np.array_equal(tok, ref)
+          ref = tok if ref is None else ref
+          line = (f"D={D} B={b:4d} chunk={chunk} {us:8.1f} us same={same} "
+                  f"cfg={cfg or m.pick_config(m.batch_side(m.batch_chunks(b)[0][1]), D, V)}")
+        except Exception as e:  # noqa: BLE001
+          line = f"D={D} B={b} chunk={chunk} FAILED {type(e).__name__}: {str(e)[:200]}"
+        finally:
+          m.CHUNK_ROWS = m.MAX_N
+        print(line, flush=True)
+        rows.append(line)
+  print("\n".join(rows))
+
+
+def l2_mode(batches=(64, 128)):
+  """Is the H traffic from L2 what holds B=128 above the floor? Times the
+  real kernel, no noise, H loaded once per slot, and both (tokens of the
+  ablations are meaningless)."""
+  orig_gumbel, orig_stream = noise.gumbel, m._stream_steps
+  rows = []
+  for b in batches:
+    h, w = _inputs(b)
+    for name in ("full", "no_noise", "h_once", "h_once+no_noise"):
+      if "no_noise" in name:
+        noise.gumbel = _cheap_bits
+      if "h_once" in name:
+        m._stream_steps = _stream_steps_h_once
+      try:
+        f = _fn()
+        jax.block_until_ready(f(h, w))
+        us, _ = _timing.median_us(f, h, w, reps=15, inner=30)
+        line = f"S B={b:4d} {name:16s} {us:8.1f} us"
+      except Exception as e:  # noqa: BLE001
+        line = f"S B={b:4d} {name:16s} FAILED {type(e).__name__}: {str(e)[:200]}"
+      finally:
+        noise.gumbel, m._stream_steps = orig_gumbel, orig_stream
+      print(line, flush=True)
+      rows.append(line)
+  print("\n".join(rows))
+
+
 def ncu_mode(b):
   h, w = _inputs(b)
   f = _fn()
@@ -135,16 +229,30 @@ AB = {
 }
 
 
-def ab_mode(batches=(64, 128)):
+# Ring depth (PERF_LOG v7): the consumer holds two slots with one wgmma in
+# flight (released one step late); mma_in_flight=0 releases each slot as
+# soon as its wgmma is done, so one more slot of the ring is loading.
+DEPTH = {
+    16: [None, dataclasses.replace(m.pick_config(16, 4096, 151936), mma_in_flight=0)],
+    64: [None, _bm(tile_d=128, max_concurrent_steps=3, mma_in_flight=0),
+         _bm(tile_d=64, max_concurrent_steps=6, mma_in_flight=0),
+         _bm(tile_d=64, max_concurrent_steps=7, mma_in_flight=0)],
+    128: [None, _bm(max_concurrent_steps=4, mma_in_flight=0),
+          _bm(tile_d=128, max_concurrent_steps=2, mma_in_flight=0)],
+}
+
+
+def ab_mode(batches=(64, 128), table=None, shapes=((4096, 151936), (8192, 128256))):
   """Configs side by side in one process; tokens compared with the first."""
   global D, V
+  table = table or AB
   rows = []
-  for d, v in ((4096, 151936), (8192, 128256)):
+  for d, v in shapes:
     D, V = d, v
     for b in batches:
       h, w = _inputs(b)
       ref = None
-      for cfg in AB[b]:
+      for cfg in table[b]:
         f = _fn(cfg)
         try:
           tok = np.asarray(f(h, w)[1])
@@ -158,7 +266,8 @@ def ab_mode(batches=(64, 128)):
         line = (f"D={D} B={b:4d} {us:8.1f} us same={np.array_equal(tok, ref)} "
                 f"Vt={cfg.tile_v} Dt={cfg.tile_d} S={cfg.max_concurrent_steps} "
                 f"C={cfg.epi_cols} u={cfg.epi_unroll} wgs={cfg.compute_wgs} "
-                f"passes={cfg.epi_passes} pp={cfg.pingpong}")
+                f"passes={cfg.epi_passes} pp={cfg.pingpong} "
+                f"bm={cfg.batch_major} inflight={cfg.mma_in_flight}")
         print(line, flush=True)
         rows.append(line)
   print("\n".join(rows))
@@ -227,6 +336,12 @@ if __name__ == "__main__":
     time_mode()
   elif mode == "ab":
     ab_mode()
+  elif mode == "chunk":
+    chunk_mode()
+  elif mode == "l2":
+    l2_mode()
+  elif mode == "depth":
+    ab_mode(batches=(16, 64, 128), table=DEPTH)
   elif mode == "trace":
     trace_mode(int(sys.argv[2]))
   elif mode == "calls":

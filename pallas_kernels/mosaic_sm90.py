@@ -133,6 +133,11 @@ class TuningConfig:
       inside each warp (no cross-warp reductions, no barriers), and a
       running best per (row, column slot) carries over chunks and tiles:
       one candidate row per warpgroup leaves the CTA. Needs ``pingpong``.
+    mma_in_flight: ping-pong consumers: wgmmas left in flight after each
+      step's issue (1 or 0). With 1 the next step's issue overlaps the
+      running wgmma, and a slot is released one step after its wgmma (the
+      consumer holds two slots); with 0 each step waits for its wgmma and
+      releases its slot at once (one more slot of the ring loading).
   """
 
   tile_v: int = 128
@@ -145,6 +150,7 @@ class TuningConfig:
   epi_passes: int = 1
   pingpong: bool = False
   batch_major: bool = False
+  mma_in_flight: int = 1
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -165,11 +171,15 @@ class TuningConfig:
       raise TypeError(f"pingpong={self.pingpong!r} must be a bool")
     if self.pingpong and self.compute_wgs != 2:
       raise ValueError(f"pingpong needs compute_wgs=2, got {self.compute_wgs}")
-    if self.pingpong and max_concurrent_steps < 2:
-      # A slot is released one step after its wgmma is issued (one wgmma in
-      # flight): a ring of one slot would wait on itself.
+    if self.mma_in_flight not in (0, 1) or isinstance(self.mma_in_flight, bool):
+      raise ValueError(f"mma_in_flight={self.mma_in_flight!r} must be 0 or 1")
+    if self.pingpong and max_concurrent_steps < 1 + self.mma_in_flight:
+      # With one wgmma in flight a slot is released one step after its
+      # wgmma is issued: a ring of one slot would wait on itself.
       raise ValueError(
-          f"pingpong needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
+          f"pingpong with mma_in_flight={self.mma_in_flight} needs "
+          f"max_concurrent_steps >= {1 + self.mma_in_flight}, got "
+          f"{max_concurrent_steps}")
     if not isinstance(self.batch_major, bool):
       raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
     if self.batch_major and not self.pingpong:
@@ -314,6 +324,18 @@ def _wg_scratch_elems(epi_cols: int) -> int:
   return 4 * 32 * 2 * (epi_cols // 8)
 
 
+# Rows per launch (one pass over W each): full chunks first, then the rest.
+# A launch's cost grows slower than its rows, so chunks are as full as the
+# kernel allows (two launches of 128 rows: S B=256 836 -> 831 us, L 1197 ->
+# 1301; B=192 667 -> 832 us; PERF_LOG v7).
+CHUNK_ROWS = MAX_N
+
+
+def batch_chunks(batch: int) -> list[tuple[int, int]]:
+  """``[(b0, b1), ...]``: the row ranges of the launches for ``batch`` rows."""
+  return [(b0, min(batch, b0 + CHUNK_ROWS)) for b0 in range(0, batch, CHUNK_ROWS)]
+
+
 def batch_side(batch: int) -> int:
   """wgmma N for a batch chunk of ``batch <= MAX_N`` rows."""
   return min(MAX_N, _round_up(max(batch, 1), _N_ALIGN))
@@ -350,15 +372,20 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     # Ping-pong on tiles of 128 vocabulary rows, vocabulary on the wgmma M
     # side: H slices of N <= 16 rows leave room for 5 slots of Dt = 128
     # (batch-major pads N to 64: 3 slots; L B=8 535 -> 566 us, PERF_LOG v5).
+    # Each slot is released as soon as its wgmma is done (S B=16 311 ->
+    # 302 us, L 516 -> 504; PERF_LOG v7).
     tile_v, epi_unroll = 128, 1
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=1,
-                        compute_wgs=2, pingpong=True, max_concurrent_steps=2)
+                        compute_wgs=2, pingpong=True, max_concurrent_steps=2,
+                        mma_in_flight=0)
   elif compute_wgs == 2 and n <= 128:
     # Batch on the wgmma M side (N padded to 64 or 128), ping-pong on tiles
     # of 128 vocabulary rows: no cross-warp reductions in the epilogue, and
     # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v5).
     # One chunk of [N, 16] per loop iteration (8 or 16 noise elements per
     # thread; unrolling twice measured 2-4% slower).
+    # One wgmma kept in flight: releasing each slot at once measured slower
+    # at N = 64 (323 -> 333 us) and within the spread at N = 128 (PERF_LOG v7).
     tile_v = 128
     n = _round_up(n, 64)
     epi_unroll = 1
@@ -833,7 +860,8 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       plgpu.set_max_registers(232, action="increase")
       plgpu.barrier_wait(rowdata_barrier)
       consume = functools.partial(_consume_tile, wg=wg, k_steps=k_steps, S=S,
-                                  full=full, empty=empty, operands=operands)
+                                  full=full, empty=empty, operands=operands,
+                                  in_flight=cfg.mma_in_flight)
 
       def tile_loop(epilogue, carry, prologue=None):
         return lax.fori_loop(
@@ -927,27 +955,32 @@ def _tile_start(tile, vt: int, rows: int):
 
 
 def _consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
-                  operands):
+                  operands, in_flight: int):
   """A compute warpgroup's wgmma over the ``k_steps`` slots of its local
-  tile ``i`` (ping-pong kernels). One wgmma stays in flight: a slot is
-  released once the next step's wgmma is issued and the previous finished."""
+  tile ``i`` (ping-pong kernels). With ``in_flight=1`` one wgmma stays in
+  flight: a slot is released once the next step's wgmma is issued and the
+  previous finished; with 0 each slot is released as soon as its wgmma
+  is done."""
 
   def step(k, _):
     s = i * k_steps + k
     slot = lax.rem(s, S)
     plgpu.barrier_wait(full.at[wg * S + slot])
     plgpu.wgmma(acc_ref, *operands(slot))
-    plgpu.wgmma_wait(1)
-
-    @pl.when(k > 0)
-    def _():
-      plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
+    plgpu.wgmma_wait(in_flight)
+    if in_flight:
+      @pl.when(k > 0)
+      def _():
+        plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
+    else:
+      plgpu.barrier_arrive(empty.at[slot])
 
     return ()
 
   lax.fori_loop(0, k_steps, step, ())
-  plgpu.wgmma_wait(0)
-  plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
+  if in_flight:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
 
 
 def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
@@ -1114,8 +1147,7 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
   rows = p.weight_rows
   w, rows_k = pad_vocab(p)
   scores, tokens = [], []
-  for b0 in range(0, p.batch, MAX_N):
-    b1 = min(p.batch, b0 + MAX_N)
+  for b0, b1 in batch_chunks(p.batch):
     nb = b1 - b0
     n = batch_side(nb)
     cfg = config or pick_config(n, p.hidden_dim, rows_k,

@@ -97,6 +97,14 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
                              epi_cols=16, epi_unroll=2, compute_wgs=2,
                              pingpong=True, batch_major=True, num_ctas=3),
+    # Each slot released as soon as its wgmma is done: a ring of one slot
+    # (vocabulary on M) and, batch on M, of two.
+    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=1,
+                             epi_cols=8, compute_wgs=2, pingpong=True,
+                             num_ctas=3, mma_in_flight=0),
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2,
+                             epi_cols=16, compute_wgs=2, pingpong=True,
+                             batch_major=True, mma_in_flight=0),
 ]
 
 
@@ -237,7 +245,8 @@ def test_heuristic_configs_are_valid():
     (dict(compute_wgs=2, pingpong=True, epi_passes=2), "epi_passes=2"),
     (dict(compute_wgs=2, batch_major=True), "batch_major needs pingpong"),
     (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=1),
-     "pingpong needs max_concurrent_steps >= 2"),
+     "pingpong with mma_in_flight=1 needs max_concurrent_steps >= 2"),
+    (dict(mma_in_flight=2), "mma_in_flight=2"),
     (dict(tile_v=64, epi_cols=16, epi_unroll=8, compute_wgs=2, pingpong=True,
           batch_major=True), "must divide tile_v=64"),
 ])
