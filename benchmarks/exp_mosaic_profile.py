@@ -84,8 +84,7 @@ def time_mode(batches=(64, 128)):
 
 
 def _stream_steps_h_once(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout,
-                         vt, dt, S, k_steps, rows, cta, num_ctas, total,
-                         n_tiles, cluster=1):
+                         vt, dt, S, k_steps, rows, cta, num_ctas, total):
   """Ablation (wrong tokens): each slot gets its H slice once, later steps
   load only the weight slice (the barrier's second arrival is a plain one),
   so the H bytes from L2 fall from (N / Vt) x the weight bytes to ~0."""
@@ -102,7 +101,7 @@ def _stream_steps_h_once(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout,
     def _():
       plgpu.barrier_wait(empty.at[slot])
 
-    start = m._tile_start(m._local_tile(cta, i, num_ctas, n_tiles), vt, rows)
+    start = m._tile_start(cta + i * num_ctas, vt, rows)
     w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
     bar = full.at[lax.rem(i, 2) * S + slot]
     plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
@@ -243,14 +242,6 @@ DEPTH = {
 }
 
 
-# H slices multicast to a cluster of 2 CTAs (PERF_LOG v7b).
-CLUSTER = {
-    64: [None, _bm(tile_d=128, max_concurrent_steps=3, cluster=2)],
-    128: [None, _bm(max_concurrent_steps=4, cluster=2),
-          _bm(max_concurrent_steps=4, cluster=2, mma_in_flight=0)],
-}
-
-
 def ab_mode(batches=(64, 128), table=None, shapes=((4096, 151936), (8192, 128256))):
   """Configs side by side in one process; tokens compared with the first."""
   global D, V
@@ -349,8 +340,6 @@ if __name__ == "__main__":
     chunk_mode()
   elif mode == "l2":
     l2_mode()
-  elif mode == "cluster":
-    ab_mode(batches=(128, 64), table=CLUSTER)
   elif mode == "depth":
     ab_mode(batches=(16, 64, 128), table=DEPTH)
   elif mode == "trace":

@@ -138,10 +138,6 @@ class TuningConfig:
       running wgmma, and a slot is released one step after its wgmma (the
       consumer holds two slots); with 0 each step waits for its wgmma and
       releases its slot at once (one more slot of the ring loading).
-    cluster: CTAs per cluster (1 or 2; 2 needs ``batch_major``). With 2,
-      the two CTAs of a cluster walk the same ``(tile, k)`` steps and each
-      H slice is loaded half by each and multicast to both: half the H
-      bytes from L2 (at N = 128 as many as the weight's; PERF_LOG v7).
   """
 
   tile_v: int = 128
@@ -155,7 +151,6 @@ class TuningConfig:
   pingpong: bool = False
   batch_major: bool = False
   mma_in_flight: int = 1
-  cluster: int = 1
 
   def __post_init__(self):
     tile_v, tile_d = self.tile_v, self.tile_d
@@ -185,10 +180,6 @@ class TuningConfig:
           f"pingpong with mma_in_flight={self.mma_in_flight} needs "
           f"max_concurrent_steps >= {1 + self.mma_in_flight}, got "
           f"{max_concurrent_steps}")
-    if self.cluster not in (1, 2) or isinstance(self.cluster, bool):
-      raise ValueError(f"cluster={self.cluster!r} must be 1 or 2")
-    if self.cluster == 2 and not self.batch_major:
-      raise ValueError("cluster=2 needs batch_major=True")
     if not isinstance(self.batch_major, bool):
       raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
     if self.batch_major and not self.pingpong:
@@ -834,11 +825,7 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
       h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
       full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
-      # With a cluster, a slot's H half lands in both CTAs: it is free once
-      # the consumers of both CTAs released it.
-      empty=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1,
-                                  num_barriers=S)
-             if cfg.cluster > 1 else plgpu.Barrier(num_arrivals=1, num_barriers=S)),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
       rowdata_smem=rowdata_smem,
       acc_smem=acc_smem,
       acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
@@ -848,13 +835,8 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
              rowdata_barrier, **scratch):
     wg = lax.axis_index("wg")
-    cta = _cta_index(cfg)
-    if cfg.cluster > 1:
-      # Both CTAs of a cluster take the same steps (the H multicasts pair
-      # them up): a CTA past the last tile repeats it (same candidates).
-      n_local = -(-n_tiles // num_ctas)
-    else:
-      n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
+    cta = lax.axis_index("sm")
+    n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
 
     @pl.when(wg == 2)
     def _memory_wg():
@@ -865,8 +847,7 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       _stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
                     full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
                     k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
-                    n_tiles=n_tiles, total=n_local * k_steps,
-                    cluster=cfg.cluster)
+                    total=n_local * k_steps)
 
     def operands(slot):
       w_slot = w_smem.at[slot]
@@ -886,8 +867,7 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
         return lax.fori_loop(
             0, (n_local - wg + 1) // 2,
             lambda j, c: _pingpong_tile(
-                i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas,
-                n_tiles=n_tiles, vt=vt,
+                i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
                 rows=rows, acc_shape=acc_shape, n_local=n_local,
                 acc_free=acc_free, consume=consume, epilogue=epilogue,
                 prologue=prologue, carry=c),
@@ -897,14 +877,14 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
               acc_smem=acc_smem, **scratch)
 
 
-def _pingpong_tile(*, i, wg, cta, num_ctas: int, n_tiles: int, vt: int,
-                   rows: int, acc_shape, n_local, acc_free, consume, epilogue,
-                   prologue, carry):
+def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
+                   acc_shape, n_local, acc_free, consume, epilogue, prologue,
+                   carry):
   """Local tile ``i`` of a ping-pong compute warpgroup: ``prologue(tile,
   start)`` if given (e.g. issue copies the epilogue needs), its wgmma over
   the stream (``consume``), then ``epilogue(acc, tile, start, first_new,
   carry) -> carry`` while holding the shared accumulator buffer."""
-  tile = _local_tile(cta, i, num_ctas, n_tiles)
+  tile = cta + i * num_ctas
   start = _tile_start(tile, vt, rows)
   if prologue is not None:
     prologue(tile, start)
@@ -935,7 +915,7 @@ def _pingpong_tile(*, i, wg, cta, num_ctas: int, n_tiles: int, vt: int,
 
 def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
                   vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
-                  num_ctas: int, n_tiles: int, total, cluster: int = 1):
+                  num_ctas: int, total):
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
   ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
 
@@ -949,16 +929,15 @@ def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
     def _():
       plgpu.barrier_wait(empty.at[slot])
 
-    start = _tile_start(_local_tile(cta, i, num_ctas, n_tiles), vt, rows)
+    start = _tile_start(cta + i * num_ctas, vt, rows)
     if layout == "vd":
       w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
     else:
       w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
     bar = full.at[lax.rem(i, 2) * S + slot]
     plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
-    # With a cluster each CTA loads half of the slice and multicasts it.
     plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_smem.at[slot],
-                            bar, collective_axes="cluster" if cluster > 1 else None)
+                            bar)
 
   # Observe the last release of every slot used (each barrier phase is
   # waited once; interpret mode checks it), so that no slot is still read
@@ -966,18 +945,6 @@ def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
   @pl.loop(jnp.maximum(total - S, 0), total)
   def _drain(s):
     plgpu.barrier_wait(empty.at[lax.rem(s, S)])
-
-
-def _cta_index(cfg: TuningConfig):
-  """This CTA's index in ``[0, num_ctas)`` (grid axis "sm" counts clusters)."""
-  if cfg.cluster > 1:
-    return lax.axis_index("sm") * cfg.cluster + lax.axis_index("cluster")
-  return lax.axis_index("sm")
-
-
-def _local_tile(cta, i, num_ctas: int, n_tiles: int):
-  """Global tile of a CTA's local tile ``i`` (past the end: the last)."""
-  return jnp.minimum(cta + i * num_ctas, n_tiles - 1)
 
 
 def _tile_start(tile, vt: int, rows: int):
@@ -1088,7 +1055,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     mb = lax.broadcast_in_dim(m, (n, epi), (0,))
     hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
     idx = jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
-    out = _cta_index(cfg) * 2 + wg
+    out = lax.axis_index("sm") * 2 + wg
     score_ref[out] = m
     index_ref[out] = idx
 
@@ -1113,10 +1080,6 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
   num_ctas = min(cfg.num_ctas or _num_sms(), n_tiles)
-  num_ctas -= num_ctas % cfg.cluster
-  if num_ctas < 1:
-    raise ValueError(f"{cfg} needs at least {cfg.cluster} vocabulary tiles, "
-                     f"got {n_tiles}")
   if cfg.batch_major:
     kernel = _kernel_batch_major
   else:
@@ -1134,11 +1097,8 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
     nc = n // cfg.epi_cols
     out_type = (jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.float32),
                 jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.int32))
-  cluster = (dict(cluster=(cfg.cluster,), cluster_names=("cluster",))
-             if cfg.cluster > 1 else {})
   f = plgpu.kernel(
-      body, out_type=out_type, grid=(num_ctas // cfg.cluster,),
-      grid_names=("sm",), **cluster,
+      body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
       num_threads=cfg.compute_wgs + 1, thread_name="wg",
       kernel_name="flashsample_sm90",  # the name profilers show
       compiler_params=plgpu.CompilerParams(
