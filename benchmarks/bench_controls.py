@@ -116,7 +116,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--smoke", action="store_true", help="tiny shape, for a CPU")
+  ap.add_argument("--inner", type=int, default=None,
+                  help="calls per timed block (default 50; 10 before 2026-11-26's "
+                       "fourth session): long blocks measure a decode loop's "
+                       "steady state, without the host latency of a sync")
   args = ap.parse_args(argv)
+  inner = args.inner or (3 if args.smoke else 50)
   d, v = (256, 8192) if args.smoke else (4096, 151936)
   batches = (1, 16) if args.smoke else (1, 16, 64, 128, 256)
   reps = 3 if args.smoke else 15
@@ -137,18 +142,19 @@ def main(argv=None):
     extra = dict(bias=bias, mask=mask)
     for name, (fused, xla) in PROVIDERS.items():
       f = jax.jit(lambda k, h, w, bias, mask, f=fused: f(k, h, w, bias=bias, mask=mask))
-      row[name + "_us"] = _timing.median_us(f, key, h, w, bias, mask, reps=reps)[0]
+      row[name + "_us"] = _timing.median_us(f, key, h, w, bias, mask, reps=reps,
+                                            inner=inner)[0]
       if xla is not None:
         g = jax.jit(lambda k, h, w, bias, mask, g=xla: g(k, h, w, bias=bias, mask=mask))
         row["xla_" + name + "_us"] = _timing.median_us(g, key, h, w, bias, mask,
-                                                       reps=reps)[0]
+                                                       reps=reps, inner=inner)[0]
     row["topk_topp_over_plain"] = row["topk_topp_us"] / row["plain_us"]
     row["speedup_vs_xla_topk"] = row["xla_topk_topp_us"] / row["topk_topp_us"]
     rows.append(row)
     print(json.dumps(row), flush=True)
   meta = dict(gpu=_timing.device_name(), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              top_k=TOP_K, top_p=TOP_P, softcap=SOFTCAP)
+              top_k=TOP_K, top_p=TOP_P, softcap=SOFTCAP, inner=inner, reps=reps)
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "controls_" + _timing.slug(meta["gpu"]))
   with open(stem + ".json", "w") as fh:
@@ -156,7 +162,8 @@ def main(argv=None):
   with open(stem + ".md", "w") as fh:
     fh.write(f"# Sampling controls on {meta['gpu']}\n\njax {meta['jax']}, {meta['date']}; "
              f"shape D={d} V={v} bf16, logits std ~3; top_k={TOP_K}, top_p={TOP_P}, "
-             f"softcap={SOFTCAP}; median us, fused (backend auto) / XLA baseline "
+             f"softcap={SOFTCAP}; median us over {reps} blocks of {inner} async "
+             "calls between host syncs, fused (backend auto) / XLA baseline "
              "that materializes the logits (speedup).\n\n")
     fh.write("| B | backend | fallback rows | " + " | ".join(PROVIDERS)
              + " | top-k+top-p / plain |\n")

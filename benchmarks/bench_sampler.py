@@ -3,7 +3,7 @@
 Run on the GPU (one process, everything measured in the same run)::
 
     PYTHONPATH=. python3 benchmarks/bench_sampler.py [--out benchmarks/results]
-        [--shapes S L] [--batches 1 2 4 ...] [--no-plot]
+        [--shapes S L] [--batches 1 2 4 ...] [--inner 50]
 
 Providers (names shared with the tests through ``flashsample_jax.BACKENDS``):
 
@@ -62,7 +62,7 @@ def _slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def run(shapes, batches, providers, *, reps=15):
+def run(shapes, batches, providers, *, reps=15, inner=50):
   bw = _timing.read_bandwidth()
   print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
   rows = []
@@ -83,7 +83,7 @@ def run(shapes, batches, providers, *, reps=15):
         try:
           row[f"{prov}_compile_s"] = _timing.first_call_seconds(f, key, h, w)
           row[f"{prov}_us"], row[f"{prov}_samples"] = _timing.median_us(
-              f, key, h, w, reps=reps)
+              f, key, h, w, reps=reps, inner=inner)
         except Exception as e:  # noqa: BLE001 - report and keep going
           print(f"  {prov} B={b}: {type(e).__name__}: {e}"[:500], flush=True)
           row[f"{prov}_us"] = None
@@ -122,7 +122,8 @@ def write(out, bw, rows, meta):
     fh.write(f"# Sampler benchmark on {meta['gpu']}\n\n"
              f"jax {meta['jax']}, {meta['date']}; read bandwidth "
              f"{bw / 1e12:.3f} TB/s (jnp.sum over 4 GiB); median us per call "
-             "(blocks of 10 async calls, 15 blocks, after warm-up); bf16.\n\n")
+             f"(blocks of {meta['inner']} async calls between host syncs, "
+             f"{meta['reps']} blocks, after warm-up); bf16.\n\n")
     fh.write(_HEADER + "\n" + "\n".join(_fmt_row(r) for r in rows) + "\n")
   try:
     import matplotlib
@@ -162,13 +163,20 @@ def main(argv=None):
   ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
   ap.add_argument("--providers", nargs="+", default=list(PROVIDERS))
   ap.add_argument("--reps", type=int, default=15)
+  ap.add_argument("--inner", type=int, default=50,
+                  help="calls per timed block: the first call of a block pays "
+                       "the host's dispatch latency, so long blocks measure "
+                       "the steady state of a decode loop that does not sync "
+                       "every step (10 before 2026-11-26's fourth session)")
   args = ap.parse_args(argv)
   meta = dict(gpu=_gpu_name(), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"),
-              host=platform.node(), shapes={k: SHAPES[k] for k in args.shapes})
+              host=platform.node(), shapes={k: SHAPES[k] for k in args.shapes},
+              inner=args.inner, reps=args.reps)
   print(meta, flush=True)
-  bw, rows = run(args.shapes, args.batches, args.providers, reps=args.reps)
+  bw, rows = run(args.shapes, args.batches, args.providers, reps=args.reps,
+                 inner=args.inner)
   print(_HEADER)
   for r in rows:
     print(_fmt_row(r))
