@@ -242,22 +242,6 @@ DEPTH = {
 }
 
 
-def _coop(**kw):
-  base = dict(tile_v=128, tile_d=64, max_concurrent_steps=3, epi_cols=16,
-              compute_wgs=2, batch_major=True, epi_passes=4)
-  return C(**{**base, **kw})
-
-
-# Cooperative batch-major (PERF_LOG v8) vs the heuristic (v3 at N > 128,
-# v5 at N = 128).
-COOP = {
-    256: [None, _coop(), _coop(epi_passes=2, max_concurrent_steps=2),
-          _coop(epi_passes=8)],
-    192: [None, _coop()],
-    128: [None, _coop(tile_v=256), _coop(epi_passes=2)],
-}
-
-
 def ab_mode(batches=(64, 128), table=None, shapes=((4096, 151936), (8192, 128256))):
   """Configs side by side in one process; tokens compared with the first."""
   global D, V
@@ -356,8 +340,6 @@ if __name__ == "__main__":
     chunk_mode()
   elif mode == "l2":
     l2_mode()
-  elif mode == "coop":
-    ab_mode(batches=(256, 192, 128), table=COOP)
   elif mode == "depth":
     ab_mode(batches=(16, 64, 128), table=DEPTH)
   elif mode == "trace":

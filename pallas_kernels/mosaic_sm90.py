@@ -132,11 +132,7 @@ class TuningConfig:
       The per-row argmax then reduces along the accumulator's columns,
       inside each warp (no cross-warp reductions, no barriers), and a
       running best per (row, column slot) carries over chunks and tiles:
-      one candidate row per warpgroup leaves the CTA. With ``pingpong``
-      the warpgroups alternate tiles (N <= 128); without it (cooperative,
-      N a multiple of 128) both take every tile, warpgroup ``w`` the batch
-      rows ``[w N / 2, (w + 1) N / 2)``, and the accumulator goes to SMEM
-      in ``epi_passes`` column passes (one candidate row per tile).
+      one candidate row per warpgroup leaves the CTA. Needs ``pingpong``.
     mma_in_flight: ping-pong consumers: wgmmas left in flight after each
       step's issue (1 or 0). With 1 the next step's issue overlaps the
       running wgmma, and a slot is released one step after its wgmma (the
@@ -186,14 +182,8 @@ class TuningConfig:
           f"{max_concurrent_steps}")
     if not isinstance(self.batch_major, bool):
       raise TypeError(f"batch_major={self.batch_major!r} must be a bool")
-    if self.batch_major and self.compute_wgs != 2:
-      raise ValueError(f"batch_major needs compute_wgs=2, got {self.compute_wgs}")
-    if (self.batch_major and not self.pingpong
-        and (tile_v // epi_cols) % (self.epi_passes * self.epi_unroll)):
-      raise ValueError(
-          f"cooperative batch_major: epi_passes={self.epi_passes} x "
-          f"epi_unroll={self.epi_unroll} must divide the {tile_v // epi_cols} "
-          f"chunks of {tile_v=}")
+    if self.batch_major and not self.pingpong:
+      raise ValueError("batch_major needs pingpong=True")
     if self.batch_major and tile_v % (epi_cols * self.epi_unroll):
       raise ValueError(
           f"batch_major: epi_cols={epi_cols} x epi_unroll={self.epi_unroll} "
@@ -224,9 +214,8 @@ class TuningConfig:
 
   @property
   def wg_share(self) -> int:
-    """Compute warpgroups that split one tile's rows (1 with pingpong, and
-    batch-major, where the cooperative warpgroups split the batch)."""
-    return 1 if self.pingpong or self.batch_major else self.compute_wgs
+    """Compute warpgroups that split one tile's rows (1 with pingpong)."""
+    return 1 if self.pingpong else self.compute_wgs
 
   @property
   def wg_rows(self) -> int:
@@ -235,8 +224,8 @@ class TuningConfig:
 
   def batch_pad(self, n: int) -> int:
     """The kernel's batch side for ``n`` rows (a multiple of 8)."""
-    if self.batch_major:  # wgmma M: multiples of 64 per warpgroup
-      return _round_up(n, 64 if self.pingpong else 128)
+    if self.batch_major:  # wgmma M: multiples of 64
+      return _round_up(n, 64)
     return min(MAX_N, _round_up(n, self.epi_cols * self.epi_unroll))
 
   def smem_bytes(self, n: int, itemsize: int = 2) -> int:
@@ -244,10 +233,7 @@ class TuningConfig:
     the f32 accumulator copies the epilogues loop over, the per-row data."""
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
     if self.batch_major:
-      acc = self.tile_v * n * 4
-      if not self.pingpong:  # each warpgroup's rows, one pass of columns
-        acc //= self.epi_passes
-      return pipeline + acc + _ROWDATA * n * 4
+      return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
     if self.pingpong:  # one whole accumulator, shared by both warpgroups
       acc = self.tile_v * n * 4
     else:
@@ -296,10 +282,8 @@ class TuningConfig:
           f"{_SMEM_BUDGET}")
 
   def _check_batch_major(self, *, n: int, dim: int, rows: int, itemsize: int):
-    m_align = 64 if self.pingpong else 128
-    if n % m_align:
-      raise ValueError(
-          f"batch_major: batch side {n=} must be a multiple of {m_align}")
+    if n % 64:
+      raise ValueError(f"batch_major: batch side {n=} must be a multiple of 64")
     if self.tile_v > MAX_N:
       raise ValueError(
           f"batch_major: tile_v={self.tile_v} is the wgmma N side, <= {MAX_N}")
@@ -307,7 +291,7 @@ class TuningConfig:
       raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
     if rows < self.tile_v:
       raise ValueError(f"tile_v={self.tile_v} must be <= the weight rows V={rows}")
-    regs = n * self.tile_v // 128 // (1 if self.pingpong else 2)
+    regs = n * self.tile_v // 128
     if regs > 128:
       raise ValueError(
           f"batch_major: N={n} x tile_v={self.tile_v} needs {regs} "
@@ -1020,11 +1004,33 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   vt = cfg.tile_v
   epi = cfg.epi_cols
   n_chunks = vt // epi
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
-    chunk = _bm_chunk(rows_layout_ref=rowdata_smem, nb=n, epi=epi,
-                      off=off_ref[0], rows_valid=rows_valid,
-                      vocab_size=vocab_size)
+    row = lambda i: plgpu.load(rowdata_smem.at[i], layout=row_layout)
+    bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+    k0, k1, c_hi, c_lo = (bcast(row(i)) for i in range(4))
+    t = bcast(lax.bitcast_convert_type(row(4), jnp.float32))
+    greedy = t == 0.0
+    t_safe = jnp.where(greedy, 1.0, t)
+    col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
+    off = off_ref[0]
+
+    def chunk(c, start, first_new, best):
+      l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
+      local = col + c * epi  # vocabulary column within the tile
+      gid = local + (off + start)
+      valid = ((local >= first_new) & (local + start < rows_valid)
+               & (gid < vocab_size))
+      hi, lo = noise.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
+      g = noise.gumbel(k0, k1, hi, lo)
+      sc = jnp.where(greedy, l, _div_rn(l, t_safe) + g)
+      sc = jnp.where(valid, sc, -jnp.inf)
+      idx = jnp.where(valid, gid, _INT_MAX)
+      # The combine rule elementwise: NaN wins, then the larger score, then
+      # the lower id.
+      return _core.combine(best, (sc, idx))
 
     def epilogue(acc, tile, start, first_new, best):
       del tile
@@ -1033,14 +1039,22 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
       def body(it, best):
         for u in range(cfg.epi_unroll):
-          c = it * cfg.epi_unroll + u
-          l = plgpu.load(acc_smem.at[c], layout=plgpu.Layout.WGMMA)
-          best = chunk(l, c, start, first_new, best)
+          best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
         return best
 
       return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
 
-    m, idx = _bm_reduce(*tile_loop(epilogue, _bm_init(n, epi)))
+    init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
+                              wgmma_layout),
+            plgpu.layout_cast(jnp.full((n, epi), _INT_MAX, jnp.int32),
+                              wgmma_layout))
+    best_s, best_i = tile_loop(epilogue, init)
+    # Reduce the column slots inside each warp (axis 1: lanes of a quad
+    # and registers, no shared scratch, so trap 1 does not apply).
+    m = jnp.max(best_s, axis=1)  # NaN if the row holds one
+    mb = lax.broadcast_in_dim(m, (n, epi), (0,))
+    hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
+    idx = jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
     out = lax.axis_index("sm") * 2 + wg
     score_ref[out] = m
     index_ref[out] = idx
@@ -1051,165 +1065,6 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
       rowdata_ref=rowdata_ref, batch_major=True,
       rowdata_smem=plgpu.SMEM((_ROWDATA, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32))
-
-
-def _bm_chunk(*, rows_layout_ref, nb: int, epi: int, off, rows_valid: int,
-              vocab_size: int):
-  """The batch-major epilogue's chunk step (v5, v8).
-
-  ``rows_layout_ref`` [8, nb] u32 in SMEM holds this warpgroup's rows' key
-  words, counters and temperature bits. Returns ``chunk(l, local, start,
-  first_new, best) -> best``: the noise and transform of ``l`` [nb, epi]
-  (vocabulary columns ``local`` of the tile starting at weight row
-  ``start``), folded into the running best ``(score, id)`` [nb, epi] with
-  the combine rule.
-  """
-  wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  row = lambda i: plgpu.load(rows_layout_ref.at[i], layout=row_layout)
-  bcast = lambda x: lax.broadcast_in_dim(x, (nb, epi), (0,))
-  k0, k1, c_hi, c_lo = (bcast(row(i)) for i in range(4))
-  t = bcast(lax.bitcast_convert_type(row(4), jnp.float32))
-  greedy = t == 0.0
-  t_safe = jnp.where(greedy, 1.0, t)
-  col = plgpu.broadcasted_iota(jnp.int32, (nb, epi), 1, layout=wgmma_layout)
-
-  def chunk(l, c, start, first_new, best):
-    local = col + c * epi  # vocabulary column within the tile
-    gid = local + (off + start)
-    valid = ((local >= first_new) & (local + start < rows_valid)
-             & (gid < vocab_size))
-    hi, lo = noise.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
-    g = noise.gumbel(k0, k1, hi, lo)
-    sc = jnp.where(greedy, l, _div_rn(l, t_safe) + g)
-    sc = jnp.where(valid, sc, -jnp.inf)
-    idx = jnp.where(valid, gid, _INT_MAX)
-    # The combine rule elementwise: NaN wins, then the larger score, then
-    # the lower id.
-    return _core.combine(best, (sc, idx))
-
-  return chunk
-
-
-def _bm_init(nb: int, epi: int):
-  """The empty running best ``(-inf, INT_MAX)`` [nb, epi], WGMMA layout."""
-  layout = plgpu.Layout.WGMMA
-  return (plgpu.layout_cast(jnp.full((nb, epi), -jnp.inf, jnp.float32), layout),
-          plgpu.layout_cast(jnp.full((nb, epi), _INT_MAX, jnp.int32), layout))
-
-
-def _bm_reduce(best_s, best_i):
-  """Per-row best of the column slots (inside each warp: axis 1 spans the
-  lanes of a quad and registers; no shared scratch, trap 1 does not apply)."""
-  nb, epi = best_s.shape
-  m = jnp.max(best_s, axis=1)  # NaN if the row holds one
-  mb = lax.broadcast_in_dim(m, (nb, epi), (0,))
-  hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
-  return m, jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
-
-
-def _kernel_coop_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
-                             index_ref, *, cfg: TuningConfig, layout: str,
-                             n: int, dim: int, rows: int, rows_valid: int,
-                             vocab_size: int, n_tiles: int, num_ctas: int):
-  """One CTA, cooperative, batch on the wgmma M side (PERF_LOG.md v8).
-
-  Both compute warpgroups take every tile: warpgroup ``w`` computes
-  ``acc[N/2, Vt] = H[w N/2 : (w+1) N/2] @ W[tile].T`` from the same
-  pipeline slot (H slices of N rows are read once per ``Vt`` weight rows),
-  then its epilogue: the accumulator goes to SMEM in ``epi_passes`` column
-  passes, each a loop over ``[N/2, C]`` chunks with the v5 running best
-  (no cross-warp reductions). ``rowdata_ref`` uint32 [2, 8, N/2] (each
-  warpgroup's rows); outputs ``score_ref``/``index_ref`` [n_tiles, 2, N/2],
-  one candidate row per tile.
-  """
-  del num_ctas  # nd_loop partitions the tiles over the "sm" axis.
-  vt, dt, epi = cfg.tile_v, cfg.tile_d, cfg.epi_cols
-  nb = n // 2
-  k_steps = dim // dt
-  pass_chunks = vt // epi // cfg.epi_passes
-  transforms = _tma_transforms(w_ref.dtype)
-  if layout == "vd":
-    w_spec = plgpu.BlockSpec((vt, dt), lambda k: (0, k), transforms=transforms)
-  else:
-    w_spec = plgpu.BlockSpec((dt, vt), lambda k: (k, 0), transforms=transforms)
-  h_spec = plgpu.BlockSpec((n, dt), lambda k: (0, k), transforms=transforms)
-
-  def make_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40,
-        in_specs=[w_spec, h_spec], wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute_context)
-
-  ignore = lambda *_, **__: None
-  w_view = (w_ref.at[pl.ds(0, vt), :] if layout == "vd"
-            else w_ref.at[:, pl.ds(0, vt)])
-
-  @functools.partial(
-      pl.run_scoped,
-      allocs=make_pipeline(ignore, ignore).get_allocations(w_view, h_ref),
-      rowdata_smem=plgpu.SMEM((2, _ROWDATA, nb), jnp.uint32),
-      acc_smem=plgpu.SMEM((2, pass_chunks, nb, epi), jnp.float32),
-      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
-      collective_axes="wg")
-  def _scope(allocs, rowdata_smem, acc_smem, rowdata_barrier):
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 0)
-    def _():
-      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-
-    @pl.when(wg < 2)
-    def _():
-      plgpu.barrier_wait(rowdata_barrier)
-
-    def mma_body(_, w_smem, h_smem, acc_ref):
-      b = w_smem.T if layout == "vd" else w_smem
-      plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * nb, nb)], b)
-      plgpu.wgmma_wait(0)  # the slot is released after this step
-      return acc_ref
-
-    @plgpu.nd_loop((n_tiles,), collective_axes="sm")
-    def _tile_loop(info):
-      (tile,) = info.index
-      start = _tile_start(tile, vt, rows)
-      first_new = tile * vt - start  # local rows < first_new were done before
-      w_tile = (w_ref.at[pl.ds(start, vt), :] if layout == "vd"
-                else w_ref.at[:, pl.ds(start, vt)])
-
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((nb, vt), jnp.float32))
-        def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)
-          acc = acc_ref[...]
-          chunk = _bm_chunk(rows_layout_ref=rowdata_smem.at[wg], nb=nb,
-                            epi=epi, off=off_ref[0], rows_valid=rows_valid,
-                            vocab_size=vocab_size)
-          my_smem = acc_smem.at[wg]
-          best = _bm_init(nb, epi)
-          for p in range(cfg.epi_passes):
-            c0 = p * pass_chunks
-            # Stored and loaded in the same layout: each thread reads back
-            # what it wrote, no barrier needed.
-            for c in range(pass_chunks):
-              my_smem[c] = acc[:, (c0 + c) * epi:(c0 + c + 1) * epi]
-
-            def body(it, best, c0=c0):
-              for u in range(cfg.epi_unroll):
-                c = it * cfg.epi_unroll + u
-                l = plgpu.load(my_smem.at[c], layout=plgpu.Layout.WGMMA)
-                best = chunk(l, c0 + c, start, first_new, best)
-              return best
-
-            best = lax.fori_loop(0, pass_chunks // cfg.epi_unroll, body, best)
-          m, idx = _bm_reduce(*best)
-          score_ref[tile, wg] = m
-          index_ref[tile, wg] = idx
-
-      make_pipeline(mma_body, compute_context)(w_tile, h_ref,
-                                               allocations=allocs)
 
 
 # ----------------------------------------------------------------------------
@@ -1226,22 +1081,17 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
   num_ctas = min(cfg.num_ctas or _num_sms(), n_tiles)
   if cfg.batch_major:
-    kernel = (_kernel_batch_major if cfg.pingpong
-              else _kernel_coop_batch_major)
+    kernel = _kernel_batch_major
   else:
     kernel = _kernel_pingpong if cfg.pingpong else _kernel
   body = functools.partial(kernel, cfg=cfg, layout=layout, n=n, dim=dim,
                            rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
                            num_ctas=num_ctas)
-  if cfg.batch_major and cfg.pingpong:  # a candidate row per warpgroup
+  if cfg.batch_major:  # one candidate row per compute warpgroup
     n_out = 2 * num_ctas
     out_type = (jax.ShapeDtypeStruct((n_out, n), jnp.float32),
                 jax.ShapeDtypeStruct((n_out, n), jnp.int32))
-  elif cfg.batch_major:  # a row per tile, each warpgroup's half of it
-    n_out = n_tiles
-    out_type = (jax.ShapeDtypeStruct((n_out, 2, n // 2), jnp.float32),
-                jax.ShapeDtypeStruct((n_out, 2, n // 2), jnp.int32))
   else:  # one per tile (or per warpgroup's part of a tile)
     n_out = n_tiles * cfg.wg_share
     nc = n // cfg.epi_cols
@@ -1312,8 +1162,6 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
       # [8, N] -> [nc, 8, C]: one contiguous block per epilogue chunk.
       rowdata = rowdata.reshape(_ROWDATA, n // cfg.epi_cols, cfg.epi_cols)
       rowdata = rowdata.transpose(1, 0, 2)
-    elif not cfg.pingpong:  # [8, N] -> [2, 8, N/2]: each warpgroup's rows
-      rowdata = rowdata.reshape(_ROWDATA, 2, n // 2).transpose(1, 0, 2)
     s, i = _launch(offset, rowdata, pad(p.hidden.astype(p.weight.dtype)),
                    w, cfg=cfg, layout=p.layout, rows_valid=rows,
                    vocab_size=p.vocab_size)
