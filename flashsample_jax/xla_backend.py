@@ -117,20 +117,26 @@ CANDIDATES = 128
 _TOP_P_MARGIN = 1e-4
 
 
-def _sample_counters(p: Problem, s: int, global_batch: int):
-  """Base noise counters ``(hi, lo) [B]`` of sample ``s`` (DESIGN.md section 1).
+def _sample_counters(p: Problem, samples: int, global_batch: int):
+  """Base noise counters ``(hi, lo) uint32 [B, S]`` of every sample (DESIGN.md
+  section 1).
 
   Scalar key: ``(s * B + row) * vocab_size`` with ``B`` the global batch and
-  ``row`` the global row; per-row keys: ``s * vocab_size``.
+  ``row`` the global row; per-row keys: ``s * vocab_size``. Sample 0 is the
+  problem's own ``(ctr_hi, ctr_lo)``.
   """
-  if s == 0:
-    return p.ctr_hi, p.ctr_lo
+  if samples == 1:
+    return p.ctr_hi[:, None], p.ctr_lo[:, None]
+  s = lax.iota(jnp.uint32, samples - 1) + jnp.uint32(1)           # [S - 1]
   if p.per_row_keys:
-    hi, lo = noise.mul_u32_wide(jnp.uint32(s), jnp.uint32(p.vocab_size))
-    return jnp.broadcast_to(hi, (p.batch,)), jnp.broadcast_to(lo, (p.batch,))
-  rows = (jnp.arange(p.batch, dtype=jnp.uint32) + jnp.asarray(p.row_offset, jnp.uint32)
-          + jnp.uint32(s * global_batch))
-  return noise.mul_u32_wide(rows, jnp.uint32(p.vocab_size))
+    hi, lo = noise.mul_u32_wide(s, jnp.uint32(p.vocab_size))
+    hi, lo = (jnp.broadcast_to(a, (p.batch, samples - 1)) for a in (hi, lo))
+  else:
+    rows = (jnp.arange(p.batch, dtype=jnp.uint32) + jnp.asarray(p.row_offset, jnp.uint32))
+    rows = rows[:, None] + s[None] * jnp.uint32(global_batch)
+    hi, lo = noise.mul_u32_wide(rows, jnp.uint32(p.vocab_size))
+  return (jnp.concatenate([p.ctr_hi[:, None], hi], axis=1),
+          jnp.concatenate([p.ctr_lo[:, None], lo], axis=1))
 
 
 def _tempered(p: Problem, x):
@@ -138,12 +144,19 @@ def _tempered(p: Problem, x):
   return x / jnp.where(t == 0, 1.0, t)          # greedy rows: T = 1
 
 
-def _perturbed(p: Problem, x, t, gid, s: int, global_batch: int):
-  """Scores whose argmax is sample ``s``: ``t + g`` (greedy rows: ``x``)."""
-  hi, lo = _sample_counters(p, s, global_batch)
-  hi, lo = noise.add_u32(hi[:, None], lo[:, None], gid.astype(jnp.uint32))
-  g = noise.gumbel(p.k0[:, None], p.k1[:, None], hi, lo)
-  return jnp.where(p.temperature[:, None] == 0, x, t + g)
+def _perturbed(p: Problem, x, t, gid, samples: int, global_batch: int):
+  """Scores ``[B, S, W]`` whose argmax over the last axis is each sample:
+  ``t + g`` (greedy rows: ``x``).
+
+  ``x`` and ``t`` are ``[B, W]``, ``gid`` ``[W]`` or ``[B, W]``. One
+  expression for every sample, so the program does not grow with S; XLA
+  fuses the noise into the reduction that consumes it.
+  """
+  hi, lo = _sample_counters(p, samples, global_batch)
+  hi, lo = noise.add_u32(hi[:, :, None], lo[:, :, None],
+                         gid.astype(jnp.uint32)[..., None, :])
+  g = noise.gumbel(p.k0[:, None, None], p.k1[:, None, None], hi, lo)
+  return jnp.where(p.temperature[:, None, None] == 0, x[:, None], t[:, None] + g)
 
 
 def _lse_merge(a, b):
@@ -273,12 +286,10 @@ def sample_with_controls(p: Problem, c: controls.Controls, *, chunk: int | None 
     gid = offset + start + lax.iota(jnp.int32, width)
     x = controls.transform(_core.logits(hidden, w, p.layout), gid, c, p.vocab_size)
     t = _tempered(p, x)
-    best = []
-    for s in range(samples):
-      sc = _perturbed(p, x, t, gid, s, global_batch)
-      j = jnp.argmax(sc, axis=1)
-      pick = lambda a: jnp.take_along_axis(a, j[:, None], axis=1)[:, 0]
-      best.append((pick(sc), gid[j], pick(t)))
+    sc = _perturbed(p, x, t, gid, samples, global_batch)           # [B, S, W]
+    j = jnp.argmax(sc, axis=2)                                     # [B, S]
+    best = (jnp.take_along_axis(sc, j[:, :, None], axis=2)[:, :, 0], gid[j],
+            jnp.take_along_axis(t, j, axis=1))
     mx = jnp.max(t, axis=1)
     lse = (mx, jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
                                  jnp.exp(t - mx[:, None])), axis=1))
@@ -306,17 +317,17 @@ def candidate_count(p: Problem) -> int:
 def state_combine(c: controls.Controls, m: int):
   """The associative merge of two per-row controls states.
 
-  A state is a dict: ``best`` a list (one per sample) of ``(score, id, t)``
-  ``[B]`` (the best perturbed score, its id and tempered logit), ``lse``
-  ``(max, sum of exp(t - max))`` ``[B]``, and with truncation ``cand``
-  ``(vals [B, M], ids [B, M], bound [B])`` (see :func:`_topm_merge`).
+  A state is a dict: ``best`` ``(score f32 [B, S], id int32 [B, S], t f32
+  [B, S])`` (each sample's best perturbed score, its id and tempered logit;
+  batch first, like every other leaf, so slicing, concatenating and
+  gathering states work on axis 0), ``lse`` ``(max, sum of exp(t - max))``
+  ``[B]``, and with truncation ``cand`` ``(vals [B, M], ids [B, M], bound
+  [B])`` (see :func:`_topm_merge`).
   """
   def combine(a, b):
-    best = []
-    for (s1, i1, t1), (s2, i2, t2) in zip(a["best"], b["best"]):
-      take = _core.better(s2, i2, s1, i1)
-      best.append((jnp.where(take, s2, s1), jnp.where(take, i2, i1),
-                   jnp.where(take, t2, t1)))
+    (s1, i1, t1), (s2, i2, t2) = a["best"], b["best"]
+    take = _core.better(s2, i2, s1, i1)
+    best = (jnp.where(take, s2, s1), jnp.where(take, i2, i1), jnp.where(take, t2, t1))
     out = {"best": best, "lse": _lse_merge(a["lse"], b["lse"])}
     if c.truncates:
       out["cand"] = _topm_merge(a["cand"], b["cand"], m)
@@ -348,15 +359,15 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
   m = candidate_count(p)
   total_rows = p.weight_rows * p.vocab_shards
   combine = state_combine(c, m)
-  perturbed = lambda x, t, gid, s: _perturbed(p, x, t, gid, s, global_batch)
+  perturbed = lambda x, t, gid: _perturbed(p, x, t, gid, samples, global_batch)
   if axis:
     parts = jax.tree.map(lambda a: _core.all_gather_invariant(a, axis), st)
     n = jax.tree.leaves(parts)[0].shape[0]
     st = jax.tree.map(lambda a: a[0], parts)
     for i in range(1, n):       # shard order = id order: ties keep lower ids
       st = combine(st, jax.tree.map(lambda a, i=i: a[i], parts))
-  tokens = jnp.stack([i for _, i, _ in st["best"]])          # [S, B]
-  t_tok = jnp.stack([t for _, _, t in st["best"]])
+  tokens = st["best"][1].T                                   # [S, B]
+  t_tok = st["best"][2].T
   lse_all = st["lse"][0] + jnp.log(st["lse"][1])
   lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
   fallback = jnp.zeros((p.batch,), bool)
@@ -382,17 +393,14 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
     def pick(keep):
       """Tokens, their t and the kept log-sum-exp with ``keep`` applied."""
       kept_t = jnp.where(keep, cand_t, -jnp.inf)
-      new_tok, new_t = [], []
-      for s in range(samples):
-        sc = perturbed(kept_t, kept_t, cand_i, s)
-        # The list is sorted by t, not id: ties of the perturbed score must
-        # go to the lowest id (the combine rule), not the first list position.
-        _, tok = _core.reduce_candidates(sc, cand_i, axis=1)
-        new_tok.append(tok)
-        new_t.append(jnp.max(jnp.where(cand_i == tok[:, None], cand_t, -jnp.inf),
-                             axis=1))
-      return (jnp.where(use[None], jnp.stack(new_tok), tokens),
-              jnp.where(use[None], jnp.stack(new_t), t_tok),
+      sc = perturbed(kept_t, kept_t, cand_i)                       # [B, S, M]
+      # The list is sorted by t, not id: ties of the perturbed score must
+      # go to the lowest id (the combine rule), not the first list position.
+      _, tok = _core.reduce_candidates(sc, cand_i[:, None], axis=2)  # [B, S]
+      new_t = jnp.max(jnp.where(cand_i[:, None] == tok[:, :, None],
+                                cand_t[:, None], -jnp.inf), axis=2)
+      return (jnp.where(use[None], tok.T, tokens),
+              jnp.where(use[None], new_t.T, t_tok),
               jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept))
 
     tokens, t_tok, lse_kept = pick(keep)
@@ -442,13 +450,9 @@ def _materialized(p: Problem, c: controls.Controls, rows, tokens, t_tok, lse_kep
   gid = gid[:p.vocab_size]
   t = _tempered(p, x)
   kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
-  new_tok, new_t = [], []
-  for s in range(c.samples):
-    sc = perturbed(x, kept, gid, s)
-    j = jnp.argmax(sc, axis=1)
-    new_tok.append(j.astype(jnp.int32))
-    new_t.append(jnp.take_along_axis(t, j[:, None], axis=1)[:, 0])
+  j = jnp.argmax(perturbed(x, kept, gid), axis=2)                # [B, S]
+  new_t = jnp.take_along_axis(t, j, axis=1)
   r = rows[None]
-  return (jnp.where(r, jnp.stack(new_tok), tokens),
-          jnp.where(r, jnp.stack(new_t), t_tok),
+  return (jnp.where(r, j.T.astype(jnp.int32), tokens),
+          jnp.where(r, new_t.T, t_tok),
           jnp.where(r, jax.nn.logsumexp(kept, axis=1)[None], lse_kept))

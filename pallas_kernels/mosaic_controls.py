@@ -344,17 +344,19 @@ def _local_mask(c: controls.Controls, offset, rows_k: int, total_rows: int):
 
 
 def _merge_outputs(fo, io, spec: Spec, m: int):
-  """Controls state ``[N]`` rows from the warpgroups' outputs ``[W, *, N]``."""
+  """Controls state ``[N]`` rows from the warpgroups' outputs ``[W, *, N]``.
+
+  Row ``s`` of ``fo``/``io`` is sample ``s``'s best score/id, row ``S + s``
+  of ``fo`` its t; all samples are reduced over the warpgroups at once.
+  """
   S = spec.samples
-  best = []
-  for s in range(S):
-    score, tok = _core.reduce_candidates(fo[:, s], io[:, s], axis=0)
-    if spec.t_best:
-      t = jnp.max(jnp.where(io[:, s] == tok[None], fo[:, S + s], -jnp.inf), axis=0)
-    else:
-      t = jnp.zeros_like(score)
-    best.append((score, tok, t))
-  state = {"best": best}
+  ids = io[:, :S]                                                  # [W, S, N]
+  score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=0)     # [S, N]
+  if spec.t_best:
+    t = jnp.max(jnp.where(ids == tok[None], fo[:, S:2 * S], -jnp.inf), axis=0)
+  else:
+    t = jnp.zeros_like(score)
+  state = {"best": (score.T, tok.T, t.T)}                          # [N, S]
   if spec.lse:
     mw, sw = fo[:, 2 * S], fo[:, 2 * S + 1]
     mx = jnp.max(mw, axis=0)
@@ -396,8 +398,9 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   softcap = (jnp.broadcast_to(lax.bitcast_convert_type(c.softcap, jnp.uint32),
                               (p.batch,)) if c.softcap is not None
              else jnp.zeros((p.batch,), jnp.uint32))
-  counters = [xla_backend._sample_counters(p, s, global_batch)
-              for s in range(c.samples)]
+  # (hi, lo) of sample s in rows 2 s and 2 s + 1: the kernel's rowdata order.
+  counters = jnp.stack(xla_backend._sample_counters(p, c.samples, global_batch),
+                       axis=2).reshape(p.batch, 2 * c.samples).T     # [2 S, B]
   hidden = p.hidden.astype(p.weight.dtype)
   temp_bits = lax.bitcast_convert_type(p.temperature, jnp.uint32)
   states = []
@@ -409,16 +412,14 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     h_chunk = pad_rows(hidden)
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
-      group = range(g0, min(c.samples, g0 + MAX_KERNEL_SAMPLES))
+      g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
       first = g0 == 0
-      spec = Spec(samples=len(group), softcap=c.softcap is not None,
+      spec = Spec(samples=g1 - g0, softcap=c.softcap is not None,
                   bias=bias is not None, mask=mask is not None,
                   lse=first and need_lse, truncates=first and c.truncates,
                   t_best=c.return_logprobs)
-      rowdata = [p.k0, p.k1, temp_bits, softcap]
-      for s in group:
-        rowdata += list(counters[s])
-      rowdata = jnp.stack(rowdata)
+      rowdata = jnp.concatenate([jnp.stack([p.k0, p.k1, temp_bits, softcap]),
+                                 counters[2 * g0:2 * g1]])
       rowdata = jnp.pad(rowdata, [(0, spec.rowdata_rows - rowdata.shape[0]), (0, 0)])
       rowdata = pad_rows(rowdata.T).T
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
@@ -426,8 +427,9 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
                        rows_valid=rows, vocab_size=p.vocab_size)
       parts.append(_merge_outputs(fo, io, spec, m))
     state = parts[0]
-    for extra in parts[1:]:
-      state["best"] = state["best"] + extra["best"]
+    if len(parts) > 1:   # the sample groups, side by side
+      state["best"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1),
+                                   *(part["best"] for part in parts))
     if not need_lse:  # unused: finish_controls reads lse only for these
       zero = jnp.zeros((BATCH,), jnp.float32)
       state["lse"] = (zero, zero + 1.0)
