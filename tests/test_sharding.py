@@ -22,8 +22,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import flashsample_jax as fs
 from flashsample_jax import _validate
 from tests import inputs
+from tests.conftest import has_gpu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The meshes take the first 8 devices: the 8 host CPU devices of conftest.py.
+# On a GPU machine jax.devices() is the GPUs (one, here); the sharded path on
+# GPUs is exercised by benchmarks/bench_sharded.py on multi-GPU machines.
+pytestmark = pytest.mark.skipif(
+    has_gpu(), reason="needs 8 CPU devices as jax.devices() (a CPU-only host)")
 
 
 def make_mesh(dp, tp, axis_type=AxisType.Auto):
