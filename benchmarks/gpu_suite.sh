@@ -35,7 +35,7 @@ for g in $groups; do
   case $g in
     mosaic)   run_group mosaic "${T_MOSAIC:-240}" tests/test_mosaic_gpu.py ;;
     controls) run_group controls "${T_CONTROLS:-240}" tests/test_controls.py ;;
-    rest)     run_group rest "${T_REST:-100}" tests --ignore=tests/test_mosaic_gpu.py \
+    rest)     run_group rest "${T_REST:-300}" tests --ignore=tests/test_mosaic_gpu.py \
                 --ignore=tests/test_controls.py --ignore=tests/test_notebooks.py \
                 --ignore=tests/test_examples.py ;;
     *) echo "unknown group $g" ;;
