@@ -93,14 +93,7 @@ def _stream_steps_h_once(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout,
 
   @pl.loop(0, total)
   def _step(s):
-    slot = lax.rem(s, S)
-    i = s // k_steps
-    k = s - i * k_steps
-
-    @pl.when(s >= S)
-    def _():
-      plgpu.barrier_wait(empty.at[slot])
-
+    slot, i, k = m._ring_step(s, S=S, k_steps=k_steps, empty=empty)
     start = m._tile_start(cta + i * num_ctas, vt, rows)
     w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
     bar = full.at[lax.rem(i, 2) * S + slot]

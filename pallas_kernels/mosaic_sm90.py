@@ -921,14 +921,7 @@ def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
 
   @pl.loop(0, total)
   def _step(s):
-    slot = lax.rem(s, S)
-    i = s // k_steps
-    k = s - i * k_steps
-
-    @pl.when(s >= S)
-    def _():
-      plgpu.barrier_wait(empty.at[slot])
-
+    slot, i, k = _ring_step(s, S=S, k_steps=k_steps, empty=empty)
     start = _tile_start(cta + i * num_ctas, vt, rows)
     if layout == "vd":
       w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
@@ -945,6 +938,19 @@ def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
   @pl.loop(jnp.maximum(total - S, 0), total)
   def _drain(s):
     plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+
+
+def _ring_step(s, *, S: int, k_steps: int, empty):
+  """Step ``s`` of a memory warpgroup's stream: ``(slot, local tile i, k)``,
+  once the slot's previous use (step ``s - S``) has been released."""
+  slot = lax.rem(s, S)
+  i = s // k_steps
+
+  @pl.when(s >= S)
+  def _():
+    plgpu.barrier_wait(empty.at[slot])
+
+  return slot, i, s - i * k_steps
 
 
 def _tile_start(tile, vt: int, rows: int):
