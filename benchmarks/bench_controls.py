@@ -120,10 +120,16 @@ def main(argv=None):
                   help="calls per timed block (default 50; 10 before 2026-11-26's "
                        "fourth session): long blocks measure a decode loop's "
                        "steady state, without the host latency of a sync")
+  ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS),
+                  help="a subset of the controls (default: all; plain and "
+                       "topk_topp are always timed, the table's ratios need them)")
+  ap.add_argument("--batches", nargs="+", type=int, help="default 1 16 64 128 256")
   args = ap.parse_args(argv)
   inner = args.inner or (3 if args.smoke else 50)
+  providers = {k: v for k, v in PROVIDERS.items()
+               if not args.providers or k in args.providers or k in ("plain", "topk_topp")}
   d, v = (256, 8192) if args.smoke else (4096, 151936)
-  batches = (1, 16) if args.smoke else (1, 16, 64, 128, 256)
+  batches = args.batches or ((1, 16) if args.smoke else (1, 16, 64, 128, 256))
   reps = 3 if args.smoke else 15
   kw, kh, kb, km = jax.random.split(jax.random.key(0), 4)
   # Logits with std ~3, an LLM-like spread.
@@ -140,7 +146,7 @@ def main(argv=None):
                backend_controls=fs.which_backend(h, w, key, top_k=TOP_K, top_p=TOP_P),
                fallback_rows=_fallback_rows(key, h, w))
     extra = dict(bias=bias, mask=mask)
-    for name, (fused, xla) in PROVIDERS.items():
+    for name, (fused, xla) in providers.items():
       f = jax.jit(lambda k, h, w, bias, mask, f=fused: f(k, h, w, bias=bias, mask=mask))
       row[name + "_us"] = _timing.median_us(f, key, h, w, bias, mask, reps=reps,
                                             inner=inner)[0]
@@ -165,12 +171,12 @@ def main(argv=None):
              f"softcap={SOFTCAP}; median us over {reps} blocks of {inner} async "
              "calls between host syncs, fused (backend auto) / XLA baseline "
              "that materializes the logits (speedup).\n\n")
-    fh.write("| B | backend | fallback rows | " + " | ".join(PROVIDERS)
+    fh.write("| B | backend | fallback rows | " + " | ".join(providers)
              + " | top-k+top-p / plain |\n")
-    fh.write("|---" * (len(PROVIDERS) + 4) + "|\n")
+    fh.write("|---" * (len(providers) + 4) + "|\n")
     for r in rows:
       cells = []
-      for name in PROVIDERS:
+      for name in providers:
         x = r.get("xla_" + name + "_us")
         cells.append(f"{r[name + '_us']:.0f} / {x:.0f} ({x / r[name + '_us']:.2f}x)")
       fh.write(f"| {r['B']} | {r['backend_controls']} | {r['fallback_rows']} | "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal, get_args
 
@@ -45,6 +46,34 @@ def _candidates(name: str, p: _validate.Problem, *, vocab_offset=0):
   if name == "mosaic":
     return _mosaic_module().candidates(p, vocab_offset=vocab_offset)
   return xla_backend.candidates(p, vocab_offset=vocab_offset)
+
+
+# ``num_samples`` alone (temperature only, no truncation, transforms or
+# log-probs) on the mosaic backend: the S samples of B rows become S * B
+# rows of one plain launch while they fit the fast kernels (N <= 128): row
+# ``s * B + b`` is sample ``s`` of row ``b``, with its own noise counters
+# (DESIGN.md section 1), so the tokens are the same. The controls kernel
+# pads B to 64 rows and evaluates every sample's noise for each (H200, S,
+# B=1, S=4: 606 us, twice XLA's 302; PERF_LOG).
+SAMPLES_AS_ROWS_MAX = 128
+
+
+def _samples_as_rows(p: _validate.Problem, c: _controls.Controls, *,
+                     vocab_offset, vocab_axes, global_batch: int):
+  """Tokens ``[S, B]`` of a samples-only call from one plain launch."""
+  s, b = c.samples, p.batch
+  hi, lo = xla_backend._sample_counters(p, s, global_batch)      # [B, S]
+  by_sample = lambda a: a.T.reshape(s * b)                       # row s * B + b
+  repeat = lambda a: jnp.tile(a, s)
+  q = dataclasses.replace(
+      p, hidden=jnp.tile(p.hidden, (s, 1)), k0=repeat(p.k0), k1=repeat(p.k1),
+      ctr_hi=by_sample(hi), ctr_lo=by_sample(lo),
+      temperature=repeat(p.temperature))
+  score, token = _candidates("mosaic", q, vocab_offset=vocab_offset)
+  if vocab_axes:
+    from flashsample_jax import sharding
+    score, token = sharding.combine_over_axis(score, token, vocab_axes)
+  return token.reshape(s, b)
 
 
 def resolve_backend(backend: str, p: _validate.Problem,
@@ -117,6 +146,11 @@ def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
       score, token = sharding.combine_over_axis(score, token, vocab_axes)
     return token
   global_batch = p.batch * sharding.axes_size(batch_axes)
+  samples_only = not (c.truncates or c.transforms or c.return_logprobs)
+  if (backend == "mosaic" and samples_only
+      and p.batch * c.samples <= SAMPLES_AS_ROWS_MAX):
+    return _samples_as_rows(p, c, vocab_offset=offset, vocab_axes=vocab_axes,
+                            global_batch=global_batch)
   if backend == "mosaic":
     # The kernel's per-warpgroup state; truncation is then decided as for
     # the xla backend (xla_backend.finish_controls).

@@ -146,6 +146,26 @@ def test_num_samples_equals_categorical_shape():
   np.testing.assert_array_equal(got[0], fs.sample(H, W, rows))
 
 
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_mosaic_samples_only_run_as_rows_of_the_plain_kernel(key, monkeypatch):
+  # num_samples with temperature only: S * B <= SAMPLES_AS_ROWS_MAX rows of
+  # one plain launch (the controls kernel is not called), same tokens as the
+  # reference; above the limit the controls kernel takes them.
+  calls = []
+  real = mosaic_controls.controls_state
+  monkeypatch.setattr(mosaic_controls, "controls_state",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  h, t = H[:8], T[:8]
+  k = KEYS[key] if key == "scalar" else KEYS[key][:8]
+  for s in (1, 5):
+    check({}, key=k, h=h, t=t, backend="mosaic", num_samples=s)
+  assert not calls
+  monkeypatch.setattr(fs.api, "SAMPLES_AS_ROWS_MAX", 8)
+  jax.clear_caches()  # the limit is read at trace time
+  check({}, key=k, h=h, t=t, backend="mosaic", num_samples=2)
+  assert calls
+
+
 @pytest.mark.parametrize("kw", [dict(top_p=0.9),
                                 dict(top_k=5, top_p=0.9, min_p=0.01, return_logprobs=True)])
 def test_program_size_does_not_grow_with_num_samples(kw):
