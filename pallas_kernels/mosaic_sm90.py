@@ -326,8 +326,8 @@ def _wg_scratch_elems(epi_cols: int) -> int:
 
 # Rows per launch (one pass over W each): full chunks first, then the rest.
 # A launch's cost grows slower than its rows, so chunks are as full as the
-# kernel allows (two launches of 128 rows: S B=256 836 -> 831 us, L 1197 ->
-# 1301; B=192 667 -> 832 us; PERF_LOG v7).
+# kernel allows (one launch of 256 rows vs two of 128 on the H200: S B=256
+# 836 vs 831 us, L 1197 vs 1301; B=192 667 vs 832; PERF_LOG v7).
 CHUNK_ROWS = MAX_N
 
 
