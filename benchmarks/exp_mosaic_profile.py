@@ -235,6 +235,15 @@ DEPTH = {
 }
 
 
+# 16 < N <= 64: vocabulary on M (v4, as N <= 16) vs batch on M (v5, N
+# padded to 64), PERF_LOG v7c.
+SMALLN = {
+    b: [None] + [C(tile_v=128, tile_d=128, max_concurrent_steps=4, epi_cols=16,
+                   compute_wgs=2, pingpong=True, mma_in_flight=f) for f in (0, 1)]
+    for b in (24, 32, 48)
+}
+
+
 def ab_mode(batches=(64, 128), table=None, shapes=((4096, 151936), (8192, 128256))):
   """Configs side by side in one process; tokens compared with the first."""
   global D, V
@@ -333,6 +342,8 @@ if __name__ == "__main__":
     chunk_mode()
   elif mode == "l2":
     l2_mode()
+  elif mode == "smalln":
+    ab_mode(batches=(24, 32, 48), table=SMALLN)
   elif mode == "depth":
     ab_mode(batches=(16, 64, 128), table=DEPTH)
   elif mode == "trace":

@@ -20,11 +20,12 @@ by batch size (measurements in ``benchmarks/PERF_LOG.md``):
   (:func:`_col_reduce`), because ``jnp.max``'s scratch sits at one fixed
   offset and races between warpgroups (DESIGN.md trap 1); every step waits
   for its wgmma (trap 2).
-* :func:`_kernel_pingpong` (v4, ``N <= 16``): vocabulary on M, the two
+* :func:`_kernel_pingpong` (v4, ``N <= 48``): vocabulary on M, the two
   warpgroups alternate whole tiles over one hand-written ring of SMEM slots
   (:func:`_stream_steps`, :func:`_consume_tile`), so one's epilogue overlaps
-  the other's share of the weight stream; one wgmma stays in flight.
-* :func:`_kernel_batch_major` (v5, ``16 < N <= 128``): the same ping-pong
+  the other's share of the weight stream; each slot is released as soon as
+  its wgmma is done (``mma_in_flight=0``).
+* :func:`_kernel_batch_major` (v5, ``48 < N <= 128``): the same ping-pong
   with the batch on the M side (``acc[N, Vt]``): the per-row argmax reduces
   inside each warp (no barriers, no scratch) with a running best carried
   over chunks and tiles.
@@ -348,10 +349,10 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   Heuristic, no autotuning (DESIGN.md section 4; the measurements behind
   each choice are in benchmarks/PERF_LOG.md):
 
-  * ``N <= 16``: ping-pong (v4), vocabulary on the wgmma M side, tiles of
+  * ``N <= 48``: ping-pong (v4), vocabulary on the wgmma M side, tiles of
     128 rows: two compute warpgroups alternate tiles, so one's epilogue
     overlaps the other's share of the weight stream.
-  * ``16 < N <= 128``: ping-pong with the batch on the M side (v5, N padded
+  * ``48 < N <= 128``: ping-pong with the batch on the M side (v5, N padded
     to 64 or 128): the per-row argmax stays inside each warp, no barriers
     in the epilogue.
   * ``N > 128``: cooperative (v3): both warpgroups share every tile of
@@ -368,12 +369,13 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   del num_sms  # One CTA per SM for now; the table may use it later.
   compute_wgs = 2 if rows >= 128 else 1
   epi_cols = 16
-  if compute_wgs == 2 and n <= 16:
+  if compute_wgs == 2 and n <= 48:
     # Ping-pong on tiles of 128 vocabulary rows, vocabulary on the wgmma M
-    # side: H slices of N <= 16 rows leave room for 5 slots of Dt = 128
-    # (batch-major pads N to 64: 3 slots; L B=8 535 -> 566 us, PERF_LOG v5).
-    # Each slot is released as soon as its wgmma is done (S B=16 311 ->
-    # 302 us, L 516 -> 504; PERF_LOG v7).
+    # side: H slices of N <= 48 rows leave room for 4-5 slots of Dt = 128
+    # (batch-major pads N to 64: 3 slots; L B=8 535 -> 566 us, PERF_LOG v5;
+    # B=24/32/48 1-4% faster than batch-major, PERF_LOG v7c). Each slot is
+    # released as soon as its wgmma is done (S B=16 311 -> 302 us, L 516 ->
+    # 504; at N = 24-48 within +-1.5% of one in flight; PERF_LOG v7).
     tile_v, epi_unroll = 128, 1
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=1,
                         compute_wgs=2, pingpong=True, max_concurrent_steps=2,

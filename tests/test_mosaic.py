@@ -200,7 +200,7 @@ def _lower_for_cuda(b, d, v, layout, dtype):
     # Every N bucket once; layout and dtype change only the operand specs,
     # so the other pair gets the buckets where the heuristic switches.
     ("vd", jnp.bfloat16, _N_BUCKETS),
-    ("dv", jnp.float16, [8, 16, 120, 128, 136, 256]),
+    ("dv", jnp.float16, [8, 16, 48, 56, 120, 128, 136, 256]),
 ])
 def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
   # One B per N bucket (the heuristic depends on N, D, V), on the
