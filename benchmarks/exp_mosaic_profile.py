@@ -242,6 +242,8 @@ SMALLN = {
                    compute_wgs=2, pingpong=True, mma_in_flight=f) for f in (0, 1)]
     for b in (24, 32, 48)
 }
+SMALLN[64] = [None] + [C(tile_v=128, tile_d=128, max_concurrent_steps=3, epi_cols=16,
+                         compute_wgs=2, pingpong=True, mma_in_flight=f) for f in (0, 1)]
 
 
 def ab_mode(batches=(64, 128), table=None, shapes=((4096, 151936), (8192, 128256))):
@@ -343,7 +345,8 @@ if __name__ == "__main__":
   elif mode == "l2":
     l2_mode()
   elif mode == "smalln":
-    ab_mode(batches=(24, 32, 48), table=SMALLN)
+    ab_mode(batches=tuple(int(x) for x in sys.argv[2:]) or (24, 32, 48),
+            table=SMALLN)
   elif mode == "depth":
     ab_mode(batches=(16, 64, 128), table=DEPTH)
   elif mode == "trace":
