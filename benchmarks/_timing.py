@@ -37,6 +37,36 @@ def median_us(f, *args, warmup: int = 5, reps: int = 15, inner: int = 10):
   return statistics.median(samples), samples
 
 
+def trace_events(f, *args, calls: int = 6):
+  """Device and host events of ``calls`` back-to-back calls of ``f(*args)``
+  (after one warm-up call), from a JAX profiler trace.
+
+  Returns ``(device, host)``, each sorted by start: ``device`` holds
+  ``(start_ns, duration_ns, name, line)`` of the GPU streams' kernels and
+  copies (empty on a CPU), ``host`` ``(start_ns, duration_ns, thread, name)``
+  of the host's events.
+  """
+  import glob
+  import os
+  import tempfile
+  jax.block_until_ready(f(*args))
+  trace_dir = tempfile.mkdtemp()
+  jax.profiler.start_trace(trace_dir)
+  for _ in range(calls):
+    out = f(*args)
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+  device, host = [], []
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    for line in plane.lines:
+      if plane.name.startswith("/device:GPU") and "stream" in line.name.lower():
+        device += [(e.start_ns, e.duration_ns, e.name, line.name) for e in line.events]
+      elif plane.name == "/host:CPU":
+        host += [(e.start_ns, e.duration_ns, line.name, e.name) for e in line.events]
+  return sorted(device), sorted(host)
+
+
 def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
   """Device read bandwidth in bytes/s: a large ``jnp.sum`` over ``gib`` GiB.
 

@@ -14,10 +14,8 @@ then a profile of the ``bench`` call: device kernels and host events.
 
   PYTHONPATH=. python3 benchmarks/exp_call_overhead.py [B ...]
 """
-import glob
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -34,34 +32,20 @@ D, V = 4096, 151936
 def fns():
   k7 = jax.random.key(7)
   return {
-      "bench": (jax.jit(lambda k, h, w: fs.sample(h, w, k, backend="mosaic")), True),
-      "const_key": (jax.jit(lambda k, h, w: fs.sample(
-          h, w, k7, temperature=0.9, backend="mosaic")), True),
-      "xla_baseline": (jax.jit(lambda k, h, w: jax.random.categorical(
-          k, jnp.dot(h, w.T, preferred_element_type=jnp.float32))), True),
+      "bench": jax.jit(lambda k, h, w: fs.sample(h, w, k, backend="mosaic")),
+      "const_key": jax.jit(lambda k, h, w: fs.sample(
+          h, w, k7, temperature=0.9, backend="mosaic")),
+      "xla_baseline": jax.jit(lambda k, h, w: jax.random.categorical(
+          k, jnp.dot(h, w.T, preferred_element_type=jnp.float32))),
   }
 
 
 def profile(f, args, tag):
-  jax.block_until_ready(f(*args))
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  for _ in range(8):
-    out = f(*args)
-  jax.block_until_ready(out)
-  jax.profiler.stop_trace()
-  path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-  data = jax.profiler.ProfileData.from_file(path)
-  dev, host = [], []
-  for plane in data.planes:
-    for line in plane.lines:
-      if plane.name.startswith("/device:GPU") and "stream" in line.name.lower():
-        dev += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-      elif plane.name == "/host:CPU":
-        host += [(e.start_ns, e.duration_ns, line.name, e.name) for e in line.events
-                 if e.duration_ns > 3000]
-  dev.sort()
-  host.sort()
+  dev, host = _timing.trace_events(f, *args, calls=8)
+  host = [e for e in host if e[1] > 3000]
+  if not dev:
+    print(f"== profile {tag}: no GPU events (run it on a GPU)")
+    return
   t0 = dev[0][0]
   print(f"== profile {tag}: last device events (start us, dur us, name)")
   for s, du, n in dev[-16:]:
@@ -86,12 +70,12 @@ def main():
   for b in batches:
     h = jax.random.normal(jax.random.key(b), (b, D), jnp.bfloat16)
     args = (jax.random.key(7), h, w)
-    for name, (f, _) in fns().items():
+    for name, f in fns().items():
       jax.block_until_ready(f(*args))
       t10 = _timing.median_us(f, *args, reps=15, inner=10)[0]
       t50 = _timing.median_us(f, *args, reps=7, inner=50)[0]
       print(f"B={b:4d} {name:13s} inner10 {t10:7.1f} us  inner50 {t50:7.1f} us", flush=True)
-    profile(fns()["bench"][0], args, f"bench B={b}")
+    profile(fns()["bench"], args, f"bench B={b}")
 
 
 if __name__ == "__main__":

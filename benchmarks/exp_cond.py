@@ -70,32 +70,14 @@ def profile(h, w, key, out_dir):
   """GPU kernels of the last two of five calls, from a JAX profiler trace:
   start (us, from the first listed kernel), duration (us) and name, plus
   the GPU's idle time in that window (launch gaps, host waits)."""
-  import glob
-  import tempfile
   ctl = {} if "--plain" in sys.argv else dict(top_k=50, top_p=0.9)
   if "--barrier" in sys.argv:
     lax.cond = _barrier_cond
   f = jax.jit(lambda h, w, key: fs.sample(h, w, key, **ctl))
-  jax.block_until_ready(f(h, w, key))
-  trace_dir = tempfile.mkdtemp()
-  jax.profiler.start_trace(trace_dir)
-  for _ in range(5):
-    out = f(h, w, key)
-  jax.block_until_ready(out)
-  jax.profiler.stop_trace()
-  path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-  data = jax.profiler.ProfileData.from_file(path)
-  events = []
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "stream" not in line.name.lower():
-        continue
-      events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-  events.sort()
+  events, host = _timing.trace_events(f, h, w, key, calls=5)
+  events = [e[:3] for e in events]
   if not events:
-    print("no GPU stream events; planes:", [p.name for p in data.planes])
+    print("no GPU stream events")
     return
   mains = [i for i, e in enumerate(events) if "flashsample" in e[2]]
   events = events[mains[-2] - 3:] if len(mains) >= 2 else events
@@ -106,14 +88,7 @@ def profile(h, w, key, out_dir):
   lines.append(f"window {span:.1f} us, kernels busy {busy / 1e3:.1f} us, "
                f"{len(events)} kernels")
   t_end = events[-1][0] + events[-1][1]
-  host = []
-  for plane in data.planes:
-    if plane.name != "/host:CPU":
-      continue
-    for line in plane.lines:
-      host += [(e.start_ns, e.duration_ns, line.name, e.name) for e in line.events
-               if e.duration_ns > 2000 and t0 - 400_000 <= e.start_ns <= t_end]
-  host.sort()
+  host = [e for e in host if e[1] > 2000 and t0 - 400_000 <= e[0] <= t_end]
   lines.append("host events over 2 us (start from the first kernel, duration, thread, name):")
   lines += [f"{(s - t0) / 1e3:9.1f} {d / 1e3:8.1f}  {ln[:20]:20s} {n[:90]}"
             for s, d, ln, n in host]

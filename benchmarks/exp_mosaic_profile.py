@@ -294,10 +294,7 @@ def calls_mode(b):
 def trace_mode(b):
   """Device timeline of back-to-back calls (jax.profiler): kernel durations
   and the gaps between them, to see what a call costs besides the kernel."""
-  import glob
-  import tempfile
   import flashsample_jax as fs
-  from jax._src.lib import _profile_data
   h, w = _inputs(b)
   fns = {
       "mosaic": jax.jit(lambda h, w: fs.sample(
@@ -307,25 +304,9 @@ def trace_mode(b):
           jnp.dot(h, w.T, preferred_element_type=jnp.float32) / 0.9)),
   }
   for name, f in fns.items():
-    for _ in range(3):
+    for _ in range(2):
       jax.block_until_ready(f(h, w))
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-      for _ in range(6):
-        out = f(h, w)
-      jax.block_until_ready(out)
-    path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
-    pd = _profile_data.ProfileData.from_file(path)
-    events = []
-    for plane in pd.planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      for line in plane.lines:
-        if "stream" not in line.name.lower():
-          continue
-        for e in line.events:
-          events.append((e.start_ns, e.duration_ns, e.name, line.name))
-    events.sort()
+    events, _ = _timing.trace_events(f, h, w, calls=6)
     print(f"== {name} B={b}: {len(events)} device events")
     prev_end = None
     for start, dur, ename, lname in events[-14:]:
