@@ -48,7 +48,7 @@ def profile(f, args, tag):
     return
   t0 = dev[0][0]
   print(f"== profile {tag}: last device events (start us, dur us, name)")
-  for s, du, n in dev[-16:]:
+  for s, du, n, _line in dev[-16:]:
     print(f"  {(s - t0) / 1e3:9.1f} {du / 1e3:8.1f}  {n[:70]}")
   span = (dev[-1][0] + dev[-1][1] - dev[0][0]) / 1e3
   print(f"  8 calls: device window {span:.1f} us, busy {sum(x[1] for x in dev) / 1e3:.1f} us")

@@ -384,16 +384,20 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     # Batch on the wgmma M side (N padded to 64 or 128), ping-pong on tiles
     # of 128 vocabulary rows: no cross-warp reductions in the epilogue, and
     # one warpgroup's epilogue overlaps the other's stream (PERF_LOG.md v5).
-    # One chunk of [N, 16] per loop iteration (8 or 16 noise elements per
-    # thread; unrolling twice measured 2-4% slower).
-    # One wgmma kept in flight: releasing each slot at once measured slower
-    # at N = 64 (323 -> 333 us) and within the spread at N = 128 (PERF_LOG v7).
+    # N = 64: one chunk of [64, 16] per loop iteration (8 noise elements per
+    # thread; unrolling twice measured 2-4% slower) and one wgmma kept in
+    # flight (releasing each slot at once: 323 -> 333 us on the H200).
+    # N = 128: chunks of [128, 8] (half the loop body) and each slot released
+    # as soon as its wgmma is done: on the H100 S 484 -> 462 us, L 783 ->
+    # 773 (PERF_LOG v9); each alone 1-2% on the H200 (PERF_LOG v7).
     tile_v = 128
     n = _round_up(n, 64)
     epi_unroll = 1
-    base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols,
+    wide = n > 64
+    base = TuningConfig(tile_v=tile_v, epi_cols=8 if wide else epi_cols,
                         epi_unroll=epi_unroll, compute_wgs=2, pingpong=True,
-                        batch_major=True, max_concurrent_steps=2)
+                        batch_major=True, max_concurrent_steps=2,
+                        mma_in_flight=0 if wide else 1)
   else:
     # N > 128 (or V < 128): vocabulary on M; both warpgroups share a tile of
     # 2 x 64 rows, so that the H slices (N x Dt per step) are read once per
@@ -1173,9 +1177,11 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
     s, i = _launch(offset, rowdata, pad(p.hidden.astype(p.weight.dtype)),
                    w, cfg=cfg, layout=p.layout, rows_valid=rows,
                    vocab_size=p.vocab_size)
-    s, i = _core.reduce_candidates(s, i, axis=0)
-    scores.append(s[:nb])
-    tokens.append(i[:nb])
+    # The padding rows are sliced off before stage 2 (the slice fuses into
+    # the reductions' input; after them it was a copy of its own).
+    s, i = _core.reduce_candidates(s[:, :nb], i[:, :nb], axis=0)
+    scores.append(s)
+    tokens.append(i)
   if len(scores) == 1:
     return scores[0], tokens[0]
   return jnp.concatenate(scores), jnp.concatenate(tokens)

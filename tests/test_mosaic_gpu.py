@@ -91,6 +91,11 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
                              epi_cols=8, epi_unroll=2, compute_wgs=2,
                              pingpong=True, batch_major=True),
+    # The heuristic's N = 128 settings: chunks of [128, 8], each slot
+    # released as soon as its wgmma is done.
+    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=4,
+                             epi_cols=8, compute_wgs=2, pingpong=True,
+                             batch_major=True, mma_in_flight=0),
 ]
 
 
