@@ -1177,11 +1177,9 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
     s, i = _launch(offset, rowdata, pad(p.hidden.astype(p.weight.dtype)),
                    w, cfg=cfg, layout=p.layout, rows_valid=rows,
                    vocab_size=p.vocab_size)
-    # The padding rows are sliced off before stage 2 (the slice fuses into
-    # the reductions' input; after them it was a copy of its own).
-    s, i = _core.reduce_candidates(s[:, :nb], i[:, :nb], axis=0)
-    scores.append(s)
-    tokens.append(i)
+    s, i = _core.reduce_candidates(s, i, axis=0)
+    scores.append(s[:nb])
+    tokens.append(i[:nb])
   if len(scores) == 1:
     return scores[0], tokens[0]
   return jnp.concatenate(scores), jnp.concatenate(tokens)
