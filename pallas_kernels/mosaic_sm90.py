@@ -122,6 +122,9 @@ class TuningConfig:
     epi_passes: the accumulator goes to SMEM in this many column passes
       (each followed by its epilogue loop), so that the SMEM copy is
       ``tile_v * N / epi_passes`` f32 and leaves room for pipeline slots.
+      With ``pingpong`` (vocabulary on M) and more than one pass, each
+      compute warpgroup copies into its own buffer: no hand-over, so the
+      two warpgroups' epilogues may run at the same time.
     pingpong: with ``compute_wgs=2``, the two compute warpgroups take turns
       on whole tiles of ``tile_v`` rows (each its own accumulator
       ``[tile_v, N]``), so that one's epilogue overlaps the other's wgmma
@@ -189,9 +192,9 @@ class TuningConfig:
       raise ValueError(
           f"batch_major: epi_cols={epi_cols} x epi_unroll={self.epi_unroll} "
           f"must divide {tile_v=}")
-    if self.pingpong and self.epi_passes != 1:
+    if self.batch_major and self.epi_passes != 1:
       raise ValueError(
-          f"epi_passes={self.epi_passes}: pingpong copies the whole "
+          f"epi_passes={self.epi_passes}: batch_major copies the whole "
           "accumulator at once (one buffer shared by both warpgroups)")
     if tile_v % (64 * self.wg_share):
       raise ValueError(
@@ -235,8 +238,10 @@ class TuningConfig:
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
     if self.batch_major:
       return pipeline + self.tile_v * n * 4 + _ROWDATA * n * 4
-    if self.pingpong:  # one whole accumulator, shared by both warpgroups
+    if self.pingpong and self.epi_passes == 1:  # shared by both warpgroups
       acc = self.tile_v * n * 4
+    elif self.pingpong:  # one pass's columns per warpgroup
+      acc = 2 * self.tile_v * self._pass_cols(n) * 4
     else:
       acc = self.compute_wgs * self.wg_rows * self._pass_cols(n) * 4
     return (pipeline + acc + _ROWDATA * n * 4
@@ -355,9 +360,11 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   * ``48 < N <= 128``: ping-pong with the batch on the M side (v5, N padded
     to 64 or 128): the per-row argmax stays inside each warp, no barriers
     in the epilogue.
-  * ``N > 128``: cooperative (v3): both warpgroups share every tile of
-    2 x 64 rows (H slices of N rows read once per 128 weight rows); the
-    accumulator goes to SMEM in passes of at most 64 columns.
+  * ``N > 128``: ping-pong (v9), vocabulary on M, tiles of 64 rows (an
+    accumulator of ``[64, N]`` is 128 registers at N = 256): each warpgroup
+    copies its accumulator to its own SMEM buffer in 4 column passes, so
+    both epilogues may run at once. V < 128 (one compute warpgroup):
+    cooperative (v3), the accumulator in passes of at most 64 columns.
   * epilogue loop iterations of 8 to 16 noise elements per thread: the loop
     body bounds the epilogue's code size (v1 unrolled every chunk: ~10k
     straight-line instructions ran at 0.07 IPC per warp) while leaving
@@ -398,10 +405,20 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
                         epi_unroll=epi_unroll, compute_wgs=2, pingpong=True,
                         batch_major=True, max_concurrent_steps=2,
                         mma_in_flight=0 if wide else 1)
+  elif compute_wgs == 2:
+    # N > 128: ping-pong over tiles of 64 vocabulary rows, a buffer of a
+    # quarter of the accumulator per warpgroup (SMEM for 4 slots of Dt =
+    # 64). On the H100 vs v3: S B=256 864 -> 817 us, B=192 711 -> 644, L
+    # B=256 1227 -> 1147, B=192 1016 -> 1042 (PERF_LOG v9; a shared whole
+    # buffer: S 794 / 654, L 1233 / 1108).
+    tile_v, epi_unroll = 64, 1
+    n = _round_up(n, epi_cols)
+    base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=1,
+                        compute_wgs=2, pingpong=True, max_concurrent_steps=2,
+                        epi_passes=min(4, n // epi_cols))
   else:
-    # N > 128 (or V < 128): vocabulary on M; both warpgroups share a tile of
-    # 2 x 64 rows, so that the H slices (N x Dt per step) are read once per
-    # 128 weight rows, not per 64 (PERF_LOG.md v3).
+    # V < 128 (one compute warpgroup): vocabulary on M, the accumulator in
+    # passes of at most 64 columns (PERF_LOG.md v3).
     tile_v = 64 * compute_wgs
     epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (64 * epi_cols))
     # B <= 16: no padding to a second chunk. N > 128: one chunk per
@@ -776,19 +793,27 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   slot, after its wgmma finished reading it, and waited on by the memory
   warpgroup before reuse. One wgmma stays in flight across steps.
 
-  The two warpgroups share one SMEM copy of the accumulator ``[N / C, Vt,
-  C]`` (the whole of it: the epilogue then holds no accumulator registers
-  and has room for ILP); ``acc_free[w]`` hands it to warpgroup ``w``.
+  With ``epi_passes == 1`` the two warpgroups share one SMEM copy of the
+  accumulator ``[N / C, Vt, C]`` (the whole of it: the epilogue then holds
+  no accumulator registers and has room for ILP); ``acc_free[w]`` hands it
+  to warpgroup ``w``, so the epilogues take turns. With more passes each
+  warpgroup has its own buffer of one pass's columns (the later passes'
+  columns wait in registers) and the epilogues of both may run at once:
+  for N = 256, where one tile's epilogue outlasts its wgmma (PERF_LOG v9).
   """
   epi = cfg.epi_cols
   n_chunks = n // epi
   scratch_elems = _wg_scratch_elems(epi)
+  shared = cfg.epi_passes == 1
+  passes = [(0, n_chunks)] if shared else _passes(cfg, n)
+  pass_chunks = max(b - a for a, b in passes)
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i):
     def epilogue(acc, tile, start, first_new, carry):
-      _epilogue(acc, cfg=cfg, passes=[(0, n_chunks)], row0=0, start=start,
+      _epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
                 first_new=first_new, off_ref=off_ref,
-                rowdata_smem=rowdata_smem, acc_smem=acc_smem,
+                rowdata_smem=rowdata_smem,
+                acc_smem=acc_smem if shared else acc_smem.at[wg],
                 scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
                 score_ref=score_ref, index_ref=index_ref, out_row=tile,
                 rows_valid=rows_valid, vocab_size=vocab_size)
@@ -799,9 +824,10 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   _pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref, batch_major=False,
+      rowdata_ref=rowdata_ref, batch_major=False, shared_acc=shared,
       rowdata_smem=plgpu.SMEM((n_chunks, _ROWDATA, epi), jnp.uint32),
-      acc_smem=plgpu.SMEM((n_chunks, cfg.tile_v, epi), jnp.float32),
+      acc_smem=plgpu.SMEM(((pass_chunks,) if shared else (2, pass_chunks))
+                          + (cfg.tile_v, epi), jnp.float32),
       red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
       red_i=plgpu.SMEM((2, scratch_elems), jnp.int32))
 
@@ -809,7 +835,7 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
 def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
                     dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
                     h_ref, rowdata_ref, batch_major: bool, rowdata_smem,
-                    acc_smem, **scratch):
+                    acc_smem, shared_acc: bool = True, **scratch):
   """What the ping-pong kernels share: the SMEM ring and its barriers, the
   memory warpgroup, and each compute warpgroup's loop over its tiles.
 
@@ -818,7 +844,8 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   ``tile_loop(epilogue, carry, prologue=None) -> carry`` runs the
   warpgroup's local tiles (:func:`_pingpong_tile`). ``rowdata_smem``,
   ``acc_smem`` and ``scratch`` are the kernel's own SMEM allocations
-  (``plgpu.SMEM`` types).
+  (``plgpu.SMEM`` types); ``shared_acc``: the warpgroups hand one
+  accumulator buffer to each other (else each has its own).
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
   k_steps = dim // dt
@@ -875,7 +902,8 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
             lambda j, c: _pingpong_tile(
                 i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
                 rows=rows, acc_shape=acc_shape, n_local=n_local,
-                acc_free=acc_free, consume=consume, epilogue=epilogue,
+                acc_free=acc_free if shared_acc else None, consume=consume,
+                epilogue=epilogue,
                 prologue=prologue, carry=c),
             carry)
 
@@ -889,7 +917,8 @@ def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
   """Local tile ``i`` of a ping-pong compute warpgroup: ``prologue(tile,
   start)`` if given (e.g. issue copies the epilogue needs), its wgmma over
   the stream (``consume``), then ``epilogue(acc, tile, start, first_new,
-  carry) -> carry`` while holding the shared accumulator buffer."""
+  carry) -> carry`` while holding the shared accumulator buffer
+  (``acc_free``; None: each warpgroup has its own)."""
   tile = cta + i * num_ctas
   start = _tile_start(tile, vt, rows)
   if prologue is not None:
@@ -900,6 +929,9 @@ def _pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
     return acc_ref[...]
 
   acc = pl.run_scoped(mma, plgpu.ACC(acc_shape, jnp.float32))
+
+  if acc_free is None:
+    return epilogue(acc, tile, start, tile * vt - start, carry)
 
   # The accumulator buffer is shared: wait until the other warpgroup's
   # epilogue (of local tile i - 1) has read it all.

@@ -106,6 +106,11 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2,
                              epi_cols=16, compute_wgs=2, pingpong=True,
                              batch_major=True, mma_in_flight=0),
+    # Ping-pong with a buffer per warpgroup, in uneven passes (1 + 2 chunks
+    # of N=24), 11 tiles on 3 CTAs.
+    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=3,
+                             epi_cols=8, compute_wgs=2, pingpong=True,
+                             epi_passes=2, num_ctas=3, mma_in_flight=0),
 ]
 
 
@@ -243,7 +248,8 @@ def test_heuristic_configs_are_valid():
     (dict(tile_v=64, compute_wgs=2), "tile_v=64"),
     (dict(epi_passes=0), "epi_passes=0"),
     (dict(pingpong=True), "pingpong needs compute_wgs=2"),
-    (dict(compute_wgs=2, pingpong=True, epi_passes=2), "epi_passes=2"),
+    (dict(compute_wgs=2, pingpong=True, batch_major=True, epi_passes=2),
+     "epi_passes=2: batch_major"),
     (dict(compute_wgs=2, batch_major=True), "batch_major needs pingpong"),
     (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=1),
      "pingpong with mma_in_flight=1 needs max_concurrent_steps >= 2"),

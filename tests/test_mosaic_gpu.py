@@ -96,6 +96,11 @@ _CONFIGS = [
     mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=4,
                              epi_cols=8, compute_wgs=2, pingpong=True,
                              batch_major=True, mma_in_flight=0),
+    # Ping-pong with a buffer per warpgroup (the N > 128 schedule), in
+    # uneven passes (2 + 3 + 3 chunks of N = 128).
+    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=4,
+                             epi_cols=16, compute_wgs=2, pingpong=True,
+                             epi_passes=3),
 ]
 
 
