@@ -58,11 +58,11 @@ def finish_variants(b, h, w, key):
     try:
       f = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
       f.lower(h, w, key).compile()
-      rows[name] = round(_timing.median_us(f, h, w, key, reps=15)[0], 1)
+      rows[name] = round(_timing.median_us(f, h, w, key, reps=15, inner=50)[0], 1)
     finally:
       lax.cond = cond
   plain = jax.jit(lambda h, w, key: fs.sample(h, w, key))
-  rows["plain"] = round(_timing.median_us(plain, h, w, key, reps=15)[0], 1)
+  rows["plain"] = round(_timing.median_us(plain, h, w, key, reps=15, inner=50)[0], 1)
   print(json.dumps({"B": b, **rows}), flush=True)
 
 
