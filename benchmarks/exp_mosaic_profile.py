@@ -318,7 +318,7 @@ def trace_mode(b):
 if __name__ == "__main__":
   mode = sys.argv[1]
   if mode == "time":
-    time_mode()
+    time_mode(tuple(int(x) for x in sys.argv[2:]) or (64, 128))
   elif mode == "ab":
     ab_mode()
   elif mode == "chunk":

@@ -26,4 +26,4 @@ for b in $BS; do
   grep -E "Registers Per|Duration|Warp Cycles Per Issued|Issued Ipc|Local Memory|Stall" $OUT/ncu_details_$b.txt | head -30
 done
 tar czf $OUT/ncu_src.tgz -C /tmp $(cd /tmp && ls src_*.csv ncu_run_*.log prof_*.ncu-rep)
-timeout 280 python3 benchmarks/exp_mosaic_profile.py time 2>&1 | tee $OUT/ablate.log | tail -20
+timeout 280 python3 benchmarks/exp_mosaic_profile.py time $BS 2>&1 | tee $OUT/ablate.log | tail -20
