@@ -55,6 +55,12 @@ from pallas_kernels import mosaic_sm90 as base
 
 # Batch rows per launch (the wgmma M side of one warpgroup).
 BATCH = 64
+# Rows per launch for B > BATCH when no truncation rule and one sample ask
+# for little per-element state: [128, 8] epilogue chunks keep the state's
+# registers those of [64, 16] ones next to an accumulator twice as large
+# (the candidate lists or more samples would not fit beside it), and each
+# pass over W serves twice the rows (PERF_LOG v9).
+BATCH_WIDE = 128
 # Largest tempered logits kept per (row, column slot) of a warpgroup's
 # registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
 _SLOT_DEPTH = 4
@@ -98,18 +104,23 @@ class Spec:
     return base._round_up(4 + 2 * self.samples, 8)
 
 
-def config(dim: int, rows: int, itemsize: int = 2) -> base.TuningConfig:
-  """The launch config: batch-major ping-pong, N = 64, tiles of 128 (64 when
-  the weight has fewer rows), Dt = 128 when D allows, as many slots as fit
-  next to the bias and mask tiles (at least 2)."""
+def config(dim: int, rows: int, itemsize: int = 2,
+           n: int = BATCH) -> base.TuningConfig:
+  """The launch config for ``n`` rows per launch: batch-major ping-pong,
+  tiles of 128 (64 when the weight has fewer rows). N = 64: chunks of
+  [64, 16], Dt = 128 when D allows, one wgmma in flight. N = 128: chunks of
+  [128, 8], Dt = 64, each slot released at once (the plain kernel's N = 128
+  settings). As many slots as fit next to the bias and mask tiles (>= 2)."""
   tile_v = 128 if rows >= 128 else 64
-  tile_d = 128 if dim % 128 == 0 else 64
+  wide = n > BATCH
+  tile_d = 128 if dim % 128 == 0 and not wide else 64
   cfg = base.TuningConfig(tile_v=tile_v, tile_d=tile_d, max_concurrent_steps=2,
-                          epi_cols=_EPI, compute_wgs=2, pingpong=True,
-                          batch_major=True)
-  aux = 2 * tile_v * 4 + 2 * (tile_v // 32) * BATCH * 4 + 8 * BATCH * 4
-  fixed = cfg.smem_bytes(BATCH, itemsize) - 2 * (tile_v + BATCH) * tile_d * itemsize
-  steps = (base._SMEM_BUDGET - fixed - aux) // ((tile_v + BATCH) * tile_d * itemsize)
+                          epi_cols=8 if wide else _EPI, compute_wgs=2,
+                          pingpong=True, batch_major=True,
+                          mma_in_flight=0 if wide else 1)
+  aux = 2 * tile_v * 4 + 2 * (tile_v // 32) * n * 4 + 8 * n * 4
+  fixed = cfg.smem_bytes(n, itemsize) - 2 * (tile_v + n) * tile_d * itemsize
+  steps = (base._SMEM_BUDGET - fixed - aux) // ((tile_v + n) * tile_d * itemsize)
   return dataclasses.replace(cfg, max_concurrent_steps=int(max(2, min(8, steps))))
 
 
@@ -319,13 +330,15 @@ def check_supported(p: Problem, c: controls.Controls) -> None:
   del c  # every control is implemented
 
 
-def _local_bias(c: controls.Controls, offset, rows_k: int, total_rows: int):
-  """f32 ``[rows_k / 16, 16]``: the bias of this weight's rows (0 past V).
+def _local_bias(c: controls.Controls, offset, rows_k: int, total_rows: int,
+                epi: int):
+  """f32 ``[rows_k / epi, epi]``: the bias of this weight's rows (0 past V),
+  one row per epilogue chunk.
 
   Padded so that ``offset + rows_k`` (offset <= the rows of all shards) is
   in range: ``dynamic_slice`` would clamp the start otherwise."""
   bias = jnp.pad(c.logit_bias, (0, total_rows + rows_k - c.logit_bias.shape[0]))
-  return lax.dynamic_slice_in_dim(bias, offset, rows_k).reshape(-1, _EPI)
+  return lax.dynamic_slice_in_dim(bias, offset, rows_k).reshape(-1, epi)
 
 
 def _local_mask(c: controls.Controls, offset, rows_k: int, total_rows: int):
@@ -407,17 +420,20 @@ def _pair_lists(vals, ids, bound):
 def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
                    global_batch: int | None = None):
   """This shard's controls state (:func:`xla_backend.state_combine`'s form)
-  from the fused kernel: batch chunks of :data:`BATCH` rows, samples in
-  groups of :data:`MAX_KERNEL_SAMPLES` per launch."""
+  from the fused kernel: batch chunks of :data:`BATCH` rows (of
+  :data:`BATCH_WIDE` for B > BATCH with one sample and no truncation),
+  samples in groups of :data:`MAX_KERNEL_SAMPLES` per launch."""
   check_supported(p, c)
   global_batch = global_batch or p.batch
   offset = jnp.asarray(vocab_offset, jnp.int32)
   rows = p.weight_rows
   w, rows_k = base.pad_vocab(p, _ROW_ALIGN)
-  cfg = config(p.hidden_dim, rows_k, jnp.dtype(p.weight.dtype).itemsize)
+  n = (BATCH_WIDE if p.batch > BATCH and c.samples == 1 and not c.truncates
+       else BATCH)
+  cfg = config(p.hidden_dim, rows_k, jnp.dtype(p.weight.dtype).itemsize, n)
   m = xla_backend.candidate_count(p)
   total_rows = p.weight_rows * p.vocab_shards
-  bias = (_local_bias(c, offset, rows_k, total_rows)
+  bias = (_local_bias(c, offset, rows_k, total_rows, cfg.epi_cols)
           if c.logit_bias is not None else None)
   mask = (_local_mask(c, offset, rows_k, total_rows)
           if c.allowed_mask is not None else None)
@@ -432,9 +448,9 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   hidden = p.hidden.astype(p.weight.dtype)
   temp_bits = lax.bitcast_convert_type(p.temperature, jnp.uint32)
   states = []
-  for b0 in range(0, p.batch, BATCH):
-    b1 = min(p.batch, b0 + BATCH)
-    pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, BATCH - (b1 - b0))]
+  for b0 in range(0, p.batch, n):
+    b1 = min(p.batch, b0 + n)
+    pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n - (b1 - b0))]
                                  + [(0, 0)] * (x.ndim - 1))
     mask_t = pad_rows(mask).T if mask is not None else None
     h_chunk = pad_rows(hidden)
@@ -459,7 +475,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
       state["best"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1),
                                    *(part["best"] for part in parts))
     if not need_lse:  # unused: finish_controls reads lse only for these
-      zero = jnp.zeros((BATCH,), jnp.float32)
+      zero = jnp.zeros((n,), jnp.float32)
       state["lse"] = (zero, zero + 1.0)
     states.append(jax.tree.map(lambda a, n=b1 - b0: a[:n], state))
   if len(states) == 1:

@@ -112,6 +112,30 @@ def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
     assert above <= set(ids[b][vals[b] > bound[b]]), b
 
 
+def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
+  # B > 64 with one sample and no truncation rule: launches of 128 rows
+  # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
+  # rule: of 64. Tokens and log-probabilities as the reference's either way.
+  b = 80
+  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=9)
+  t = inputs.pow2_temperatures(b, greedy_every=7, seed=9) * 4
+  rng = np.random.default_rng(9)
+  kw = dict(softcap=8.0,
+            logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
+            allowed_mask=jnp.asarray(rng.integers(0, 2**32, (b, -(-V // 32)),
+                                                  dtype=np.uint32)))
+  rows = []
+  real = mosaic_controls._launch
+  monkeypatch.setattr(mosaic_controls, "_launch",
+                      lambda *a, **k: (rows.append(a[2].shape[0]), real(*a, **k))[1])
+  check(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t, backend="mosaic",
+        return_logprobs=True)
+  assert rows == [128]
+  rows.clear()
+  check(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t, backend="mosaic")
+  assert rows == [64, 64]
+
+
 def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():
   # _pair_lists against a brute-force merge: for each pair of lists the K
   # best of the union in the order (t descending, id ascending), and a

@@ -338,6 +338,10 @@ def test_unsupported_problems_raise_not_implemented():
                                allowed_mask=1, num_samples=6,
                                return_logprobs=True)),
     ("vd", 5, 8192, 128256, dict(softcap=30.0)),
+    # Launches of 128 rows (no truncation, one sample), both layouts.
+    ("vd", 200, 4096, 151936, dict(softcap=30.0, logit_bias=1, allowed_mask=1,
+                                   return_logprobs=True)),
+    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True)),
 ])
 def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw):
   from flashsample_jax import controls
