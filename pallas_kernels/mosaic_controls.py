@@ -1,7 +1,8 @@
 """Sampling controls in the fused Mosaic GPU kernel (sm90).
 
 The kernel is the batch-major ping-pong of :mod:`pallas_kernels.mosaic_sm90`
-(``acc[N, Vt] = H @ W_tile.T``, N = 64 batch rows per launch, two compute
+(``acc[N, Vt] = H @ W_tile.T``, N = 64 batch rows per launch, or 128 for B > 64
+without truncation and with one sample (:data:`BATCH_WIDE`), two compute
 warpgroups alternating tiles) with a longer epilogue. Per element, in the
 order of :mod:`flashsample_jax.controls`::
 
