@@ -65,9 +65,11 @@ BATCH_WIDE = 128
 # Largest tempered logits kept per (row, column slot) of a warpgroup's
 # registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
 _SLOT_DEPTH = 4
-# Candidates per row that each warpgroup writes out (popped from its slots):
-# 264 warpgroups x 8 >> the 128 candidates that stage 2 keeps; a warpgroup
-# holds ~V / 264 ids, so 9 of a row's top 128 in one is very unlikely.
+# Candidates per row that each warpgroup writes out (popped from its slots);
+# stage 2 pairs each CTA's two lists into one of 8 (_pair_lists): 132 CTAs x
+# 8 >> the 128 candidates it keeps; a CTA holds ~V / 132 ids (~1150 at V =
+# 152k), so 9 of a row's top 128 in one is unlikely (P ~ 1e-4 per row; such a
+# row takes the exact path).
 _WG_CANDIDATES = 8
 # Samples per launch; more take further launches (each re-reads W).
 MAX_KERNEL_SAMPLES = 4
@@ -131,7 +133,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   """One CTA of the controls kernel (see the module docstring).
 
   Refs: ``rowdata_ref`` uint32 ``[spec.rowdata_rows, N]``; optional
-  ``bias_ref`` f32 ``[rows / 16, 16]`` and ``mask_ref`` uint32
+  ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``mask_ref`` uint32
   ``[rows / 32, N]``; outputs ``f_ref`` f32 ``[2 * num_ctas,
   spec.f_rows, N]`` and ``i_ref`` int32 ``[2 * num_ctas, spec.i_rows, N]``,
   one block per compute warpgroup.

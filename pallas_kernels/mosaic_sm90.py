@@ -13,22 +13,24 @@ Three schedules, all warp-specialized (one TMA warpgroup, two compute
 warpgroups) and persistent over vocabulary tiles; :func:`pick_config` picks
 by batch size (measurements in ``benchmarks/PERF_LOG.md``):
 
-* :func:`_kernel` (v3, "cooperative", ``N > 128``): vocabulary on the wgmma M
-  side (``acc[Vt/2, N]`` per warpgroup, "swap AB"), both warpgroups share
-  every step of ``emit_pipeline_warp_specialized``; column reductions across
-  warps use per-warpgroup SMEM scratch through ``plgpu.inline_mgpu``
-  (:func:`_col_reduce`), because ``jnp.max``'s scratch sits at one fixed
-  offset and races between warpgroups (DESIGN.md trap 1); every step waits
-  for its wgmma (trap 2).
-* :func:`_kernel_pingpong` (v4, ``N <= 48``): vocabulary on M, the two
-  warpgroups alternate whole tiles over one hand-written ring of SMEM slots
-  (:func:`_stream_steps`, :func:`_consume_tile`), so one's epilogue overlaps
-  the other's share of the weight stream; each slot is released as soon as
-  its wgmma is done (``mma_in_flight=0``).
+* :func:`_kernel_pingpong` (v4, ``N <= 48``; v9, ``N > 128``): vocabulary on
+  the wgmma M side ("swap AB"), the two warpgroups alternate whole tiles
+  over one hand-written ring of SMEM slots (:func:`_stream_steps`,
+  :func:`_consume_tile`), so one's epilogue overlaps the other's share of
+  the weight stream. ``N <= 48``: tiles of 128 rows, one shared accumulator
+  buffer, each slot released as soon as its wgmma is done. ``N > 128``:
+  tiles of 64 rows, a buffer per warpgroup filled in 4 column passes.
+  Column reductions across warps use per-warpgroup SMEM scratch through
+  ``plgpu.inline_mgpu`` (:func:`_col_reduce`), because ``jnp.max``'s scratch
+  sits at one fixed offset and races between warpgroups (DESIGN.md trap 1).
 * :func:`_kernel_batch_major` (v5, ``48 < N <= 128``): the same ping-pong
   with the batch on the M side (``acc[N, Vt]``): the per-row argmax reduces
   inside each warp (no barriers, no scratch) with a running best carried
   over chunks and tiles.
+* :func:`_kernel` (v3, "cooperative", only where V < 128: one compute
+  warpgroup): every step of ``emit_pipeline_warp_specialized`` shared,
+  the accumulator to SMEM in column passes; every step waits for its wgmma
+  (trap 2).
 
 Sampling controls (top-k/top-p/min-p, bias, mask, soft-cap, several samples,
 log-probabilities) run in a fourth kernel built on the same ping-pong frame,
@@ -363,8 +365,9 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   * ``N > 128``: ping-pong (v9), vocabulary on M, tiles of 64 rows (an
     accumulator of ``[64, N]`` is 128 registers at N = 256): each warpgroup
     copies its accumulator to its own SMEM buffer in 4 column passes, so
-    both epilogues may run at once. V < 128 (one compute warpgroup):
-    cooperative (v3), the accumulator in passes of at most 64 columns.
+    both epilogues may run at once.
+  * V < 128 (one compute warpgroup), any N: cooperative (v3), the
+    accumulator in passes of at most 64 columns.
   * epilogue loop iterations of 8 to 16 noise elements per thread: the loop
     body bounds the epilogue's code size (v1 unrolled every chunk: ~10k
     straight-line instructions ran at 0.07 IPC per warp) while leaving
@@ -791,15 +794,16 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   the implicit phase of every barrier it waits on advances exactly once
   per wait); ``empty[slot]`` is arrived by the warpgroup that consumed the
   slot, after its wgmma finished reading it, and waited on by the memory
-  warpgroup before reuse. One wgmma stays in flight across steps.
+  warpgroup before reuse. ``cfg.mma_in_flight`` wgmmas stay in flight
+  across steps.
 
   With ``epi_passes == 1`` the two warpgroups share one SMEM copy of the
   accumulator ``[N / C, Vt, C]`` (the whole of it: the epilogue then holds
   no accumulator registers and has room for ILP); ``acc_free[w]`` hands it
   to warpgroup ``w``, so the epilogues take turns. With more passes each
   warpgroup has its own buffer of one pass's columns (the later passes'
-  columns wait in registers) and the epilogues of both may run at once:
-  for N = 256, where one tile's epilogue outlasts its wgmma (PERF_LOG v9).
+  columns wait in registers) and the epilogues of both may run at once
+  (N > 128; 5-9% faster than taking turns there, PERF_LOG v9).
   """
   epi = cfg.epi_cols
   n_chunks = n // epi

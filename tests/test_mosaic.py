@@ -223,6 +223,24 @@ def test_lowering_other_shapes(layout):
     _lower_for_cuda(b, d, v, layout, jnp.bfloat16)
 
 
+def test_heuristic_picks_the_measured_schedules():
+  # The settings PERF_LOG v7c / v9 measured best on the Qwen3-8B head.
+  rows = 151936
+  small = mosaic_sm90.pick_config(32, 4096, rows)
+  assert (small.pingpong, small.batch_major, small.tile_v, small.mma_in_flight,
+          small.epi_passes) == (True, False, 128, 0, 1)
+  mid = mosaic_sm90.pick_config(128, 4096, rows)
+  assert (mid.batch_major, mid.epi_cols, mid.mma_in_flight, mid.tile_d,
+          mid.max_concurrent_steps) == (True, 8, 0, 64, 4)
+  assert mosaic_sm90.pick_config(64, 4096, rows).epi_cols == 16
+  wide = mosaic_sm90.pick_config(256, 4096, rows)
+  assert (wide.pingpong, wide.batch_major, wide.tile_v, wide.epi_passes,
+          wide.tile_d, wide.max_concurrent_steps, wide.mma_in_flight) == (
+              True, False, 64, 4, 64, 4, 1)
+  # One compute warpgroup (V < 128): the cooperative schedule.
+  assert not mosaic_sm90.pick_config(256, 4096, 64).pingpong
+
+
 def test_heuristic_configs_are_valid():
   for n in _N_BUCKETS:
     for d in (64, 128, 4096, 8192):
@@ -330,22 +348,28 @@ def test_unsupported_problems_raise_not_implemented():
 # -- the controls kernel (pallas_kernels/mosaic_controls.py) -------------------
 
 
-@pytest.mark.parametrize("layout,b,d,v,kw", [
+@pytest.mark.parametrize("layout,b,d,v,kw,launch_rows", [
     # Truncation lists and log-sum-exp on the Qwen3-8B head.
-    ("vd", 64, 4096, 151936, dict(top_k=50, top_p=0.9, return_logprobs=True)),
-    # Every control at once, two launches of samples (4 + 2), Dt = 64.
+    ("vd", 64, 4096, 151936, dict(top_k=50, top_p=0.9, return_logprobs=True),
+     [64]),
+    # Every control at once, two launches of samples (4 + 2) per 64 rows.
     ("dv", 70, 192, 1000, dict(top_k=5, min_p=0.1, softcap=30.0, logit_bias=1,
                                allowed_mask=1, num_samples=6,
-                               return_logprobs=True)),
-    ("vd", 5, 8192, 128256, dict(softcap=30.0)),
+                               return_logprobs=True), [64] * 4),
+    ("vd", 5, 8192, 128256, dict(softcap=30.0), [64]),
     # Launches of 128 rows (no truncation, one sample), both layouts.
     ("vd", 200, 4096, 151936, dict(softcap=30.0, logit_bias=1, allowed_mask=1,
-                                   return_logprobs=True)),
-    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True)),
+                                   return_logprobs=True), [128, 128]),
+    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [128]),
 ])
-def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw):
+def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
+                                         monkeypatch):
   from flashsample_jax import controls
   from pallas_kernels import mosaic_controls
+  rows = []
+  real = mosaic_controls._launch
+  monkeypatch.setattr(mosaic_controls, "_launch",
+                      lambda *a, **k: (rows.append(a[2].shape[0]), real(*a, **k))[1])
   h = jax.ShapeDtypeStruct((b, d), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
   t = jax.ShapeDtypeStruct((b,), jnp.float32)
@@ -364,3 +388,4 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw):
     lowered = jax.jit(f).trace(h, w, jax.random.key(0), t).lower(
         lowering_platforms=("cuda",))
   assert "flashsample_sm90_controls" in lowered.as_text()
+  assert rows == launch_rows
