@@ -396,9 +396,9 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
 def _pair_lists(vals, ids, bound):
   """Halves the warpgroups' candidate lists before stage 2's top-M sort.
 
-  ``vals``/``ids`` ``[W, K, N]``: each warpgroup's K largest t of each row,
-  descending (ties: lower id first); ``bound [N]``: no unlisted value is
-  larger. Lists ``2 c`` and ``2 c + 1`` (one CTA's warpgroups) become one
+  ``vals``/``ids`` ``[W, K, N]`` (W = 2 x CTAs, even): each warpgroup's K
+  largest t of each row, descending (ties: lower id first); ``bound [N]``:
+  no unlisted value is larger. Lists ``2 c`` and ``2 c + 1`` (one CTA's warpgroups) become one
   list of the K best of their union, in the order (t descending, id
   ascending), by one compare-exchange of list ``2 c``'s ``i``-th entry with
   list ``2 c + 1``'s ``(K - 1 - i)``-th (a bitonic half-cleaner: the winners
@@ -410,8 +410,6 @@ def _pair_lists(vals, ids, bound):
   higher bound: those rows take the exact path, as before for K per
   warpgroup.
   """
-  if vals.shape[0] % 2:
-    return vals, ids, bound
   a_v, a_i = vals[0::2], ids[0::2]
   b_v, b_i = vals[1::2, ::-1], ids[1::2, ::-1]
   take_a = (a_v > b_v) | ((a_v == b_v) & (a_i < b_i))

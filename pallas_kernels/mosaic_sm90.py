@@ -414,7 +414,7 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     # 64). On the H100 vs v3: S B=256 864 -> 817 us, B=192 711 -> 644, L
     # B=256 1227 -> 1147, B=192 1016 -> 1042 (PERF_LOG v9; a shared whole
     # buffer: S 794 / 654, L 1233 / 1108).
-    tile_v, epi_unroll = 64, 1
+    tile_v = 64
     n = _round_up(n, epi_cols)
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=1,
                         compute_wgs=2, pingpong=True, max_concurrent_steps=2,
@@ -422,12 +422,12 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   else:
     # V < 128 (one compute warpgroup): vocabulary on M, the accumulator in
     # passes of at most 64 columns (PERF_LOG.md v3).
-    tile_v = 64 * compute_wgs
+    tile_v = 64
     epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (64 * epi_cols))
     # B <= 16: no padding to a second chunk. N > 128: one chunk per
     # iteration; with two, the columns of later passes still live in
-    # registers pushed the loop over the 232-register cap of two compute
-    # warpgroups (B=256: 1254 -> 794 us on the H200, PERF_LOG.md v3).
+    # registers pushed the loop over the 232-register cap (B=256: 1254 ->
+    # 794 us on the H200 with two compute warpgroups, PERF_LOG.md v3).
     if n <= epi_cols or n > 128:
       epi_unroll = 1
     per_iter = epi_cols * epi_unroll
@@ -435,7 +435,7 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     iters = n // per_iter
     epi_passes = -(-iters // max(1, _MAX_PASS_COLS // per_iter))
     base = TuningConfig(tile_v=tile_v, epi_cols=epi_cols, epi_unroll=epi_unroll,
-                        compute_wgs=compute_wgs, epi_passes=epi_passes,
+                        compute_wgs=1, epi_passes=epi_passes,
                         max_concurrent_steps=1)
   n = base.batch_pad(n)
   fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(n, itemsize)
