@@ -405,32 +405,26 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
 
     tokens, t_tok, lse_kept = pick(keep)
     fallback = ~certified
-
-    def resolve():
-      """The uncertified rows: first, rows whose nucleus edge lies within
-      rounding of top_p but whose tokens are the same with the edge ids kept
-      or dropped (the edge ids rarely win); then the exact path for the rest.
-      The kept log-sum-exp depends on the edge, so not with logprobs."""
-      still = fallback
-      out = (tokens, t_tok, lse_kept)
-      if c.top_p is not None and not c.return_logprobs:
-        width = 2 * _TOP_P_MARGIN * c.top_p
-        readings = [certify(dataclasses.replace(c, top_p=c.top_p + d), margin=0.0)
-                    for d in (-width, width)]
-        (k_lo, ok_lo, _), (k_hi, ok_hi, _) = readings
-        (tok_lo, t_lo, _), (tok_hi, _, _) = pick(k_lo), pick(k_hi)
-        same = ok_lo & ok_hi & finite & jnp.all(tok_lo == tok_hi, axis=0)
-        out = (jnp.where(same[None], tok_lo, tokens),
-               jnp.where(same[None], t_lo, t_tok), lse_kept)
-        still = fallback & ~same
-      out = lax.cond(
-          jnp.any(still),
-          lambda: _materialized(p, c, still, *out, perturbed, axis),
-          lambda: out)
-      return (*out, still)
-
-    tokens, t_tok, lse_kept, fallback = lax.cond(
-        jnp.any(fallback), resolve, lambda: (tokens, t_tok, lse_kept, fallback))
+    if c.top_p is not None and not c.return_logprobs:
+      # Rows whose nucleus edge lies within rounding of top_p can still be
+      # decided here: the kept sets at p -/+ width are nested around the one
+      # at p, so if both give the same token (the edge ids rarely win), so
+      # does p. Not with logprobs: the kept log-sum-exp depends on the edge.
+      # Computed on every call: a second, nested conditional around it cost
+      # more than these few small fusions (PERF_LOG c5).
+      width = 2 * _TOP_P_MARGIN * c.top_p
+      (k_lo, ok_lo, _), (k_hi, ok_hi, _) = (
+          certify(dataclasses.replace(c, top_p=c.top_p + d), margin=0.0)
+          for d in (-width, width))
+      (tok_lo, t_lo, _), (tok_hi, _, _) = pick(k_lo), pick(k_hi)
+      same = fallback & ok_lo & ok_hi & finite & jnp.all(tok_lo == tok_hi, axis=0)
+      tokens = jnp.where(same[None], tok_lo, tokens)
+      t_tok = jnp.where(same[None], t_lo, t_tok)
+      fallback = fallback & ~same
+    tokens, t_tok, lse_kept = lax.cond(
+        jnp.any(fallback),
+        lambda: _materialized(p, c, fallback, tokens, t_tok, lse_kept, perturbed, axis),
+        lambda: (tokens, t_tok, lse_kept))
   out = None
   if c.return_logprobs:
     out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],
