@@ -470,15 +470,16 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
                        mask_t, cfg=cfg, spec=spec, layout=p.layout,
                        rows_valid=rows, vocab_size=p.vocab_size)
-      parts.append(_merge_outputs(fo, io, spec, m))
+      # Padding rows leave the merge (and the top-M sort) before it starts.
+      parts.append(_merge_outputs(fo[..., :b1 - b0], io[..., :b1 - b0], spec, m))
     state = parts[0]
     if len(parts) > 1:   # the sample groups, side by side
       state["best"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1),
                                    *(part["best"] for part in parts))
     if not need_lse:  # unused: finish_controls reads lse only for these
-      zero = jnp.zeros((n,), jnp.float32)
+      zero = jnp.zeros((b1 - b0,), jnp.float32)
       state["lse"] = (zero, zero + 1.0)
-    states.append(jax.tree.map(lambda a, n=b1 - b0: a[:n], state))
+    states.append(state)
   if len(states) == 1:
     return states[0]
   return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *states)
