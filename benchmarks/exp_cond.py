@@ -108,6 +108,10 @@ def main():
   key = jax.random.key(1)
   if "--finish" in sys.argv:
     return finish_variants(b, h, w, key)
+  if "--dump" in sys.argv and "--profile" in sys.argv:   # the HLO the profile ran
+    full = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "topk_topp_B%d.hlo.txt" % b), "w") as fh:
+      fh.write(full.lower(h, w, key).compile().as_text())
   if "--profile" in sys.argv:
     return profile(h, w, key, os.environ.get("OUT", "/tmp"))
 

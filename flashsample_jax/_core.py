@@ -67,7 +67,7 @@ def combine(a, b):
   return jnp.where(take_b, b[0], a[0]), jnp.where(take_b, b[1], a[1])
 
 
-def reduce_candidates(score, index, axis: int = 0):
+def reduce_candidates(score, index, axis: int = 0, best=None):
   """Reduces stacked candidates along ``axis`` with :func:`combine`.
 
   Two plain reductions instead of one variadic ``lax.reduce``: the best
@@ -76,8 +76,13 @@ def reduce_candidates(score, index, axis: int = 0):
   folding :func:`combine`; on GPUs XLA emits the variadic reduce over
   ``[1187, 64]`` kernel candidates as one 1024-thread block (20 us on the
   H200, PERF_LOG.md v4), these as two parallel column reductions.
+  ``best``: the max of ``score`` along ``axis`` if the caller has it (one
+  reduction of several stacked maxima is one kernel, not several).
   """
-  best = jnp.max(score, axis=axis, keepdims=True)
+  if best is None:
+    best = jnp.max(score, axis=axis, keepdims=True)
+  else:
+    best = jnp.expand_dims(best, axis)
   hit = (score == best) | (jnp.isnan(score) & jnp.isnan(best))
   big = jnp.array(jnp.iinfo(index.dtype).max, index.dtype)
   idx = jnp.min(jnp.where(hit, index, big), axis=axis)

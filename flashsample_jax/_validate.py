@@ -97,7 +97,7 @@ def _check_float_array(name: str, x) -> jax.Array:
   return jnp.asarray(x)
 
 
-def _key_words(key, batch: int):
+def key_words(key, batch: int):
   """Returns (k0 [B], k1 [B], per_row) from a typed or raw threefry key."""
   if isinstance(key, (int, np.integer)) or not hasattr(key, "dtype"):
     raise TypeError(
@@ -236,7 +236,7 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
         f"{weight_layout=}{shards})")
   if vocab_size >= 2**31:
     raise ValueError(f"{vocab_size=} must be < 2**31")
-  k0, k1, per_row = _key_words(key, batch)
+  k0, k1, per_row = key_words(key, batch)
   temp = _temperature(temperature, batch)
   if per_row:
     ctr_hi = jnp.zeros((batch,), jnp.uint32)

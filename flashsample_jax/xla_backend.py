@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashsample_jax import _core, controls, noise
+from flashsample_jax import _core, _validate, controls, noise
 from flashsample_jax._validate import Problem
 
 # Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
@@ -423,10 +423,19 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
       tokens = jnp.where(same[None], tok_lo, tokens)
       t_tok = jnp.where(same[None], t_lo, t_tok)
       fallback = fallback & ~same
+
+    def exact():
+      # The key words are split from the key (a program parameter) inside
+      # the branch: slices of it passed in were each copied into the
+      # conditional on every call (PERF_LOG c5).
+      k0, k1, _ = _validate.key_words(p.key, p.batch)
+      pb = dataclasses.replace(p, k0=k0, k1=k1)
+      return _materialized(
+          pb, c, fallback, tokens, t_tok, lse_kept,
+          lambda x, t, gid: _perturbed(pb, x, t, gid, samples, global_batch), axis)
+
     tokens, t_tok, lse_kept = lax.cond(
-        jnp.any(fallback),
-        lambda: _materialized(p, c, fallback, tokens, t_tok, lse_kept, perturbed, axis),
-        lambda: (tokens, t_tok, lse_kept))
+        jnp.any(fallback), exact, lambda: (tokens, t_tok, lse_kept))
   out = None
   if c.return_logprobs:
     out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],

@@ -367,7 +367,19 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
   """
   S = spec.samples
   ids = io[:, :S]                                                  # [W, S, N]
-  score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=0)     # [S, N]
+  # Every max over the warpgroups in one reduction (one kernel instead of
+  # one per quantity): the samples' best scores, then the log-sum-exp max,
+  # and the warpgroups' list bounds with the values the pairing drops.
+  maxed = [fo[:, :S]]
+  if spec.lse:
+    maxed.append(fo[:, 2 * S:2 * S + 1])
+  if spec.truncates:
+    w, k, n = fo.shape[0], _WG_CANDIDATES, fo.shape[-1]
+    vals, c_ids, lost = _pair_lists(fo[:, 2 * S + 3:], io[:, S:])
+    maxed.append(jnp.concatenate([fo[:, 2 * S + 2:2 * S + 3],
+                                  lost.reshape(w, k // 2, n)], axis=1))
+  maxima = jnp.max(jnp.concatenate(maxed, axis=1), axis=0)         # [rows, N]
+  score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=0, best=maxima[:S])
   if spec.t_best:
     t = jnp.max(jnp.where(ids == tok[None], fo[:, S:2 * S], -jnp.inf), axis=0)
   else:
@@ -375,15 +387,13 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
   state = {"best": (score.T, tok.T, t.T)}                          # [N, S]
   if spec.lse:
     mw, sw = fo[:, 2 * S], fo[:, 2 * S + 1]
-    mx = jnp.max(mw, axis=0)
+    mx = maxima[S]                       # the lse max follows the samples
     scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[None]))
     state["lse"] = (mx, jnp.sum(sw * scale, axis=0))
   if spec.truncates:
-    n = fo.shape[-1]
-    vals, ids, bound = _pair_lists(fo[:, 2 * S + 3:], io[:, S:],
-                                   jnp.max(fo[:, 2 * S + 2], axis=0))
+    bound = jnp.max(maxima[S + int(spec.lse):], axis=0)
     vals = vals.transpose(2, 0, 1).reshape(n, -1)
-    ids = ids.transpose(2, 0, 1).reshape(n, -1)
+    ids = c_ids.transpose(2, 0, 1).reshape(n, -1)
     if vals.shape[1] < m:
       pad = ((0, 0), (0, m - vals.shape[1]))
       vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
@@ -393,18 +403,20 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
   return state
 
 
-def _pair_lists(vals, ids, bound):
+def _pair_lists(vals, ids):
   """Halves the warpgroups' candidate lists before stage 2's top-M sort.
 
   ``vals``/``ids`` ``[W, K, N]`` (W = 2 x CTAs, even): each warpgroup's K
-  largest t of each row, descending (ties: lower id first); ``bound [N]``:
-  no unlisted value is larger. Lists ``2 c`` and ``2 c + 1`` (one CTA's warpgroups) become one
+  largest t of each row, descending (ties: lower id first). Lists ``2 c``
+  and ``2 c + 1`` (one CTA's warpgroups) become one
   list of the K best of their union, in the order (t descending, id
   ascending), by one compare-exchange of list ``2 c``'s ``i``-th entry with
   list ``2 c + 1``'s ``(K - 1 - i)``-th (a bitonic half-cleaner: the winners
   are the top K as a set, not sorted, which the top-M sort does not need).
-  The losers' largest value joins the bound. Returns ``(vals, ids, bound)``
-  with ``[W / 2, K, N]`` lists: the sort over 2112 candidates at V = 152k
+  Returns ``(vals, ids, lost)``, all ``[W / 2, K, N]``: the kept lists and
+  the losers, whose largest value the caller folds into the bound (no
+  unlisted value is larger; :func:`_merge_outputs` takes that max in the
+  same reduction as its other maxima). The sort over 2112 candidates at V = 152k
   on 132 SMs becomes one over 1056. A row whose top-M set has more than K
   ids in one CTA (about 1150 ids at that V; P ~ 1e-4 for M = 128) gets a
   higher bound: those rows take the exact path, as before for K per
@@ -413,9 +425,8 @@ def _pair_lists(vals, ids, bound):
   a_v, a_i = vals[0::2], ids[0::2]
   b_v, b_i = vals[1::2, ::-1], ids[1::2, ::-1]
   take_a = (a_v > b_v) | ((a_v == b_v) & (a_i < b_i))
-  lost = jnp.where(take_a, b_v, a_v)
-  bound = jnp.maximum(bound, jnp.max(lost, axis=(0, 1)))
-  return (jnp.where(take_a, a_v, b_v), jnp.where(take_a, a_i, b_i), bound)
+  return (jnp.where(take_a, a_v, b_v), jnp.where(take_a, a_i, b_i),
+          jnp.where(take_a, b_v, a_v))
 
 
 def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
