@@ -39,7 +39,9 @@ class Problem:
   Attributes:
     hidden: ``[B, D]``, cast to ``weight.dtype``.
     weight: ``[V, D]`` (layout "vd") or ``[D, V]`` (layout "dv"), untouched.
-    k0, k1: uint32 ``[B]`` key words.
+    k0, k1: uint32 ``[B]`` key words: ``key_words(key, B)``, always (the
+      controls' exact path splits them from ``key`` again, inside its
+      conditional branch; a caller that changes them must change ``key``).
     ctr_hi, ctr_lo: uint32 ``[B]`` base counters.
     temperature: float32 ``[B]``; 0 marks a greedy row.
     layout: "vd" or "dv".
