@@ -39,9 +39,9 @@ class Problem:
   Attributes:
     hidden: ``[B, D]``, cast to ``weight.dtype``.
     weight: ``[V, D]`` (layout "vd") or ``[D, V]`` (layout "dv"), untouched.
-    k0, k1: uint32 ``[B]`` key words: ``key_words(key, B)``, always (the
-      controls' exact path splits them from ``key`` again, inside its
-      conditional branch; a caller that changes them must change ``key``).
+    k0, k1: uint32 ``[B]`` key words, ``key_words(key, B)``. A problem
+      given to ``xla_backend.finish_controls`` must keep them so: its exact
+      path splits them from ``key`` again inside its conditional branch.
     ctr_hi, ctr_lo: uint32 ``[B]`` base counters.
     temperature: float32 ``[B]``; 0 marks a greedy row.
     layout: "vd" or "dv".
