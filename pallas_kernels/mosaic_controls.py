@@ -374,10 +374,10 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
   if spec.lse:
     maxed.append(fo[:, 2 * S:2 * S + 1])
   if spec.truncates:
-    w, k, n = fo.shape[0], _WG_CANDIDATES, fo.shape[-1]
+    w, n = fo.shape[0], fo.shape[-1]
     vals, c_ids, lost = _pair_lists(fo[:, 2 * S + 3:], io[:, S:])
     maxed.append(jnp.concatenate([fo[:, 2 * S + 2:2 * S + 3],
-                                  lost.reshape(w, k // 2, n)], axis=1))
+                                  lost.reshape(w, -1, n)], axis=1))
   maxima = jnp.max(jnp.concatenate(maxed, axis=1), axis=0)         # [rows, N]
   score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=0, best=maxima[:S])
   if spec.t_best:
