@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/exp_cond.py [B]             # variants
     PYTHONPATH=. python3 benchmarks/exp_cond.py B --finish      # cond vs none
+    PYTHONPATH=. python3 benchmarks/exp_cond.py B [B ...] --finish --quick  # cond, plain
     TAG=_x PYTHONPATH=. python3 benchmarks/exp_cond.py B --profile [--plain|--barrier]
 
 The exact fallback of the controls path sits behind a ``lax.cond`` whose
@@ -50,7 +51,7 @@ def finish_variants(b, h, w, key):
   false branch (the predicate still computed): their difference is what the
   conditional costs beyond the work that decides it."""
   rows = {}
-  for name in ("cond", "barrier"):
+  for name in ("cond",) if "--quick" in sys.argv else ("cond", "barrier"):
     cond = lax.cond
     jax.clear_caches()   # the inner jit would reuse its trace with the cond
     if name == "barrier":
@@ -98,16 +99,24 @@ def profile(h, w, key, out_dir):
     fh.write(text + "\n")
 
 
-def main():
-  b = next((int(x) for x in sys.argv[1:] if x.isdigit()), 64)
+def _inputs(b):
   d, v = (256, 4096) if "--small" in sys.argv else (4096, 151936)
   kw, kh, kx = jax.random.split(jax.random.key(0), 3)
   w = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / d**0.5)).astype(jnp.bfloat16)
   h = jax.random.normal(kh, (b, d), jnp.bfloat16)
   x = jax.random.normal(kx, (b, v), jnp.float32)
-  key = jax.random.key(1)
+  return h, w, x, jax.random.key(1)
+
+
+def main():
+  batches = [int(x) for x in sys.argv[1:] if x.isdigit()] or [64]
   if "--finish" in sys.argv:
-    return finish_variants(b, h, w, key)
+    for b in batches:
+      h, w, _, key = _inputs(b)
+      finish_variants(b, h, w, key)
+    return
+  b = batches[0]
+  h, w, x, key = _inputs(b)
   if "--dump" in sys.argv and "--profile" in sys.argv:   # the HLO the profile ran
     full = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "topk_topp_B%d.hlo.txt" % b), "w") as fh:

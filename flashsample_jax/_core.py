@@ -89,6 +89,34 @@ def reduce_candidates(score, index, axis: int = 0, best=None):
   return jnp.squeeze(best, axis), idx
 
 
+def argbest(score, index, axis: int, carry=None):
+  """:func:`combine` folded along ``axis`` in one variadic reduction.
+
+  Returns ``(best score, its index[, carry at it])``, the same as
+  :func:`reduce_candidates`. One kernel where the two plain reductions of
+  that function are two (use it along the minor axis: XLA's variadic
+  column reductions run in one block, see there). ``carry`` (same shape as
+  ``score``) rides along with its candidate, e.g. the winner's tempered
+  logit; where a score and index repeat, the larger carry is kept.
+  """
+  big = jnp.array(jnp.iinfo(index.dtype).max, index.dtype)
+  ops = (score, jnp.broadcast_to(index, score.shape))
+  init = (jnp.array(-jnp.inf, score.dtype), big)
+  if carry is not None:
+    ops += (jnp.broadcast_to(carry, score.shape),)
+    init += (jnp.array(-jnp.inf, ops[2].dtype),)
+
+  def fold(a, b):
+    take_b = better(b[0], b[1], a[0], a[1])
+    out = (jnp.where(take_b, b[0], a[0]), jnp.where(take_b, b[1], a[1]))
+    if carry is not None:
+      twin = ~take_b & ~better(a[0], a[1], b[0], b[1])    # same candidate
+      out += (jnp.where(take_b, b[2], jnp.where(twin, jnp.maximum(a[2], b[2]), a[2])),)
+    return out
+
+  return lax.reduce(ops, init, fold, (axis,))
+
+
 def row_best(s, gid):
   """Best ``(score, global id)`` of each row of a score block ``[B, Vc]``."""
   j = jnp.argmax(s, axis=1)  # first max, first NaN: the combine rule

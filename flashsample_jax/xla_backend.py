@@ -172,12 +172,15 @@ def _topm_merge(a, b, m: int):
 
   ``bound`` is an upper bound on every value of the row that is in no list
   (``-inf`` for the xla backend's exact per-chunk lists; the mosaic kernel's
-  fixed-depth lists can overflow).
+  fixed-depth lists can overflow). Listed values at or below the bound are
+  ``-inf`` (they may have unlisted equals or neighbours): every producer of
+  a list keeps that, so :func:`finish_controls` reads the lists as they are.
   """
   vals = jnp.concatenate([a[0], b[0]], axis=1)
   ids = jnp.concatenate([a[1], b[1]], axis=1)
-  vals, j = lax.top_k(vals, m)
-  return vals, jnp.take_along_axis(ids, j, axis=1), jnp.maximum(a[2], b[2])
+  bound = jnp.maximum(a[2], b[2])
+  vals, j = lax.top_k(jnp.where(vals > bound[:, None], vals, -jnp.inf), m)
+  return vals, jnp.take_along_axis(ids, j, axis=1), bound
 
 
 def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last,
@@ -215,16 +218,22 @@ def _certify(p: Problem, c: controls.Controls, cand_t, lse, complete, last,
     pp = c.top_p
     on = ~(pp >= 1)
     tk = jnp.where(keep, cand_t, -jnp.inf)
-    # The normalizer: over the top-k set when it lies in the candidates,
-    # else (top-k off) over the whole row, from the online log-sum-exp.
-    z_list = jnp.sum(jnp.exp(tk - top), axis=1)
+    # The normalizer: over the top-k set when it lies in the candidates
+    # (the last prefix sum), else (top-k off) over the whole row, from the
+    # online log-sum-exp. The prefix sums are of exp(t - top), normalized
+    # after: the sum and the cumsum are then one pass, not two in a row
+    # (the rounding differs from keep_mask's by far less than the margin).
+    e = jnp.exp(tk - top)
+    cs = jnp.cumsum(e, axis=1)
     z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
     k_on = (c.top_k > 0) if c.top_k is not None else jnp.zeros((b,), bool)
-    z = jnp.where(k_on, z_list, z_all)
-    q = jnp.exp(tk - top) / z[:, None]
-    before = jnp.cumsum(q, axis=1) - q
-    n = jnp.maximum(jnp.sum(before < pp[:, None], axis=1), 1)
-    thr = jnp.take_along_axis(tk, (n - 1)[:, None], axis=1)[:, 0]
+    z = jnp.where(k_on, cs[:, -1], z_all)
+    before = (cs - e) / z[:, None]
+    # The mass before an id grows down the list, so the ids with mass < p
+    # before them are a prefix (at least the first): its smallest t is the
+    # threshold (one reduction, not a count and then a gather).
+    first = lax.broadcasted_iota(jnp.int32, (b, m), 1) == 0
+    thr = jnp.min(jnp.where((before < pp[:, None]) | first, tk, jnp.inf), axis=1)
     keep &= ~on[:, None] | (tk >= thr[:, None])
     # The nucleus edge lies in the list if a listed id already has mass
     # >= p ranked before it (the mass before an id only grows down the list).
@@ -374,11 +383,11 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
   lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
   fallback = jnp.zeros((p.batch,), bool)
   if c.truncates:
-    cand_t, cand_i, bound = st["cand"]
     # Values at or below ``bound`` may have unlisted neighbours: only the
-    # values above it are known to be complete and in order.
+    # values above it are known to be complete and in order; the lists hold
+    # -inf in their place (_topm_merge).
+    cand_t, cand_i, bound = st["cand"]
     last = jnp.maximum(bound, cand_t[:, -1])
-    cand_t = jnp.where(cand_t > bound[:, None], cand_t, -jnp.inf)
     complete = (bound == -jnp.inf) & ((m >= total_rows) | (last == -jnp.inf))
     certify = functools.partial(_certify, p, cand_t=cand_t, lse=st["lse"],
                                 complete=complete, last=last)
@@ -398,9 +407,10 @@ def finish_controls(p: Problem, c: controls.Controls, st, *,
       sc = perturbed(kept_t, kept_t, cand_i)                       # [B, S, M]
       # The list is sorted by t, not id: ties of the perturbed score must
       # go to the lowest id (the combine rule), not the first list position.
-      _, tok = _core.reduce_candidates(sc, cand_i[:, None], axis=2)  # [B, S]
-      new_t = jnp.max(jnp.where(cand_i[:, None] == tok[:, :, None],
-                                cand_t[:, None], -jnp.inf), axis=2)
+      # One variadic row reduction (with the winner's t), not a max, then a
+      # min of the ids that attain it, then a max of their t.
+      _, tok, new_t = _core.argbest(sc, cand_i[:, None], axis=2,
+                                    carry=cand_t[:, None])         # [B, S]
       return (jnp.where(use[None], tok.T, tokens),
               jnp.where(use[None], new_t.T, t_tok),
               jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept))

@@ -66,11 +66,13 @@ BATCH_WIDE = 128
 # registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
 _SLOT_DEPTH = 4
 # Candidates per row that each warpgroup writes out (popped from its slots);
-# stage 2 pairs each CTA's two lists into one of 8 (_pair_lists): 132 CTAs x
-# 8 >> the 128 candidates it keeps; a CTA holds ~V / 132 ids (~1150 at V =
-# 152k), so 9 of a row's top 128 in one is unlikely (P ~ 1e-4 per row; such a
-# row takes the exact path).
-_WG_CANDIDATES = 8
+# stage 2 pairs each CTA's two lists into one of 7 (_pair_lists): 132 CTAs x
+# 7 = 924 >> the 128 candidates it keeps, and <= 1024, so XLA's bitonic sort
+# of them runs 55 compare-exchange steps, not the 66 of 1056 (8 per list,
+# padded to 2048). A CTA holds ~V / 132 ids (~1150 at V = 152k): more than 7
+# of a row's top 50 in one has P ~ 1e-6 per row, of its top 128 P ~ 1e-3;
+# such a row takes the exact path only if its kept set reaches that deep.
+_WG_CANDIDATES = 7
 # Samples per launch; more take further launches (each re-reads W).
 MAX_KERNEL_SAMPLES = 4
 # Tile starts are multiples of 32 (the rows are padded to it), so a 16-wide
@@ -376,6 +378,9 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
   if spec.truncates:
     w, n = fo.shape[0], fo.shape[-1]
     vals, c_ids, lost = _pair_lists(fo[:, 2 * S + 3:], io[:, S:])
+    # [W / 2, K, N] as [W, ceil(K / 2), N], to stack with the rows above.
+    lost = jnp.pad(lost, ((0, 0), (0, lost.shape[1] % 2), (0, 0)),
+                   constant_values=-jnp.inf)
     maxed.append(jnp.concatenate([fo[:, 2 * S + 2:2 * S + 3],
                                   lost.reshape(w, -1, n)], axis=1))
   maxima = jnp.max(jnp.concatenate(maxed, axis=1), axis=0)         # [rows, N]
@@ -392,6 +397,10 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
     state["lse"] = (mx, jnp.sum(sw * scale, axis=0))
   if spec.truncates:
     bound = jnp.max(maxima[S + int(spec.lse):], axis=0)
+    # Listed values at or below the bound leave before the sort (the lists'
+    # invariant, xla_backend._topm_merge): the masking joins the pairing's
+    # fusion instead of a kernel of its own after the sort.
+    vals = jnp.where(vals > bound, vals, -jnp.inf)
     vals = vals.transpose(2, 0, 1).reshape(n, -1)
     ids = c_ids.transpose(2, 0, 1).reshape(n, -1)
     if vals.shape[1] < m:
@@ -416,10 +425,10 @@ def _pair_lists(vals, ids):
   Returns ``(vals, ids, lost)``, all ``[W / 2, K, N]``: the kept lists and
   the losers, whose largest value the caller folds into the bound (no
   unlisted value is larger; :func:`_merge_outputs` takes that max in the
-  same reduction as its other maxima). The sort over 2112 candidates at V = 152k
-  on 132 SMs becomes one over 1056. A row whose top-M set has more than K
-  ids in one CTA (about 1150 ids at that V; P ~ 1e-4 for M = 128) gets a
-  higher bound: those rows take the exact path, as before for K per
+  same reduction as its other maxima). With K = 7 on 132 SMs the sort
+  over 1848 candidates becomes one over 924. A row whose kept set has more
+  than K ids in one CTA (about 1150 ids at V = 152k; see _WG_CANDIDATES)
+  gets a higher bound: those rows take the exact path, as before for K per
   warpgroup.
   """
   a_v, a_i = vals[0::2], ids[0::2]

@@ -37,3 +37,31 @@ def test_reduce_candidates_equals_folding_combine(axis, seed):
   want = _fold(s, idx, axis)
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("seed", range(4))
+def test_argbest_equals_reduce_candidates(axis, seed):
+  # The one-reduction form against the two-reduction one, on the same
+  # ties, NaN and infinities; the carry is the winner's (the max of the
+  # carries where a (score, index) pair repeats, as in the controls' padded
+  # lists).
+  rng = np.random.default_rng(10 + seed)
+  shape = (37, 11) if axis == 0 else (11, 37)
+  s = rng.integers(-3, 3, shape).astype(np.float32)
+  s[rng.random(shape) < 0.05] = np.nan
+  s[rng.random(shape) < 0.1] = -np.inf
+  s[rng.random(shape) < 0.02] = np.inf
+  line = (slice(None), 3) if axis == 0 else (3, slice(None))
+  s[line] = -np.inf
+  idx = rng.integers(0, s.size // 2, shape).astype(np.int32)   # repeats
+  carry = rng.normal(size=shape).astype(np.float32)
+  best, tok, t = _core.argbest(jnp.asarray(s), jnp.asarray(idx), axis=axis,
+                               carry=jnp.asarray(carry))
+  want_s, want_i = _core.reduce_candidates(jnp.asarray(s), jnp.asarray(idx), axis=axis)
+  np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_i))
+  np.testing.assert_array_equal(np.asarray(best), np.asarray(want_s))
+  sm, im, cm = (np.moveaxis(a, axis, 0) for a in (s, idx, carry))
+  ws = np.asarray(want_s)
+  hit = (im == np.asarray(want_i)[None]) & ((sm == ws[None]) | (np.isnan(sm) & np.isnan(ws)[None]))
+  np.testing.assert_array_equal(np.asarray(t), np.where(hit, cm, -np.inf).max(axis=0))
