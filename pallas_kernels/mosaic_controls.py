@@ -136,9 +136,9 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
   Refs: ``rowdata_ref`` uint32 ``[spec.rowdata_rows, N]``; optional
   ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``mask_ref`` uint32
-  ``[rows / 32, N]``; outputs ``f_ref`` f32 ``[2 * num_ctas,
-  spec.f_rows, N]`` and ``i_ref`` int32 ``[2 * num_ctas, spec.i_rows, N]``,
-  one block per compute warpgroup.
+  ``[rows / 32, N]``; outputs ``f_ref`` f32 ``[N,
+  spec.f_rows, 2 * num_ctas]`` and ``i_ref`` int32 ``[N, spec.i_rows, 2 *
+  num_ctas]``, one column per compute warpgroup.
   """
   refs = list(refs)
   bias_ref = refs.pop(0) if spec.bias else None
@@ -268,17 +268,17 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       mb = bcast(m)
       hit = (b[0] == mb) | ((b[0] != b[0]) & (mb != mb))
       idx = jnp.min(jnp.where(hit, b[1], base._INT_MAX), axis=1)
-      f_ref[out, s] = m
-      i_ref[out, s] = idx
+      f_ref[:, s, out] = m
+      i_ref[:, s, out] = idx
       if spec.t_best:
         own = hit & (b[1] == bcast(idx))
-        f_ref[out, S + s] = jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1)
+        f_ref[:, S + s, out] = jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1)
     if spec.lse:
       m, total = lse
       mx = jnp.max(m, axis=1)
       scale = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - bcast(mx)))
-      f_ref[out, 2 * S] = mx
-      f_ref[out, 2 * S + 1] = jnp.sum(total * scale, axis=1)
+      f_ref[:, 2 * S, out] = mx
+      f_ref[:, 2 * S + 1, out] = jnp.sum(total * scale, axis=1)
     if spec.truncates:
       vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
       # Values that fell off a full slot list are <= its last entry.
@@ -293,9 +293,9 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
           nxt_i = ids[j + 1] if j + 1 < _SLOT_DEPTH else big()
           vals[j] = jnp.where(pop, nxt_v, vals[j])
           ids[j] = jnp.where(pop, nxt_i, ids[j])
-        f_ref[out, 2 * S + 3 + r] = mx
-        i_ref[out, S + r] = top_id
-      f_ref[out, 2 * S + 2] = jnp.maximum(overflow, jnp.max(vals[0], axis=1))
+        f_ref[:, 2 * S + 3 + r, out] = mx
+        i_ref[:, S + r, out] = top_id
+      f_ref[:, 2 * S + 2, out] = jnp.maximum(overflow, jnp.max(vals[0], axis=1))
 
   base._pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
@@ -316,8 +316,9 @@ def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
                            dim=dim, rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
                            num_ctas=num_ctas)
-  out_type = (jax.ShapeDtypeStruct((2 * num_ctas, spec.f_rows, n), jnp.float32),
-              jax.ShapeDtypeStruct((2 * num_ctas, spec.i_rows, n), jnp.int32))
+  # The warpgroups on the minor axis (see _merge_outputs).
+  out_type = (jax.ShapeDtypeStruct((n, spec.f_rows, 2 * num_ctas), jnp.float32),
+              jax.ShapeDtypeStruct((n, spec.i_rows, 2 * num_ctas), jnp.int32))
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
@@ -362,13 +363,18 @@ def _local_mask(c: controls.Controls, offset, rows_k: int, total_rows: int):
 
 
 def _merge_outputs(fo, io, spec: Spec, m: int):
-  """Controls state ``[N]`` rows from the warpgroups' outputs ``[W, *, N]``.
+  """Controls state rows from the warpgroups' outputs ``[N, *, W]``.
 
   Row ``s`` of ``fo``/``io`` is sample ``s``'s best score/id, row ``S + s``
   of ``fo`` its t; all samples are reduced over the warpgroups at once.
+  The warpgroups are the minor axis, so every reduction over them is a row
+  reduction that XLA fuses with what feeds it (over a major axis, XLA's
+  reduction kernels took no producers: each select or concatenation before
+  one was a kernel of its own).
   """
   S = spec.samples
-  ids = io[:, :S]                                                  # [W, S, N]
+  n, w = fo.shape[0], fo.shape[-1]
+  ids = io[:, :S]                                                  # [N, S, W]
   # Every max over the warpgroups in one reduction (one kernel instead of
   # one per quantity): the samples' best scores, then the log-sum-exp max,
   # and the warpgroups' list bounds with the values the pairing drops.
@@ -376,33 +382,31 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
   if spec.lse:
     maxed.append(fo[:, 2 * S:2 * S + 1])
   if spec.truncates:
-    w, n = fo.shape[0], fo.shape[-1]
     vals, c_ids, lost = _pair_lists(fo[:, 2 * S + 3:], io[:, S:])
-    # [W / 2, K, N] as [W, ceil(K / 2), N], to stack with the rows above.
+    # [N, K, W / 2] relabelled as [N, ceil(K / 2), W] (only their max
+    # counts), to stack with the rows above.
     lost = jnp.pad(lost, ((0, 0), (0, lost.shape[1] % 2), (0, 0)),
                    constant_values=-jnp.inf)
-    maxed.append(jnp.concatenate([fo[:, 2 * S + 2:2 * S + 3],
-                                  lost.reshape(w, -1, n)], axis=1))
-  maxima = jnp.max(jnp.concatenate(maxed, axis=1), axis=0)         # [rows, N]
-  score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=0, best=maxima[:S])
+    maxed += [fo[:, 2 * S + 2:2 * S + 3], lost.reshape(n, -1, w)]
+  maxima = jnp.max(jnp.concatenate(maxed, axis=1), axis=2)         # [N, rows]
+  score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=2, best=maxima[:, :S])
   if spec.t_best:
-    t = jnp.max(jnp.where(ids == tok[None], fo[:, S:2 * S], -jnp.inf), axis=0)
+    t = jnp.max(jnp.where(ids == tok[..., None], fo[:, S:2 * S], -jnp.inf), axis=2)
   else:
     t = jnp.zeros_like(score)
-  state = {"best": (score.T, tok.T, t.T)}                          # [N, S]
+  state = {"best": (score, tok, t)}                                # [N, S]
   if spec.lse:
     mw, sw = fo[:, 2 * S], fo[:, 2 * S + 1]
-    mx = maxima[S]                       # the lse max follows the samples
-    scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[None]))
-    state["lse"] = (mx, jnp.sum(sw * scale, axis=0))
+    mx = maxima[:, S]                    # the lse max follows the samples
+    scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[:, None]))
+    state["lse"] = (mx, jnp.sum(sw * scale, axis=1))
   if spec.truncates:
-    bound = jnp.max(maxima[S + int(spec.lse):], axis=0)
+    bound = jnp.max(maxima[:, S + int(spec.lse):], axis=1)
     # Listed values at or below the bound leave before the sort (the lists'
     # invariant, xla_backend._topm_merge): the masking joins the pairing's
     # fusion instead of a kernel of its own after the sort.
-    vals = jnp.where(vals > bound, vals, -jnp.inf)
-    vals = vals.transpose(2, 0, 1).reshape(n, -1)
-    ids = c_ids.transpose(2, 0, 1).reshape(n, -1)
+    vals = jnp.where(vals > bound[:, None, None], vals, -jnp.inf).reshape(n, -1)
+    ids = c_ids.reshape(n, -1)
     if vals.shape[1] < m:
       pad = ((0, 0), (0, m - vals.shape[1]))
       vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
@@ -415,14 +419,14 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
 def _pair_lists(vals, ids):
   """Halves the warpgroups' candidate lists before stage 2's top-M sort.
 
-  ``vals``/``ids`` ``[W, K, N]`` (W = 2 x CTAs, even): each warpgroup's K
+  ``vals``/``ids`` ``[N, K, W]`` (W = 2 x CTAs, even): each warpgroup's K
   largest t of each row, descending (ties: lower id first). Lists ``2 c``
   and ``2 c + 1`` (one CTA's warpgroups) become one
   list of the K best of their union, in the order (t descending, id
   ascending), by one compare-exchange of list ``2 c``'s ``i``-th entry with
   list ``2 c + 1``'s ``(K - 1 - i)``-th (a bitonic half-cleaner: the winners
   are the top K as a set, not sorted, which the top-M sort does not need).
-  Returns ``(vals, ids, lost)``, all ``[W / 2, K, N]``: the kept lists and
+  Returns ``(vals, ids, lost)``, all ``[N, K, W / 2]``: the kept lists and
   the losers, whose largest value the caller folds into the bound (no
   unlisted value is larger; :func:`_merge_outputs` takes that max in the
   same reduction as its other maxima). With K = 7 on 132 SMs the sort
@@ -431,8 +435,8 @@ def _pair_lists(vals, ids):
   gets a higher bound: those rows take the exact path, as before for K per
   warpgroup.
   """
-  a_v, a_i = vals[0::2], ids[0::2]
-  b_v, b_i = vals[1::2, ::-1], ids[1::2, ::-1]
+  a_v, a_i = vals[..., 0::2], ids[..., 0::2]
+  b_v, b_i = vals[:, ::-1, 1::2], ids[:, ::-1, 1::2]
   take_a = (a_v > b_v) | ((a_v == b_v) & (a_i < b_i))
   return (jnp.where(take_a, a_v, b_v), jnp.where(take_a, a_i, b_i),
           jnp.where(take_a, b_v, a_v))
@@ -491,7 +495,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
                        mask_t, cfg=cfg, spec=spec, layout=p.layout,
                        rows_valid=rows, vocab_size=p.vocab_size)
       # Padding rows leave the merge (and the top-M sort) before it starts.
-      parts.append(_merge_outputs(fo[..., :b1 - b0], io[..., :b1 - b0], spec, m))
+      parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, m))
     state = parts[0]
     if len(parts) > 1:   # the sample groups, side by side
       state["best"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1),

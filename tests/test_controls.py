@@ -152,8 +152,9 @@ def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():
       order = np.lexsort((ids[i, :, j], -vals[i, :, j]))
       vals[i, :, j], ids[i, :, j] = vals[i, order, j], ids[i, order, j]
   bound = rng.integers(-4, 1, size=n).astype(np.float32)
-  got_v, got_i, lost = (np.asarray(a) for a in mosaic_controls._pair_lists(
-      jnp.asarray(vals), jnp.asarray(ids, jnp.int32)))
+  # _pair_lists takes the kernel's layout, [N, K, W].
+  got_v, got_i, lost = (np.asarray(a).transpose(2, 1, 0) for a in mosaic_controls._pair_lists(
+      jnp.asarray(vals.transpose(2, 1, 0)), jnp.asarray(ids.transpose(2, 1, 0), jnp.int32)))
   got_b = np.maximum(bound, lost.max(axis=(0, 1)))   # as _merge_outputs folds it
   assert got_v.shape == (w // 2, k, n)
   want_b = bound.copy()
