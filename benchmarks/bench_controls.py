@@ -124,7 +124,11 @@ def main(argv=None):
                   help="a subset of the controls (default: all; plain and "
                        "topk_topp are always timed, the table's ratios need them)")
   ap.add_argument("--batches", nargs="+", type=int, help="default 1 16 64 128 256")
+  ap.add_argument("--report", metavar="JSON",
+                  help="only rewrite the table and plot of a saved run")
   args = ap.parse_args(argv)
+  if args.report:
+    return report_from_json(args.report)
   inner = args.inner or (3 if args.smoke else 50)
   providers = {k: v for k, v in PROVIDERS.items()
                if not args.providers or k in args.providers or k in ("plain", "topk_topp")}
@@ -165,23 +169,67 @@ def main(argv=None):
   stem = os.path.join(args.out, "controls_" + _timing.slug(meta["gpu"]))
   with open(stem + ".json", "w") as fh:
     json.dump(dict(meta, rows=rows), fh, indent=1)
+  _report(stem, meta, rows)
+
+
+def _report(stem, meta, rows):
+  """``stem``.md (the table) and ``stem``.png (the plot) from the results."""
+  r0 = rows[0]
+  names = [k[:-3] for k in r0 if k.endswith("_us") and not k.startswith("xla_")]
   with open(stem + ".md", "w") as fh:
     fh.write(f"# Sampling controls on {meta['gpu']}\n\njax {meta['jax']}, {meta['date']}; "
-             f"shape D={d} V={v} bf16, logits std ~3; top_k={TOP_K}, top_p={TOP_P}, "
-             f"softcap={SOFTCAP}; median us over {reps} blocks of {inner} async "
-             "calls between host syncs, fused (backend auto) / XLA baseline "
-             "that materializes the logits (speedup).\n\n")
-    fh.write("| B | backend | fallback rows | " + " | ".join(providers)
+             f"shape D={r0['D']} V={r0['V']} bf16, logits std ~3; top_k={meta['top_k']}, "
+             f"top_p={meta['top_p']}, softcap={meta['softcap']}; median us over "
+             f"{meta['reps']} blocks of {meta['inner']} async calls between host "
+             "syncs, fused (backend auto) / XLA baseline that materializes the "
+             "logits (speedup).\n\n")
+    fh.write("| B | backend | fallback rows | " + " | ".join(names)
              + " | top-k+top-p / plain |\n")
-    fh.write("|---" * (len(providers) + 4) + "|\n")
+    fh.write("|---" * (len(names) + 4) + "|\n")
     for r in rows:
       cells = []
-      for name in providers:
+      for name in names:
         x = r.get("xla_" + name + "_us")
-        cells.append(f"{r[name + '_us']:.0f} / {x:.0f} ({x / r[name + '_us']:.2f}x)")
+        cells.append(f"{r[name + '_us']:.0f}" if x is None else
+                     f"{r[name + '_us']:.0f} / {x:.0f} ({x / r[name + '_us']:.2f}x)")
       fh.write(f"| {r['B']} | {r['backend_controls']} | {r['fallback_rows']} | "
-               + " | ".join(cells) + f" | {r['topk_topp_over_plain']:.2f} |\n")
+               + " | ".join(cells) + f" | {r['topk_topp_over_plain']:.3f} |\n")
   print(open(stem + ".md").read())
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib missing: no plot")
+    return
+  bs = [r["B"] for r in rows]
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  for name in names:
+    line, = axes[0].plot(bs, [r[name + "_us"] for r in rows], "o-", label=name)
+    if "xla_" + name + "_us" in r0:
+      axes[0].plot(bs, [r["xla_" + name + "_us"] for r in rows], "x--",
+                   color=line.get_color(), alpha=0.6)
+  axes[0].set_ylabel("us (solid: fused; dashed: XLA baseline)")
+  axes[1].plot(bs, [r["topk_topp_over_plain"] for r in rows], "o-",
+               label="top-k + top-p / plain (fused)")
+  axes[1].axhline(1.15, color="gray", ls=":", label="goal 1.15 (B <= 64)")
+  axes[1].set_ylabel("ratio")
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("B")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"Sampling controls, {meta['gpu']}, jax {meta['jax']}, {meta['date']}")
+  fig.tight_layout()
+  fig.savefig(stem + ".png", dpi=110)
+
+
+def report_from_json(path):
+  """Rewrites the table and the plot of a saved run (``--report PATH``)."""
+  with open(path) as fh:
+    data = json.load(fh)
+  rows = data.pop("rows")
+  _report(os.path.splitext(path)[0], data, rows)
 
 
 if __name__ == "__main__":
