@@ -17,22 +17,26 @@ def _fold(score, index, axis):
   return functools.reduce(_core.combine, pairs)
 
 
-@pytest.mark.parametrize("axis", [0, 1])
-@pytest.mark.parametrize("seed", range(4))
-def test_reduce_candidates_equals_folding_combine(axis, seed):
-  rng = np.random.default_rng(seed)
+def _hard_scores(rng, axis):
+  """Scores ``[37, 11]`` (reduced along ``axis``, transposed for axis 1):
+  few distinct values, so many ties; NaN, -inf and +inf sprinkled in; one
+  line of -inf and one of NaN."""
   shape = (37, 11) if axis == 0 else (11, 37)
-  # Few distinct values: many ties; then NaN, -inf and +inf sprinkled in,
-  # and whole lines of -inf / of NaN.
   s = rng.integers(-3, 3, shape).astype(np.float32)
   s[rng.random(shape) < 0.05] = np.nan
   s[rng.random(shape) < 0.1] = -np.inf
   s[rng.random(shape) < 0.02] = np.inf
-  line = (slice(None), 3) if axis == 0 else (3, slice(None))
-  s[line] = -np.inf
-  line = (slice(None), 5) if axis == 0 else (5, slice(None))
-  s[line] = np.nan
-  idx = rng.permutation(s.size).reshape(shape).astype(np.int32)
+  for i, v in ((3, -np.inf), (5, np.nan)):
+    s[(slice(None), i) if axis == 0 else (i, slice(None))] = v
+  return s
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("seed", range(4))
+def test_reduce_candidates_equals_folding_combine(axis, seed):
+  rng = np.random.default_rng(seed)
+  s = _hard_scores(rng, axis)
+  idx = rng.permutation(s.size).reshape(s.shape).astype(np.int32)
   got = _core.reduce_candidates(jnp.asarray(s), jnp.asarray(idx), axis=axis)
   want = _fold(s, idx, axis)
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -47,15 +51,9 @@ def test_argbest_equals_reduce_candidates(axis, seed):
   # carries where a (score, index) pair repeats, as in the controls' padded
   # lists).
   rng = np.random.default_rng(10 + seed)
-  shape = (37, 11) if axis == 0 else (11, 37)
-  s = rng.integers(-3, 3, shape).astype(np.float32)
-  s[rng.random(shape) < 0.05] = np.nan
-  s[rng.random(shape) < 0.1] = -np.inf
-  s[rng.random(shape) < 0.02] = np.inf
-  line = (slice(None), 3) if axis == 0 else (3, slice(None))
-  s[line] = -np.inf
-  idx = rng.integers(0, s.size // 2, shape).astype(np.int32)   # repeats
-  carry = rng.normal(size=shape).astype(np.float32)
+  s = _hard_scores(rng, axis)
+  idx = rng.integers(0, s.size // 2, s.shape).astype(np.int32)   # repeats
+  carry = rng.normal(size=s.shape).astype(np.float32)
   best, tok, t = _core.argbest(jnp.asarray(s), jnp.asarray(idx), axis=axis,
                                carry=jnp.asarray(carry))
   want_s, want_i = _core.reduce_candidates(jnp.asarray(s), jnp.asarray(idx), axis=axis)
