@@ -3,6 +3,7 @@
 Run on the GPU (one process, one run)::
 
     PYTHONPATH=. python3 benchmarks/bench_controls.py [--out DIR] [--smoke]
+    PYTHONPATH=. python3 benchmarks/bench_controls.py --report RESULTS.json  # table + plot again
 
 Shape S (D 4096, V 151936, bf16), logits with std ~3, B in {1, 16, 64, 128,
 256}. Each control is timed fused (``fs.sample``, backend auto: the mosaic
