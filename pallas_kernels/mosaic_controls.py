@@ -306,8 +306,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
 
 def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
-            rows_valid: int, vocab_size: int):
-  n, dim = h.shape
+            rows_valid: int, vocab_size: int, n: int):
+  dim = h.shape[1]
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
@@ -478,7 +478,10 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n - (b1 - b0))]
                                  + [(0, 0)] * (x.ndim - 1))
     mask_t = pad_rows(mask).T if mask is not None else None
-    h_chunk = pad_rows(hidden)
+    # H keeps its own rows (padded to 8 for TMA): the kernel's slots take
+    # them at the top, and the missing rows up to N cost no copies.
+    h_rows = -(-(b1 - b0) // 8) * 8
+    h_chunk = jnp.pad(hidden[b0:b1], ((0, h_rows - (b1 - b0)), (0, 0)))
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
@@ -493,7 +496,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
       rowdata = pad_rows(rowdata.T).T
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
                        mask_t, cfg=cfg, spec=spec, layout=p.layout,
-                       rows_valid=rows, vocab_size=p.vocab_size)
+                       rows_valid=rows, vocab_size=p.vocab_size, n=n)
       # Padding rows leave the merge (and the top-M sort) before it starts.
       parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, m))
     state = parts[0]

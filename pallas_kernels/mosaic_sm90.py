@@ -971,8 +971,13 @@ def _stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
       w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
     bar = full.at[lax.rem(i, 2) * S + slot]
     plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
-    plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_smem.at[slot],
-                            bar)
+    # H may have fewer rows than the slot (a multiple of 8): its rows fill
+    # the top of the slot and the rest is never written (those accumulator
+    # rows are padding, dropped by the caller).
+    h_rows = h_ref.shape[0]
+    h_dst = (h_smem.at[slot] if h_rows == h_smem.shape[1]
+             else h_smem.at[slot, pl.ds(0, h_rows)])
+    plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_dst, bar)
 
   # Observe the last release of every slot used (each barrier phase is
   # waited once; interpret mode checks it), so that no slot is still read

@@ -127,7 +127,7 @@ def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
   rows = []
   real = mosaic_controls._launch
   monkeypatch.setattr(mosaic_controls, "_launch",
-                      lambda *a, **k: (rows.append(a[2].shape[0]), real(*a, **k))[1])
+                      lambda *a, **k: (rows.append(k["n"]), real(*a, **k))[1])
   check(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t, backend="mosaic",
         return_logprobs=True)
   assert rows == [128]

@@ -369,7 +369,7 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
   rows = []
   real = mosaic_controls._launch
   monkeypatch.setattr(mosaic_controls, "_launch",
-                      lambda *a, **k: (rows.append(a[2].shape[0]), real(*a, **k))[1])
+                      lambda *a, **k: (rows.append(k["n"]), real(*a, **k))[1])
   h = jax.ShapeDtypeStruct((b, d), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
   t = jax.ShapeDtypeStruct((b,), jnp.float32)
