@@ -849,7 +849,11 @@ def _pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   warpgroup's local tiles (:func:`_pingpong_tile`). ``rowdata_smem``,
   ``acc_smem`` and ``scratch`` are the kernel's own SMEM allocations
   (``plgpu.SMEM`` types); ``shared_acc``: the warpgroups hand one
-  accumulator buffer to each other (else each has its own).
+  accumulator buffer to each other (else each has its own). ``h_ref`` may
+  have fewer rows than ``n`` (a multiple of 8, batch-major: the controls
+  kernel's launches of fewer than 64 rows): its rows fill the top of each
+  H slot, the rest of the slot is never written, and the accumulator rows
+  it feeds are padding the caller drops (PERF_LOG c8).
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
   k_steps = dim // dt
