@@ -366,10 +366,11 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
                                          monkeypatch):
   from flashsample_jax import controls
   from pallas_kernels import mosaic_controls
-  rows = []
+  rows, h_rows = [], []
   real = mosaic_controls._launch
   monkeypatch.setattr(mosaic_controls, "_launch",
-                      lambda *a, **k: (rows.append(k["n"]), real(*a, **k))[1])
+                      lambda *a, **k: (rows.append(k["n"]), h_rows.append(a[2].shape[0]),
+                                       real(*a, **k))[-1])
   h = jax.ShapeDtypeStruct((b, d), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
   t = jax.ShapeDtypeStruct((b,), jnp.float32)
@@ -389,3 +390,10 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
         lowering_platforms=("cuda",))
   assert "flashsample_sm90_controls" in lowered.as_text()
   assert rows == launch_rows
+  # H goes in with each batch chunk's own rows, padded to 8 only (not to
+  # the launch's N); a chunk's sample groups are consecutive launches.
+  n = launch_rows[0]
+  chunks = -(-b // n)
+  groups = len(launch_rows) // chunks
+  assert h_rows == [-(-min(n, b - c * n) // 8) * 8
+                    for c in range(chunks) for _ in range(groups)]
