@@ -55,7 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import memref
 
 from flashsample_jax import _core, noise
 from flashsample_jax._validate import Problem
@@ -608,6 +611,27 @@ def _col_reduce(x, op: str, scratch):
   return reduce(x, scratch)
 
 
+def _store_column(x, ref):
+  """Stores ``x`` [C] (the column layout ``WGMMA.reduce(0)``) into ``ref``
+  [C, 1], a column of a GMEM array (stride: its row length).
+
+  Mosaic GPU's vector stores need the layout's vectorized dimension (two
+  adjacent columns per thread here) to be contiguous in memory, so each
+  thread stores its values one by one (the copies of a value that other
+  warps hold store the same value). Interpret mode: a plain store.
+  """
+  if getattr(_STATE, "interpret", False):
+    ref[:, 0] = x
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType()))
+  def store(_, v, out):
+    zero = mgpu.utils.c(0, ir.IndexType.get())
+    v.foreach(lambda val, idx: memref.store(val, out, [idx[0], zero]))
+
+  store(x, ref)
+
+
 def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
               off_ref, rowdata_smem, acc_smem, scratch_f, scratch_i,
               score_ref, index_ref, out_row, rows_valid: int, vocab_size: int):
@@ -615,7 +639,7 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
 
   ``acc`` [vw, N] f32 holds rows ``start + row0 + [0, vw)`` of the weight;
   rows below ``first_new`` (tile-local) were done by an earlier tile.
-  Writes one candidate row ``score_ref[out_row]``, ``index_ref[out_row]``.
+  Writes one candidate column ``score_ref[:, :, out_row]`` (and index).
 
   The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
   the noise runs in a (not unrolled) loop over column chunks: unrolled, the
@@ -648,8 +672,8 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     m = _col_reduce(s, "max", scratch_f)
     hit = valid & ((s == bcast(m)) | (s != s))
     idx = _col_reduce(jnp.where(hit, gid, _INT_MAX), "min", scratch_i)
-    score_ref[out_row, c] = m
-    index_ref[out_row, c] = idx
+    _store_column(m, score_ref.at[c, :, pl.ds(out_row, 1)])
+    _store_column(idx, index_ref.at[c, :, pl.ds(out_row, 1)])
 
   for first, end in passes:
     for j in range(first, end):
@@ -681,7 +705,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
   or [D, V] ("dv"), ``V = rows`` of which the first ``rows_valid`` are real
   (the rest is alignment padding, see :func:`candidates`); outputs
   ``score_ref`` f32 and ``index_ref`` int32, both
-  [n_tiles * compute_wgs, nc, C] (one row per warpgroup's part of a tile).
+  [nc, C, n_tiles * compute_wgs] (one column per warpgroup's part of a
+  tile).
   """
   del num_ctas  # nd_loop partitions the tiles over the "sm" axis.
   vt, dt = cfg.tile_v, cfg.tile_d
@@ -781,8 +806,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
                      num_ctas: int):
   """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
 
-  Same refs as :func:`_kernel`, but one candidate row per tile
-  (``[n_tiles, nc, C]``). The CTA owns tiles ``cta + i * num_ctas``; its
+  Same refs as :func:`_kernel`, but one candidate column per tile
+  (``[nc, C, n_tiles]``). The CTA owns tiles ``cta + i * num_ctas``; its
   memory warpgroup streams their ``(tile, k)`` steps in order through one
   ring of ``S`` SMEM slots, and local tile ``i`` belongs to compute
   warpgroup ``i % 2``. While one warpgroup runs its epilogue, the other
@@ -1052,7 +1077,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   warpgroup keeps a running best ``(score, id)`` per (row, column slot)
   over the column chunks of all its tiles, and reduces the slots (inside
   each warp) once at the end: outputs ``score_ref``/``index_ref``
-  [2 * num_ctas, N], one row per compute warpgroup. ``rowdata_ref`` is
+  [N, 2 * num_ctas], one column per compute warpgroup. ``rowdata_ref`` is
   uint32 [8, N] (k0, k1, counter hi, lo, bits of T, padding).
 
   Streaming, slots, barriers and the shared accumulator buffer as in
@@ -1113,8 +1138,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     hit = (best_s == mb) | ((best_s != best_s) & (mb != mb))
     idx = jnp.min(jnp.where(hit, best_i, _INT_MAX), axis=1)
     out = lax.axis_index("sm") * 2 + wg
-    score_ref[out] = m
-    index_ref[out] = idx
+    score_ref[:, out] = m
+    index_ref[:, out] = idx
 
   _pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
@@ -1131,7 +1156,11 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
 def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
             rows_valid: int, vocab_size: int):
-  """Runs the kernel on one batch chunk (``h`` [N, D], N <= 256 padded)."""
+  """Runs the kernel on one batch chunk (``h`` [N, D], N <= 256 padded).
+
+  Returns ``(score, index)``, both ``[N, n_out]``: each row's candidates
+  (one per tile or per compute warpgroup) along the minor axis.
+  """
   n, dim = h.shape
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
@@ -1145,15 +1174,17 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
                            rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
                            num_ctas=num_ctas)
-  if cfg.batch_major:  # one candidate row per compute warpgroup
+  # Candidates on the minor axis (each store is a strided column): stage 2
+  # is then one row reduction, which XLA runs as one kernel; over the major
+  # axis it took three (max, select, min; PERF_LOG c9).
+  if cfg.batch_major:  # one candidate per compute warpgroup
     n_out = 2 * num_ctas
-    out_type = (jax.ShapeDtypeStruct((n_out, n), jnp.float32),
-                jax.ShapeDtypeStruct((n_out, n), jnp.int32))
+    shape = (n, n_out)
   else:  # one per tile (or per warpgroup's part of a tile)
     n_out = n_tiles * cfg.wg_share
-    nc = n // cfg.epi_cols
-    out_type = (jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.float32),
-                jax.ShapeDtypeStruct((n_out, nc, cfg.epi_cols), jnp.int32))
+    shape = (n // cfg.epi_cols, cfg.epi_cols, n_out)
+  out_type = (jax.ShapeDtypeStruct(shape, jnp.float32),
+              jax.ShapeDtypeStruct(shape, jnp.int32))
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
       num_threads=cfg.compute_wgs + 1, thread_name="wg",
@@ -1162,7 +1193,7 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
           reduction_scratch_bytes=_REDUCTION_SCRATCH_BYTES,
           lowering_semantics=plgpu.LoweringSemantics.Lane))
   s, i = f(offset, rowdata, h, w)
-  return s.reshape(n_out, n), i.reshape(n_out, n)
+  return s.reshape(n, n_out), i.reshape(n, n_out)
 
 
 def pad_vocab(p: Problem, align: int = 1):
@@ -1222,9 +1253,9 @@ def candidates(p: Problem, *, vocab_offset=0, config: TuningConfig | None = None
     s, i = _launch(offset, rowdata, pad(p.hidden.astype(p.weight.dtype)),
                    w, cfg=cfg, layout=p.layout, rows_valid=rows,
                    vocab_size=p.vocab_size)
-    s, i = _core.reduce_candidates(s, i, axis=0)
-    scores.append(s[:nb])
-    tokens.append(i[:nb])
+    s, i = _core.argbest(s[:nb], i[:nb], axis=1)
+    scores.append(s)
+    tokens.append(i)
   if len(scores) == 1:
     return scores[0], tokens[0]
   return jnp.concatenate(scores), jnp.concatenate(tokens)
