@@ -6,15 +6,16 @@
 #
 #   bash benchmarks/gpu_suite.sh [group ...]     (on the device; logs in $OUT)
 #
-# Groups: mosaic (tests/test_mosaic_gpu.py, all marked gpu), controls
-# (tests/test_controls.py, both backends natively), rest (everything else).
+# Groups: mosaic (tests/test_mosaic_gpu.py: the shared backend suite, plain
+# and controls, plus the kernel's own GPU tests), rest (everything else that
+# runs on a GPU: the xla backend's suite natively, controls, noise, API).
 # N sets the pytest-xdist workers (default 14 of the 16 cores: compiling is
-# the bottleneck). Limits in seconds: T_MOSAIC, T_CONTROLS, T_REST.
+# the bottleneck). Limits in seconds: T_MOSAIC, T_REST.
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 N=${N:-14}
-groups=${*:-"mosaic controls rest"}
+groups=${*:-"mosaic rest"}
 
 run_group() {
   local name=$1 limit=$2
@@ -33,10 +34,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 for g in $groups; do
   case $g in
-    mosaic)   run_group mosaic "${T_MOSAIC:-240}" tests/test_mosaic_gpu.py ;;
-    controls) run_group controls "${T_CONTROLS:-240}" tests/test_controls.py ;;
+    mosaic)   run_group mosaic "${T_MOSAIC:-360}" tests/test_mosaic_gpu.py ;;
     rest)     run_group rest "${T_REST:-300}" tests --ignore=tests/test_mosaic_gpu.py \
-                --ignore=tests/test_controls.py --ignore=tests/test_notebooks.py \
+                --ignore=tests/test_mosaic.py --ignore=tests/test_notebooks.py \
                 --ignore=tests/test_examples.py ;;
     *) echo "unknown group $g" ;;
   esac

@@ -5,13 +5,15 @@
 writing the ``[B, V]`` logits to device memory.
 """
 
-from flashsample_jax import controls, noise, reference, sharding
+from flashsample_jax import backends, controls, mesh, noise, problem, reference, sharding
+from flashsample_jax.api import STATIC_ARGNAMES, sample, which_backend
+from flashsample_jax.backends import BACKENDS, Backend
 from flashsample_jax.controls import SampleOutput
-from flashsample_jax.api import BACKENDS, Backend, sample, which_backend
 from flashsample_jax.sharding import sample_sharded
 
 __all__ = ["sample", "sample_sharded", "SampleOutput", "Backend", "BACKENDS",
-           "which_backend", "reference", "noise", "sharding", "controls"]
+           "STATIC_ARGNAMES", "which_backend", "reference", "noise", "sharding",
+           "controls", "backends", "mesh", "problem"]
 __version__ = "0.1.0"
 
 

@@ -1,107 +1,42 @@
-"""Public entry point: :func:`sample`."""
+"""Public entry point: :func:`sample`.
+
+The flow of one call: the arguments are checked once
+(:func:`flashsample_jax.problem.prepare`,
+:func:`flashsample_jax.controls.prepare_controls`), the backend is resolved
+from the registry (:mod:`flashsample_jax.backends`), and the jitted
+:func:`run` sends the problem through the backend and the shared stage 2
+(:mod:`flashsample_jax.stage2`). This module names no backend.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
-from flashsample_jax import _validate, controls as _controls, xla_backend
+from flashsample_jax import backends, controls as _controls, mesh, problem, stage2
+from flashsample_jax.backends import BACKENDS, Backend  # noqa: F401  (re-exported)
 
-# Every backend name, in the order ``backend="auto"`` tries them (measured on
-# an H200 with mosaic v3: the kernel is the faster of the two at every B up
-# to 256; benchmarks/PERF_LOG.md). Tests and benchmarks iterate over it.
-Backend = Literal["mosaic", "xla"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
+__all__ = ["sample", "which_backend", "run", "BACKENDS", "Backend", "STATIC_ARGNAMES"]
 
-
-def _mosaic_module():
-  # Imported lazily: the kernel module pulls in Pallas Mosaic GPU, which a
-  # CPU-only user of the xla backend never needs to import.
-  from pallas_kernels import mosaic_sm90
-  return mosaic_sm90
+# The options of :func:`sample` that must be static under ``jax.jit``:
+# ``jax.jit(fs.sample, static_argnames=fs.STATIC_ARGNAMES)``.
+STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
+                   "batch_axis", "num_samples", "return_logprobs")
 
 
-def _mosaic_controls_module():
-  from pallas_kernels import mosaic_controls
-  return mosaic_controls
-
-
-def _check_supported(name: str, p: _validate.Problem,
-                     c: _controls.Controls | None = None) -> None:
-  """Raises NotImplementedError if backend ``name`` cannot run ``p`` here."""
-  if name == "mosaic":
-    if c is not None and c.active:
-      _mosaic_controls_module().check_supported(p, c)
-    else:
-      _mosaic_module().check_supported(p)
-  elif name != "xla":
-    raise AssertionError(name)  # internal: names come from BACKENDS
-
-
-def _candidates(name: str, p: _validate.Problem, *, vocab_offset=0):
-  if name == "mosaic":
-    return _mosaic_module().candidates(p, vocab_offset=vocab_offset)
-  return xla_backend.candidates(p, vocab_offset=vocab_offset)
-
-
-# ``num_samples`` alone (temperature only, no truncation, transforms or
-# log-probs) on the mosaic backend: the S samples of B rows become S * B
-# rows of one plain launch while they fit the fast kernels (N <= 128): row
-# ``s * B + b`` is sample ``s`` of row ``b``, with its own noise counters
-# (DESIGN.md section 1), so the tokens are the same. The controls kernel
-# pads B to 64 rows and evaluates every sample's noise for each (H200, S,
-# B=1, S=4: 606 us, twice XLA's 302; PERF_LOG).
-SAMPLES_AS_ROWS_MAX = 128
-
-
-def _samples_as_rows(p: _validate.Problem, c: _controls.Controls, *,
-                     vocab_offset, vocab_axes, global_batch: int):
-  """Tokens ``[S, B]`` of a samples-only call from one plain launch."""
-  s, b = c.samples, p.batch
-  hi, lo = xla_backend._sample_counters(p, s, global_batch)      # [B, S]
-  by_sample = lambda a: a.T.reshape(s * b)                       # row s * B + b
-  repeat = lambda a: jnp.tile(a, s)
-  q = dataclasses.replace(
-      p, hidden=jnp.tile(p.hidden, (s, 1)), k0=repeat(p.k0), k1=repeat(p.k1),
-      ctr_hi=by_sample(hi), ctr_lo=by_sample(lo),
-      temperature=repeat(p.temperature))
-  score, token = _candidates("mosaic", q, vocab_offset=vocab_offset)
-  if vocab_axes:
-    from flashsample_jax import sharding
-    score, token = sharding.combine_over_axis(score, token, vocab_axes)
-  return token.reshape(s, b)
-
-
-def resolve_backend(backend: str, p: _validate.Problem,
-                    c: _controls.Controls | None = None) -> str:
-  """The backend that will run ``p``: ``backend`` itself, or auto's pick."""
-  _validate.check_backend_name(backend, BACKENDS)
-  if backend != "auto":
-    _check_supported(backend, p, c)
-    return backend
-  for name in BACKENDS:
-    try:
-      _check_supported(name, p, c)
-    except NotImplementedError:
-      continue
-    return name
-  raise AssertionError("the xla backend supports every valid problem")
-
-
-def _problem(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
-             num_samples, return_logprobs, vocab_axes=None, batch_axes=None):
-  """Validated ``(Problem, Controls)``; with mesh axes, this shard's part."""
-  from flashsample_jax import sharding
-  p = sharding.shard_problem(hidden, weight, key, temperature,
-                             weight_layout=weight_layout, vocab_size=vocab_size,
-                             vocab_axes=vocab_axes, batch_axes=batch_axes)
+def _prepare(hidden, weight, key, *, temperature, weight_layout, vocab_size,
+             axes: mesh.MeshAxes, controls: dict, num_samples, return_logprobs):
+  """The checked ``(Problem, Controls)`` of this call (this shard's part
+  inside ``shard_map``)."""
+  p = problem.prepare(hidden, weight, key, temperature=temperature,
+                      weight_layout=weight_layout, vocab_size=vocab_size,
+                      vocab_shards=axes.vocab_shards(),
+                      batch_shard=axes.batch_shard())
   c = _controls.prepare_controls(
-      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows * p.vocab_shards,
-      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+      batch=p.batch, vocab_size=p.vocab_size, rows=p.total_rows,
+      num_samples=num_samples, return_logprobs=return_logprobs, **controls)
   return p, c
 
 
@@ -109,7 +44,7 @@ def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
                   weight_layout="vd", vocab_size=None, vocab_axis=None,
                   batch_axis=None, num_samples=None, return_logprobs=False,
                   **controls):
-  """The backend :func:`sample` would run these arguments on, here.
+  """The name of the backend :func:`sample` would run these arguments on.
 
   Args: as :func:`sample` (controls and mesh axes included).
 
@@ -119,58 +54,41 @@ def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
   Raises:
     What :func:`sample` raises for these arguments.
   """
-  from flashsample_jax import sharding
-  vocab_axes, batch_axes = sharding.check_axes(vocab_axis, batch_axis)
-  p, c = _problem(hidden, weight, key, temperature, controls,
-                  weight_layout=weight_layout, vocab_size=vocab_size,
-                  num_samples=num_samples, return_logprobs=return_logprobs,
-                  vocab_axes=vocab_axes, batch_axes=batch_axes)
-  return resolve_backend(backend, p, c)
+  axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
+  p, c = _prepare(hidden, weight, key, temperature=temperature,
+                  weight_layout=weight_layout, vocab_size=vocab_size, axes=axes,
+                  controls=controls, num_samples=num_samples,
+                  return_logprobs=return_logprobs)
+  return backends.resolve(backend, p, c).name
 
 
-@functools.partial(
-    jax.jit, static_argnames=("weight_layout", "vocab_size", "backend",
-                              "num_samples", "return_logprobs", "vocab_axes",
-                              "batch_axes"))
-def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
-            backend, num_samples, return_logprobs, vocab_axes, batch_axes):
-  from flashsample_jax import sharding
-  p, c = _problem(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
-                  vocab_size=vocab_size, num_samples=num_samples,
-                  return_logprobs=return_logprobs, vocab_axes=vocab_axes,
-                  batch_axes=batch_axes)
-  offset = sharding.vocab_offset(p, vocab_axes)
+@functools.partial(jax.jit, static_argnames=("backend", "axes"))
+def run(p: problem.Problem, c: _controls.Controls, *,
+        backend: backends.SamplerBackend, axes: mesh.MeshAxes = mesh.MeshAxes()):
+  """Samples a checked problem on a resolved backend (what :func:`sample`
+  does once its arguments are checked). Inside ``shard_map`` when ``axes``
+  name mesh axes; ``p`` is then this shard's part.
+
+  Returns:
+    As :func:`sample`.
+  """
+  offset = axes.vocab_offset(p.weight_rows)
   if not c.active:
-    score, token = _candidates(backend, p, vocab_offset=offset)
-    if vocab_axes:
-      score, token = sharding.combine_over_axis(score, token, vocab_axes)
+    score, token = backend.candidates(p, vocab_offset=offset)
+    if axes.vocab:
+      score, token = mesh.combine_over_axis(score, token, axes.vocab)
     return token
-  global_batch = p.batch * sharding.axes_size(batch_axes)
-  samples_only = not (c.truncates or c.transforms or c.return_logprobs)
-  if (backend == "mosaic" and samples_only
-      and p.batch * c.samples <= SAMPLES_AS_ROWS_MAX):
-    return _samples_as_rows(p, c, vocab_offset=offset, vocab_axes=vocab_axes,
-                            global_batch=global_batch)
-  if backend == "mosaic":
-    # The kernel's per-warpgroup state; truncation is then decided as for
-    # the xla backend (xla_backend.finish_controls).
-    st = _mosaic_controls_module().controls_state(
-        p, c, vocab_offset=offset, global_batch=global_batch)
-    tokens, out, _ = xla_backend.finish_controls(
-        p, c, st, axis=vocab_axes, global_batch=global_batch)
-  else:
-    tokens, out, _ = xla_backend.sample_with_controls(
-        p, c, vocab_offset=offset, axis=vocab_axes, global_batch=global_batch)
-  if c.allowed_mask is not None:
-    empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
-    tokens = jnp.where(empty, -1, tokens)
-    if out is not None:
-      nan = lambda a: jnp.where(empty, jnp.nan, a)
-      out = _controls.SampleOutput(tokens, nan(out.logprob),
-                                   nan(out.logprob_truncated), out.logsumexp)
+  if c.samples_only and backend.samples_as_rows(p, c):
+    score, token = backend.candidates(stage2.samples_as_rows(p, c.samples),
+                                      vocab_offset=offset)
+    if axes.vocab:
+      score, token = mesh.combine_over_axis(score, token, axes.vocab)
+    return token.reshape(c.samples, p.batch)
+  st = backend.controls_state(p, c, vocab_offset=offset)
+  tokens, out, _ = stage2.finish(p, c, st, axis=axes.vocab)
   if out is not None:
-    return out if num_samples is not None else jax.tree.map(lambda a: a[0], out)
-  return tokens if num_samples is not None else tokens[0]
+    return out if c.num_samples is not None else jax.tree.map(lambda a: a[0], out)
+  return tokens if c.num_samples is not None else tokens[0]
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
@@ -200,7 +118,9 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     vocab_size: the logical vocabulary when ``weight`` has padding rows;
       ids ``>= vocab_size`` are never returned. Default: all rows. With
       ``vocab_axis``, the GLOBAL vocabulary (default: shards x local rows).
-    backend: ``"auto"`` or one of :data:`BACKENDS`.
+    backend: ``"auto"``, one of :data:`BACKENDS`, or a
+      :class:`flashsample_jax.backends.SamplerBackend` instance (e.g. a
+      ``MosaicBackend(interpret=True)`` for tests on a CPU).
     vocab_axis: inside ``jax.shard_map`` only: the mesh axis name (or tuple
       of names) the vocabulary is sharded over, ``weight`` being this
       shard's contiguous slice (shard ``i`` of ``n`` holds global ids
@@ -242,25 +162,24 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     NotImplementedError: the named backend cannot run these arguments on this
       device (``"auto"`` then picks another).
   """
-  from flashsample_jax import sharding
+  axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
              allowed_mask=allowed_mask, softcap=softcap)
-  vocab_axes, batch_axes = sharding.check_axes(vocab_axis, batch_axis)
-  p, c = _problem(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
-                  vocab_size=vocab_size, num_samples=num_samples,
-                  return_logprobs=return_logprobs, vocab_axes=vocab_axes,
-                  batch_axes=batch_axes)
-  name = resolve_backend(backend, p, c)
+  p, c = _prepare(hidden, weight, key, temperature=temperature,
+                  weight_layout=weight_layout, vocab_size=vocab_size, axes=axes,
+                  controls=ctl, num_samples=num_samples,
+                  return_logprobs=return_logprobs)
+  impl = backends.resolve(backend, p, c)
   if p.batch == 0:
-    shape = (0,) if num_samples is None else (num_samples, 0)
-    tokens = jnp.zeros(shape, jnp.int32)
-    if return_logprobs:
-      empty = jnp.zeros(shape, jnp.float32)
-      return _controls.SampleOutput(tokens, empty, empty, empty)
-    return tokens
-  if isinstance(temperature, (int, float)):
-    temperature = jnp.float32(temperature)
-  return _sample(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
-                 vocab_size=vocab_size, backend=name, num_samples=num_samples,
-                 return_logprobs=return_logprobs, vocab_axes=vocab_axes,
-                 batch_axes=batch_axes)
+    return empty_result(num_samples, return_logprobs)
+  return run(p, c, backend=impl, axes=axes)
+
+
+def empty_result(num_samples, return_logprobs):
+  """What :func:`sample` returns for a batch of 0 rows."""
+  shape = (0,) if num_samples is None else (num_samples, 0)
+  tokens = jnp.zeros(shape, jnp.int32)
+  if return_logprobs:
+    empty = jnp.zeros(shape, jnp.float32)
+    return _controls.SampleOutput(tokens, empty, empty, empty)
+  return tokens

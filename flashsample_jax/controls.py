@@ -1,6 +1,7 @@
 """Sampling controls: their validation and their exact meaning.
 
-Order of the transforms (DESIGN.md section 1), for row ``b`` and id ``v``:
+Order of the transforms (docs/design.md, "The exactness contract"), for row
+``b`` and id ``v``:
 
 1. ``x = l``                                  f32 logits ``hidden @ W.T``
 2. ``x = c * tanh(x / c)``                     ``softcap=c`` (Gemma 2)
@@ -40,9 +41,11 @@ from jax import lax
 import numpy as np
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Controls:
-  """Validated controls; ``None`` fields are off.
+  """Validated controls; ``None`` fields are off. A pytree (arrays as
+  leaves), so checked controls pass into ``jax.jit`` and ``shard_map``.
 
   Attributes:
     top_k: int32 ``[B]`` (0 = off for that row) or None.
@@ -62,8 +65,8 @@ class Controls:
   logit_bias: Any = None
   allowed_mask: Any = None
   softcap: Any = None
-  num_samples: int | None = None
-  return_logprobs: bool = False
+  num_samples: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
@@ -81,6 +84,12 @@ class Controls:
   @property
   def samples(self) -> int:
     return self.num_samples or 1
+
+  @property
+  def samples_only(self) -> bool:
+    """Only several samples are asked for: no transform, truncation or
+    log-probabilities (a backend may then draw them as rows)."""
+    return not (self.truncates or self.transforms or self.return_logprobs)
 
 
 def _concrete(x) -> bool:

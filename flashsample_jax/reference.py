@@ -13,10 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashsample_jax import _validate, controls as _controls
+from flashsample_jax import backends, controls as _controls, problem
 
 
-def transformed_logits(p: _validate.Problem, c: _controls.Controls | None = None):
+def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   """Transformed, untempered f32 logits ``[B, vocab_size]``.
 
   ``l = hidden @ W.T`` in f32, then soft-cap, bias and the allowed mask in
@@ -42,21 +42,16 @@ def transformed_logits(p: _validate.Problem, c: _controls.Controls | None = None
 
 def _categorical(p, logits, samples):
   """``[S, B]`` draws of ``jax.random.categorical`` (vmapped for row keys)."""
+  key = jax.random.wrap_key_data(p.key_data, impl="threefry2x32")
   if p.per_row_keys:
     draw = lambda k, row: jax.random.categorical(k, row, shape=(samples,))
-    return jax.vmap(draw)(p.key, logits).T
-  return jax.random.categorical(p.key, logits, shape=(samples, p.batch))
+    return jax.vmap(draw)(key, logits).T
+  return jax.random.categorical(key, logits, shape=(samples, p.batch))
 
 
-@jax.jit(static_argnames=("weight_layout", "vocab_size", "num_samples",
-                          "return_logprobs"))
-def _sample(hidden, weight, key, temperature, ctl, *, weight_layout, vocab_size,
-            num_samples, return_logprobs):
-  p = _validate.prepare(hidden, weight, key, temperature=temperature,
-                        weight_layout=weight_layout, vocab_size=vocab_size)
-  c = _controls.prepare_controls(
-      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
-      num_samples=num_samples, return_logprobs=return_logprobs, **ctl)
+@jax.jit
+def _sample(p: problem.Problem, c: _controls.Controls):
+  num_samples, return_logprobs = c.num_samples, c.return_logprobs
   x = transformed_logits(p, c)
   t_col = p.temperature[:, None]
   greedy = p.temperature == 0
@@ -102,18 +97,13 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   Returns:
     As :func:`flashsample_jax.sample`.
   """
-  from flashsample_jax.api import BACKENDS
-  _validate.check_backend_name(backend, BACKENDS)
-  # Check eagerly, outside jit, so concrete values are inspected.
-  p = _validate.prepare(hidden, weight, key, temperature=temperature,
-                        weight_layout=weight_layout, vocab_size=vocab_size)
-  ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
-             allowed_mask=allowed_mask, softcap=softcap)
-  _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
-                             rows=p.weight_rows, num_samples=num_samples,
-                             return_logprobs=return_logprobs, **ctl)
-  if isinstance(temperature, (int, float)):
-    temperature = jnp.float32(temperature)
-  return _sample(hidden, weight, key, temperature, ctl, weight_layout=weight_layout,
-                 vocab_size=vocab_size, num_samples=num_samples,
-                 return_logprobs=return_logprobs)
+  backends.check_name(backend)
+  # Checked eagerly, outside jit, so concrete values are inspected.
+  p = problem.prepare(hidden, weight, key, temperature=temperature,
+                      weight_layout=weight_layout, vocab_size=vocab_size)
+  c = _controls.prepare_controls(
+      batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
+      num_samples=num_samples, return_logprobs=return_logprobs, top_k=top_k,
+      top_p=top_p, min_p=min_p, logit_bias=logit_bias, allowed_mask=allowed_mask,
+      softcap=softcap)
+  return _sample(p, c)

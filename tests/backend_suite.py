@@ -1,8 +1,10 @@
-"""One test base that every backend subclasses (STYLE.md).
+"""One test base that every backend subclasses.
 
-A subclass sets ``backend`` and may override :meth:`run` (to enter an
-interpret-mode context, say) and the shape tables. Every exact-input test
-demands 100% identical tokens to ``flashsample_jax.reference.sample``.
+A subclass sets ``backend`` (a name of ``fs.BACKENDS`` or a backend instance,
+e.g. ``MosaicBackend(interpret=True)``) and may override the shape tables.
+Plain sampling and every sampling control are checked against
+``flashsample_jax.reference.sample``: exact inputs demand 100% identical
+tokens (and log-probabilities within 2e-5), random inputs >= 99.9%.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import numpy as np
 import pytest
 
 import flashsample_jax as fs
-from tests import inputs
+from tests import cases, inputs
 
 
 class BackendSuite:
-  backend: str = ""
+  backend = ""
   # (B, D, V) triples small enough for the slowest subclass (interpret mode).
   shapes = [(1, 64, 200), (5, 64, 1000), (16, 128, 517), (37, 64, 2048)]
   dtypes = [jnp.bfloat16, jnp.float16, jnp.float32]
@@ -34,6 +36,20 @@ class BackendSuite:
         f"{mismatch.size}/{want.size} rows differ, e.g. row {mismatch[0]}: "
         f"got {got[mismatch[0]]}, want {want[mismatch[0]]}")
     return got
+
+  def check_controls(self, kw, key=cases.KEYS["scalar"], h=cases.H, w=cases.W,
+                     t=cases.T, **extra):
+    """Tokens equal to the reference's; log-probabilities within 2e-5."""
+    got = self.run(h, w, key, temperature=t, **kw, **extra)
+    want = fs.reference.sample(h, w, key, temperature=t, **kw, **extra)
+    if isinstance(want, fs.SampleOutput):
+      np.testing.assert_array_equal(got.tokens, want.tokens)
+      for name in ("logprob", "logprob_truncated", "logsumexp"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name),
+                                   rtol=2e-5, atol=2e-5, err_msg=name)
+      return np.asarray(got.tokens)
+    np.testing.assert_array_equal(got, want)
+    return np.asarray(got)
 
   # -- exact inputs: 100% identical tokens --------------------------------
 
@@ -129,3 +145,72 @@ class BackendSuite:
         agree += int((got == want).sum())
         total += got.size
     assert agree / total >= 0.999, f"{agree}/{total} rows agree"
+
+  # -- sampling controls (exact inputs: 100% identical tokens) ---------------
+
+  @pytest.mark.parametrize("case", sorted(cases.CASES))
+  @pytest.mark.parametrize("key", sorted(cases.KEYS))
+  def test_control_matches_reference(self, case, key):
+    self.check_controls(cases.CASES[case], cases.KEYS[key])
+
+  @pytest.mark.parametrize("case", ["top_k", "top_p", "all"])
+  def test_controls_with_samples_and_logprobs(self, case):
+    self.check_controls(cases.CASES[case], num_samples=3, return_logprobs=True)
+    self.check_controls(cases.CASES[case], cases.KEYS["per_row"], num_samples=2,
+                        return_logprobs=True)
+
+  def test_several_samples_alone(self):
+    # Temperature only: a backend may draw the samples as rows of one plain
+    # pass; sample 0 is the single-sample call.
+    for key in cases.KEYS.values():
+      got = self.check_controls({}, key=key, num_samples=5)
+      np.testing.assert_array_equal(got[0], self.run(cases.H, cases.W, key,
+                                                     temperature=cases.T))
+
+  def test_control_edge_cases(self):
+    h, w, b, v = cases.H, cases.W, cases.B, cases.V
+    plain = np.asarray(self.run(h, w, cases.KEYS["scalar"], temperature=4.0))
+    l = np.asarray(jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32).T))
+    top = l == l.max(axis=1, keepdims=True)          # integer logits: ties occur
+    unique = top.sum(axis=1) == 1
+    greedy = l.argmax(axis=1)
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+      tok = self.check_controls(kw, t=4.0)
+      # Only the top logit survives (all of it when tied): greedy where unique.
+      assert top[np.arange(b), tok].all(), kw
+      np.testing.assert_array_equal(tok[unique], greedy[unique])
+    assert unique.any() and not unique.all()
+    np.testing.assert_array_equal(self.check_controls(dict(top_k=v + 5), t=4.0), plain)
+    np.testing.assert_array_equal(self.check_controls(dict(top_p=1.0), t=4.0), plain)
+    np.testing.assert_array_equal(self.check_controls(dict(min_p=0.0), t=4.0), plain)
+    # A mask that leaves one id per row: that id, whatever the logits.
+    only, mask = cases.only_one_allowed(np.random.default_rng(1))
+    np.testing.assert_array_equal(self.check_controls(dict(allowed_mask=mask)), only)
+    # A bias of -inf bans ids.
+    bias = np.zeros(v, np.float32)
+    bias[plain] = -np.inf
+    tok = self.check_controls(dict(logit_bias=jnp.asarray(bias)), t=4.0)
+    assert not np.isin(tok, plain).any()
+
+  def test_rows_with_nothing_allowed_return_minus_one(self):
+    v = cases.V
+    mask = np.random.default_rng(2).integers(0, 2**32, (cases.B, -(-v // 32)),
+                                             dtype=np.uint32)
+    mask[3] = 0
+    mask[5, :-1] = 0
+    mask[5, -1] = np.uint32(0xFFFFFFFF) << np.uint32(v % 32)   # only ids >= V
+    out = self.run(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
+                   allowed_mask=jnp.asarray(mask), return_logprobs=True)
+    assert out.tokens[3] == -1 and out.tokens[5] == -1
+    assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
+    assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
+    self.check_controls(dict(allowed_mask=jnp.asarray(mask)), return_logprobs=True)
+
+  def test_traced_controls_under_jit(self):
+    h, w, key, t = cases.H, cases.W, cases.KEYS["scalar"], cases.T
+    f = jax.jit(lambda k, p, m, c: self.run(h, w, key, temperature=t, top_k=k,
+                                            top_p=p, min_p=m, softcap=c))
+    g = jax.jit(lambda k, p, m, c: fs.reference.sample(
+        h, w, key, temperature=t, top_k=k, top_p=p, min_p=m, softcap=c))
+    args = (jnp.int32(25), jnp.float32(0.7), jnp.float32(0.03), jnp.float32(6.0))
+    np.testing.assert_array_equal(f(*args), g(*args))

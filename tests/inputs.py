@@ -3,7 +3,7 @@
 Exact inputs: small-integer ``H`` and ``W`` (exact in bf16/f16, every partial
 sum exact in f32) and power-of-two temperatures, so every backend computes
 bit-identical logits and scores; tokens must then equal the reference's on
-100% of rows (DESIGN.md section 1).
+100% of rows (docs/design.md, "The exactness contract").
 """
 
 from __future__ import annotations

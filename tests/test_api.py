@@ -13,6 +13,39 @@ def test_backend_names_are_one_literal():
   from typing import get_args
   assert fs.BACKENDS == get_args(fs.Backend)
   assert "xla" in fs.BACKENDS and "mosaic" in fs.BACKENDS
+  # Every name resolves to an adapter of that name.
+  for name in fs.BACKENDS:
+    assert fs.backends.get(name).name == name
+
+
+def test_api_names_no_backend():
+  # The registry is the only place that knows the backends: the API module
+  # dispatches through it.
+  import inspect
+  from flashsample_jax import api
+  src = inspect.getsource(api)
+  for name in fs.BACKENDS:
+    assert f'"{name}"' not in src and f"'{name}'" not in src, name
+
+
+def test_static_argnames_make_sample_jittable():
+  h, w = inputs.exact_inputs(5, 64, 300)
+  key = jax.random.key(1)
+  f = jax.jit(fs.sample, static_argnames=fs.STATIC_ARGNAMES)
+  np.testing.assert_array_equal(
+      f(h, w, key, temperature=0.5, backend="xla", num_samples=2),
+      fs.reference.sample(h, w, key, temperature=0.5, num_samples=2))
+
+
+def test_validation_runs_once_per_call(monkeypatch):
+  from flashsample_jax import problem
+  calls = []
+  real = problem.prepare
+  monkeypatch.setattr(problem, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+  h, w = inputs.exact_inputs(5, 64, 300)
+  jax.clear_caches()
+  fs.sample(h, w, jax.random.key(0), temperature=0.5, backend="xla", top_k=3)
+  assert len(calls) == 1
 
 
 @pytest.mark.parametrize("backend", ("auto", *fs.BACKENDS))

@@ -1,11 +1,13 @@
-"""Sampling controls: both backends against the reference (100% on exact inputs).
+"""Sampling controls: their meaning, their checks, and stage 2's candidates path.
 
-The mosaic backend runs in interpret mode on the CPU and natively on an sm90
-GPU (the same tests; tests/test_mosaic_gpu.py adds the benchmark shapes).
+Every backend is checked against the reference on every control by the
+shared suite (tests/backend_suite.py); this file holds what does not depend
+on the backend: the truncation rules on materialized rows, argument checks,
+the certification of candidates and its exact fallback, and the
+distribution of truncated samples.
 """
 
-import contextlib
-import functools
+import dataclasses
 import types
 
 import jax
@@ -14,180 +16,45 @@ import numpy as np
 import pytest
 
 import flashsample_jax as fs
-from flashsample_jax import _validate, controls, xla_backend
-from pallas_kernels import mosaic_controls, mosaic_sm90
+from flashsample_jax import controls, problem, stage2
+from flashsample_jax.backends import xla as xla_backend
 from tests import inputs
+from tests.backend_suite import BackendSuite
+from tests.cases import B, CASES, D, H, KEYS, T, V, W
 from tests.test_statistics import N, P_MIN, chi_square_p
 
-B, D, V = 24, 64, 3001
-# scale=1 and T=4: logits with std ~2, so truncation matters and rows differ.
-H, W = inputs.exact_inputs(B, D, V, scale=1, seed=1)
-T = inputs.pow2_temperatures(B, greedy_every=7, seed=1) * 4
-KEYS = {"scalar": jax.random.key(3), "per_row": inputs.row_keys(B, seed=3)}
-R = np.random.default_rng(0)
 
-CASES = {
-    "top_k": dict(top_k=jnp.asarray(R.integers(0, 60, B), jnp.int32)),
-    "top_k_scalar": dict(top_k=20),
-    "top_p": dict(top_p=jnp.asarray(R.uniform(0.05, 1.0, B), jnp.float32)),
-    "min_p": dict(min_p=jnp.asarray(R.uniform(0.0, 0.5, B), jnp.float32)),
-    "k_p_minp": dict(top_k=40, top_p=0.8, min_p=0.02),
-    "bias": dict(logit_bias=jnp.asarray(R.integers(-4, 5, V), jnp.float32)),
-    "softcap": dict(softcap=3.0),
-    "mask": dict(allowed_mask=jnp.asarray(R.integers(0, 2**32, (B, -(-V // 32)),
-                                                     dtype=np.uint32))),
-    "all": dict(top_k=30, top_p=0.9, min_p=0.01, softcap=8.0,
-                logit_bias=jnp.asarray(R.integers(-2, 3, V), jnp.float32),
-                allowed_mask=jnp.asarray(R.integers(0, 2**32, (B, -(-V // 32)),
-                                                    dtype=np.uint32))),
-}
+class _Xla(BackendSuite):
+  backend = "xla"
 
 
-BACKENDS = ["xla", "mosaic"]
+check = _Xla().check_controls
 
 
-def _context(backend):
-  """Interpret mode for the mosaic kernel where there is no sm90 GPU."""
-  if backend == "mosaic" and not mosaic_sm90._is_sm90_device():
-    return mosaic_sm90.interpret_mode()
-  return contextlib.nullcontext()
-
-
-def check(kw, key=KEYS["scalar"], h=H, w=W, t=T, backend="xla", **extra):
-  with _context(backend):
-    got = fs.sample(h, w, key, temperature=t, backend=backend, **kw, **extra)
-  want = fs.reference.sample(h, w, key, temperature=t, **kw, **extra)
-  if isinstance(want, fs.SampleOutput):
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    for name in ("logprob", "logprob_truncated", "logsumexp"):
-      np.testing.assert_allclose(getattr(got, name), getattr(want, name),
-                                 rtol=2e-5, atol=2e-5, err_msg=name)
-    return got.tokens
-  np.testing.assert_array_equal(got, want)
-  return np.asarray(got)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("key", sorted(KEYS))
-def test_control_matches_reference(case, key, backend):
-  check(CASES[case], KEYS[key], backend=backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["top_k", "top_p", "all"])
-def test_controls_with_samples_and_logprobs(case, backend):
-  check(CASES[case], num_samples=3, return_logprobs=True, backend=backend)
-  check(CASES[case], KEYS["per_row"], num_samples=2, return_logprobs=True,
-        backend=backend)
-
-
-def test_mosaic_more_samples_than_one_launch():
-  # 6 samples: two launches (4 + 2), the second keeps only the best.
-  assert mosaic_controls.MAX_KERNEL_SAMPLES < 6
-  check(CASES["all"], num_samples=6, return_logprobs=True, backend="mosaic")
-  check(CASES["bias"], KEYS["per_row"], num_samples=5, backend="mosaic")
-
-
-def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
-  # One value per slot and two per warpgroup: the bound is high, most rows
-  # cannot be certified from the candidates and take the materialized path.
-  monkeypatch.setattr(mosaic_controls, "_SLOT_DEPTH", 1)
-  monkeypatch.setattr(mosaic_controls, "_WG_CANDIDATES", 2)
-  for case in ("top_k", "top_p", "k_p_minp", "min_p", "all"):
-    check(CASES[case], return_logprobs=True, backend="mosaic")
-  p = _validate.prepare(H, W, KEYS["scalar"], temperature=T)
-  c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **CASES["top_k"])
-  with _context("mosaic"):
-    st = mosaic_controls.controls_state(p, c)
-  _, _, fallback = xla_backend.finish_controls(p, c, st)
-  assert np.asarray(fallback).sum() > 0
-  # The bound is never below a value the lists missed: every value above
-  # it is listed.
-  l = np.asarray(jnp.dot(H.astype(jnp.float32), W.astype(jnp.float32).T))
-  t = l / np.where(np.asarray(T) == 0, 1, np.asarray(T))[:, None]
-  vals, ids, bound = (np.asarray(a) for a in st["cand"])
-  for b in range(B):
-    above = set(np.flatnonzero(t[b] > bound[b]))
-    assert above <= set(ids[b][vals[b] > bound[b]]), b
-
-
-def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
-  # B > 64 with one sample and no truncation rule: launches of 128 rows
-  # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
-  # rule: of 64. Tokens and log-probabilities as the reference's either way.
-  b = 80
-  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=9)
-  t = inputs.pow2_temperatures(b, greedy_every=7, seed=9) * 4
-  rng = np.random.default_rng(9)
-  kw = dict(softcap=8.0,
-            logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
-            allowed_mask=jnp.asarray(rng.integers(0, 2**32, (b, -(-V // 32)),
-                                                  dtype=np.uint32)))
-  rows = []
-  real = mosaic_controls._launch
-  monkeypatch.setattr(mosaic_controls, "_launch",
-                      lambda *a, **k: (rows.append(k["n"]), real(*a, **k))[1])
-  check(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t, backend="mosaic",
-        return_logprobs=True)
-  assert rows == [128]
-  rows.clear()
-  check(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t, backend="mosaic")
-  assert rows == [64, 64]
-
-
-def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():
-  # _pair_lists against a brute-force merge: for each pair of lists the K
-  # best of the union in the order (t descending, id ascending), and a
-  # bound at least every value dropped. Ties across and within lists,
-  # -inf padding, and a bound already above some entries.
-  rng = np.random.default_rng(5)
-  w, k, n = 6, 4, 9
-  vals = rng.integers(-3, 3, size=(w, k, n)).astype(np.float32)
-  vals[rng.random((w, k, n)) < 0.2] = -np.inf
-  ids = np.stack([rng.permutation(50)[:w * k].reshape(w, k) for _ in range(n)], -1)
-  # Each list descending, ties by lower id first (as the kernel pops them).
-  for i in range(w):
-    for j in range(n):
-      order = np.lexsort((ids[i, :, j], -vals[i, :, j]))
-      vals[i, :, j], ids[i, :, j] = vals[i, order, j], ids[i, order, j]
-  bound = rng.integers(-4, 1, size=n).astype(np.float32)
-  # _pair_lists takes the kernel's layout, [N, K, W].
-  got_v, got_i, lost = (np.asarray(a).transpose(2, 1, 0) for a in mosaic_controls._pair_lists(
-      jnp.asarray(vals.transpose(2, 1, 0)), jnp.asarray(ids.transpose(2, 1, 0), jnp.int32)))
-  got_b = np.maximum(bound, lost.max(axis=(0, 1)))   # as _merge_outputs folds it
-  assert got_v.shape == (w // 2, k, n)
-  want_b = bound.copy()
-  for c in range(w // 2):
-    for j in range(n):
-      v = np.r_[vals[2 * c, :, j], vals[2 * c + 1, :, j]]
-      i = np.r_[ids[2 * c, :, j], ids[2 * c + 1, :, j]]
-      order = np.lexsort((i, -v))
-      keep, drop = order[:k], order[k:]
-      assert sorted(zip(-v[keep], i[keep])) == sorted(
-          zip(-got_v[c, :, j], got_i[c, :, j])), (c, j)
-      want_b[j] = max(want_b[j], v[drop].max())
-  np.testing.assert_array_equal(got_b, want_b)
+def xla_finish(p, c):
+  """Stage 2 on the xla backend's state: ``(tokens, out, fallback)``."""
+  return stage2.finish(p, c, xla_backend.controls_state(p, c))
 
 
 def test_fallback_path_is_exact(monkeypatch):
   # With 4 candidates most truncated rows cannot be certified and take the
   # materialized path; the tokens must not change.
-  monkeypatch.setattr(xla_backend, "CANDIDATES", 4)
+  monkeypatch.setattr(stage2, "CANDIDATES", 4)
+  jax.clear_caches()  # M is read when the sampler is traced
   for case in ("top_k", "top_p", "k_p_minp", "min_p"):
     check(CASES[case], return_logprobs=True)
-  p = _validate.prepare(H, W, KEYS["scalar"], temperature=T)
+  p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **CASES["top_p"])
-  _, _, fallback = xla_backend.sample_with_controls(p, c)
+  _, _, fallback = xla_finish(p, c)
   assert np.asarray(fallback).sum() > 0
 
 
 def test_fallback_is_rare_for_peaked_rows():
   # LLM-like rows (a few dominant ids) are certified from 128 candidates.
   h, w = inputs.random_inputs(B, D, V, dtype=jnp.float32, seed=4, logit_std=4.0)
-  p = _validate.prepare(h, w, KEYS["scalar"], temperature=1.0)
+  p = problem.prepare(h, w, KEYS["scalar"], temperature=1.0)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, top_k=50, top_p=0.9)
-  _, _, fallback = xla_backend.sample_with_controls(p, c)
+  _, _, fallback = xla_finish(p, c)
   assert np.asarray(fallback).sum() == 0
 
 
@@ -204,26 +71,6 @@ def test_num_samples_equals_categorical_shape():
   np.testing.assert_array_equal(got[0], fs.sample(H, W, rows))
 
 
-@pytest.mark.parametrize("key", sorted(KEYS))
-def test_mosaic_samples_only_run_as_rows_of_the_plain_kernel(key, monkeypatch):
-  # num_samples with temperature only: S * B <= SAMPLES_AS_ROWS_MAX rows of
-  # one plain launch (the controls kernel is not called), same tokens as the
-  # reference; above the limit the controls kernel takes them.
-  calls = []
-  real = mosaic_controls.controls_state
-  monkeypatch.setattr(mosaic_controls, "controls_state",
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
-  h, t = H[:8], T[:8]
-  k = KEYS[key] if key == "scalar" else KEYS[key][:8]
-  for s in (1, 5):
-    check({}, key=k, h=h, t=t, backend="mosaic", num_samples=s)
-  assert not calls
-  monkeypatch.setattr(fs.api, "SAMPLES_AS_ROWS_MAX", 8)
-  jax.clear_caches()  # the limit is read at trace time
-  check({}, key=k, h=h, t=t, backend="mosaic", num_samples=2)
-  assert calls
-
-
 @pytest.mark.parametrize("kw", [dict(top_p=0.9),
                                 dict(top_k=5, top_p=0.9, min_p=0.01, return_logprobs=True)])
 def test_program_size_does_not_grow_with_num_samples(kw):
@@ -236,75 +83,6 @@ def test_program_size_does_not_grow_with_num_samples(kw):
           h, w, jax.random.key(0)).as_text())
   small, large = size(2), size(64)
   assert large < 1.5 * small, (small, large)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_edge_cases(backend):
-  check = functools.partial(globals()["check"], backend=backend)
-  plain = np.asarray(fs.sample(H, W, KEYS["scalar"], temperature=4.0))
-  l = np.asarray(jnp.dot(H.astype(jnp.float32), W.astype(jnp.float32).T))
-  top = l == l.max(axis=1, keepdims=True)          # integer logits: ties occur
-  unique = top.sum(axis=1) == 1
-  greedy = l.argmax(axis=1)
-  for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
-    tok = check(kw, t=4.0)
-    # Only the top logit survives (all of it when tied): greedy where unique.
-    assert top[np.arange(B), tok].all(), kw
-    np.testing.assert_array_equal(tok[unique], greedy[unique])
-  assert unique.any() and not unique.all()
-  np.testing.assert_array_equal(check(dict(top_k=V + 5), t=4.0), plain)
-  np.testing.assert_array_equal(check(dict(top_p=1.0), t=4.0), plain)
-  np.testing.assert_array_equal(check(dict(min_p=0.0), t=4.0), plain)
-  # A mask that leaves one id per row: that id, whatever the logits.
-  only = R.integers(0, V, B)
-  mask = np.zeros((B, -(-V // 32)), np.uint32)
-  mask[np.arange(B), only // 32] = (1 << (only % 32)).astype(np.uint32)
-  np.testing.assert_array_equal(check(dict(allowed_mask=jnp.asarray(mask))), only)
-  # A bias of -inf bans ids.
-  bias = np.zeros(V, np.float32)
-  bias[plain] = -np.inf
-  tok = check(dict(logit_bias=jnp.asarray(bias)), t=4.0)
-  assert not np.isin(tok, plain).any()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_with_nothing_allowed_return_minus_one(backend):
-  mask = R.integers(0, 2**32, (B, -(-V // 32)), dtype=np.uint32)
-  mask[3] = 0
-  mask[5, :-1] = 0
-  mask[5, -1] = np.uint32(0xFFFFFFFF) << np.uint32(V % 32)   # only ids >= V
-  with _context(backend):
-    out = fs.sample(H, W, KEYS["scalar"], temperature=T, allowed_mask=jnp.asarray(mask),
-                    return_logprobs=True, backend=backend)
-  assert out.tokens[3] == -1 and out.tokens[5] == -1
-  assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
-  assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
-  check(dict(allowed_mask=jnp.asarray(mask)), return_logprobs=True, backend=backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_traced_controls_under_jit(backend):
-  f = jax.jit(lambda k, p, m, c: fs.sample(H, W, KEYS["scalar"], temperature=T,
-                                           top_k=k, top_p=p, min_p=m, softcap=c,
-                                           backend=backend))
-  g = jax.jit(lambda k, p, m, c: fs.reference.sample(
-      H, W, KEYS["scalar"], temperature=T, top_k=k, top_p=p, min_p=m, softcap=c))
-  args = (jnp.int32(25), jnp.float32(0.7), jnp.float32(0.03), jnp.float32(6.0))
-  with _context(backend):
-    got = f(*args)
-  np.testing.assert_array_equal(got, g(*args))
-
-
-def test_auto_picks_mosaic_for_controls_on_sm90():
-  with _context("mosaic"):
-    assert fs.which_backend(H, W, KEYS["scalar"], top_k=5, softcap=2.0) == "mosaic"
-  if not mosaic_sm90._is_sm90_device():
-    assert fs.which_backend(H, W, KEYS["scalar"], top_k=5) == "xla"
-    with pytest.raises(NotImplementedError, match="sm90"):
-      fs.sample(H, W, KEYS["scalar"], top_k=5, backend="mosaic")
-  # f32 weights: the kernel declines, auto takes the xla backend.
-  with _context("mosaic"):
-    assert fs.which_backend(H, W.astype(jnp.float32), KEYS["scalar"], top_k=5) == "xla"
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=10), dict(top_p=0.6), dict(min_p=0.2),
@@ -446,8 +224,8 @@ def test_nucleus_edge_within_rounding_resolved_when_tokens_agree():
   materialized = []
   for seed in range(12):
     key = jax.random.key(seed)
-    p = _validate.prepare(h, w, key, temperature=1.0)
-    tok, _, fallback = xla_backend.sample_with_controls(p, c)
+    p = problem.prepare(h, w, key, temperature=1.0)
+    tok, _, fallback = xla_finish(p, c)
     want = fs.reference.sample(h, w, key, temperature=1.0, **kw)
     np.testing.assert_array_equal(tok[0], want, err_msg=f"key {seed}")
     materialized.append(bool(fallback[0]))

@@ -1,9 +1,11 @@
 """The ``mosaic`` backend on the CPU: interpret mode, CUDA lowering, configs.
 
-Interpret mode runs the real Pallas Mosaic GPU kernel on the CPU (it misses
-races and accepts some ops that do not lower, DESIGN.md section 3), so the
-CUDA lowering of every config the heuristic can pick is checked separately,
-and the GPU tests (tests/test_mosaic_gpu.py) run the same suite on an H100.
+Interpret mode runs the real Pallas Mosaic GPU kernels on the CPU
+(``MosaicBackend(interpret=True)``; it misses races and accepts some ops that
+do not lower), so the CUDA lowering of every config the heuristic can pick
+is checked separately (``MosaicBackend(assume_sm90=True)`` under
+``h100_lowering``), and the GPU tests (tests/test_mosaic_gpu.py) run the same
+suite on an H100.
 """
 
 import dataclasses
@@ -14,15 +16,23 @@ import numpy as np
 import pytest
 
 import flashsample_jax as fs
-from flashsample_jax import _validate, api, noise, xla_backend
-from pallas_kernels import mosaic_sm90
+from flashsample_jax import backends, controls, noise, problem, stage2
+from flashsample_jax.backends import mosaic as mosaic_backend
+from flashsample_jax.backends import xla as xla_backend
+from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
+from pallas_kernels import sm90_config, sm90_controls
+from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
-from tests.conftest import has_gpu
 from tests.backend_suite import BackendSuite
+from tests.cases import B, CASES, D, H, KEYS, T, V, W
+from tests.conftest import has_gpu
+
+INTERPRET = MosaicBackend(interpret=True)
+LOWER = MosaicBackend(assume_sm90=True)
 
 
 class TestMosaicInterpret(BackendSuite):
-  backend = "mosaic"
+  backend = INTERPRET
   # f32 weights raise NotImplementedError (tested below); D a multiple of 64.
   dtypes = [jnp.bfloat16, jnp.float16]
   # The suite's shapes, with V kept small where interpretation is slow; still
@@ -30,14 +40,12 @@ class TestMosaicInterpret(BackendSuite):
   shapes = [(1, 64, 200), (5, 64, 1000), (16, 128, 517), (37, 64, 650)]
   random_shapes = [(64, 128, 1500), (29, 256, 1100)]
 
-  def run(self, hidden, weight, key, **kw):
-    with mosaic_sm90.interpret_mode():
-      return fs.sample(hidden, weight, key, backend=self.backend, **kw)
+
+SUITE = TestMosaicInterpret()
 
 
 def _interpret_candidates(p, **kw):
-  with mosaic_sm90.interpret_mode():
-    return jax.block_until_ready(mosaic_sm90.candidates(p, **kw))
+  return jax.block_until_ready(MosaicBackend(interpret=True, **kw).candidates(p))
 
 
 def _winning_scores(p, token, offset=0):
@@ -71,46 +79,42 @@ def _assert_same_candidates(got, want, p, offset=0):
 # Each config is run once on exact inputs whose V is a multiple of no tile,
 # with non-power-of-two temperatures (true division must match bit for bit).
 _CONFIGS = [
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=2,
-                             epi_cols=8),
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=3,
-                             epi_cols=8, epi_unroll=3),
-    mosaic_sm90.TuningConfig(tile_v=192, tile_d=64, max_concurrent_steps=1,
-                             epi_cols=8),
+    TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=2, epi_cols=8),
+    TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=3, epi_cols=8,
+                 epi_unroll=3),
+    TuningConfig(tile_v=192, tile_d=64, max_concurrent_steps=1, epi_cols=8),
     # Two compute warpgroups, the accumulator in uneven passes (1 + 2 chunks).
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2,
-                             epi_cols=8, compute_wgs=2, epi_passes=2),
+    TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2, epi_cols=8,
+                 compute_wgs=2, epi_passes=2),
     # Ping-pong: 4 steps per tile over 3 slots (a tile's steps change owner
     # mid-ring); 6 tiles on 4 CTAs (one or two tiles per CTA).
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
-                             epi_cols=8, compute_wgs=2, pingpong=True),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=128, tile_d=64,
+                 max_concurrent_steps=3, epi_cols=8),
     # Ping-pong, 11 tiles on 3 CTAs (4, 4, 3 tiles: both warpgroups end on
     # either parity), 3 chunks per unrolled iteration, 2 steps per tile over
     # 2 slots.
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
-                             epi_cols=8, epi_unroll=3, compute_wgs=2,
-                             pingpong=True, num_ctas=3),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=64, tile_d=128,
+                 max_concurrent_steps=2, epi_cols=8, epi_unroll=3,
+                 num_ctas=3),
     # Batch on M (N=21 padded to 64): running best over chunks and tiles.
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
-                             epi_cols=8, compute_wgs=2, pingpong=True,
-                             batch_major=True),
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
+                 max_concurrent_steps=3, epi_cols=8),
     # Batch on M, 11 tiles of 64 on 3 CTAs, two chunks per iteration.
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
-                             epi_cols=16, epi_unroll=2, compute_wgs=2,
-                             pingpong=True, batch_major=True, num_ctas=3),
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=128,
+                 max_concurrent_steps=2, epi_cols=16, epi_unroll=2,
+                 num_ctas=3),
     # Each slot released as soon as its wgmma is done: a ring of one slot
     # (vocabulary on M) and, batch on M, of two.
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=1,
-                             epi_cols=8, compute_wgs=2, pingpong=True,
-                             num_ctas=3, mma_in_flight=0),
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=2,
-                             epi_cols=16, compute_wgs=2, pingpong=True,
-                             batch_major=True, mma_in_flight=0),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=64, tile_d=64,
+                 max_concurrent_steps=1, epi_cols=8, num_ctas=3,
+                 mma_in_flight=0),
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
+                 max_concurrent_steps=2, epi_cols=16, mma_in_flight=0),
     # Ping-pong with a buffer per warpgroup, in uneven passes (1 + 2 chunks
     # of N=24), 11 tiles on 3 CTAs.
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=3,
-                             epi_cols=8, compute_wgs=2, pingpong=True,
-                             epi_passes=2, num_ctas=3, mma_in_flight=0),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=64, tile_d=64,
+                 max_concurrent_steps=3, epi_cols=8, epi_passes=2,
+                 num_ctas=3, mma_in_flight=0),
 ]
 
 
@@ -120,8 +124,8 @@ def test_configs_match_xla_scores(cfg, layout):
   b, d, v = 21, 256, 700
   h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=3)
   t = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
-  p = _validate.prepare(h, w, jax.random.key(3), temperature=t,
-                        weight_layout=layout, vocab_size=690)
+  p = problem.prepare(h, w, jax.random.key(3), temperature=t,
+                      weight_layout=layout, vocab_size=690)
   got = _interpret_candidates(p, config=cfg)
   _assert_same_candidates(got, xla_backend.candidates(p), p)
 
@@ -131,7 +135,7 @@ def test_batch_over_256_is_chunked():
   h, w = inputs.exact_inputs(b, d, v, seed=4)
   t = inputs.pow2_temperatures(b, greedy_every=7, seed=4)
   for key in (jax.random.key(4), inputs.row_keys(b, seed=4)):
-    p = _validate.prepare(h, w, key, temperature=t)
+    p = problem.prepare(h, w, key, temperature=t)
     _assert_same_candidates(_interpret_candidates(p), xla_backend.candidates(p),
                             p)
 
@@ -143,20 +147,14 @@ def test_traced_vocab_offset():
   h, w = inputs.exact_inputs(b, d, v, layout="dv", seed=5)
   key = jax.random.key(5)
 
-  p = _validate.prepare(h, w, key, weight_layout="dv", vocab_size=v)
+  p = problem.prepare(h, w, key, weight_layout="dv", vocab_size=v)
   # As the sharded API would: the whole head's vocab_size (and counters).
-  p = _validate.Problem(**{**p.__dict__, "vocab_size": 1000})
-
-  def f(offset, backend):
-    if backend == "mosaic":
-      return mosaic_sm90.candidates(p, vocab_offset=offset)
-    return xla_backend.candidates(p, vocab_offset=offset)
+  p = dataclasses.replace(p, vocab_size=1000)
 
   for offset in (0, 400, 800):  # 800: ids past vocab_size=1000 are masked
     off = jnp.int32(offset)
-    with mosaic_sm90.interpret_mode():
-      got = jax.jit(lambda o: f(o, "mosaic"))(off)
-    want = jax.jit(lambda o: f(o, "xla"))(off)
+    got = jax.jit(lambda o: INTERPRET.candidates(p, vocab_offset=o))(off)
+    want = jax.jit(lambda o: xla_backend.candidates(p, vocab_offset=o))(off)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     if offset < 800:
       _assert_same_candidates(got, want, p, offset)
@@ -172,7 +170,7 @@ def test_nan_and_inf_follow_the_combine_rule():
   h, w = inputs.exact_inputs(b, d, v, seed=6)
   w = w.at[17].set(jnp.nan).at[250].set(jnp.nan).at[5].set(-jnp.inf)
   t = inputs.pow2_temperatures(b, greedy_every=2, seed=6)
-  p = _validate.prepare(h, w, jax.random.key(6), temperature=t)
+  p = problem.prepare(h, w, jax.random.key(6), temperature=t)
   got = _interpret_candidates(p)
   want = xla_backend.candidates(p)
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -187,16 +185,16 @@ def test_nan_and_inf_follow_the_combine_rule():
 _N_BUCKETS = list(range(8, 257, 8))
 
 
-def _lower_for_cuda(b, d, v, layout, dtype):
+def _lower_for_cuda(b, d, v, layout, dtype, backend=LOWER):
   h = jax.ShapeDtypeStruct((b, d), dtype)
   w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), dtype)
   t = jax.ShapeDtypeStruct((b,), jnp.float32)
 
   def f(h, w, key, t):
-    p = _validate.prepare(h, w, key, temperature=t, weight_layout=layout)
-    return mosaic_sm90.candidates(p)
+    p = problem.prepare(h, w, key, temperature=t, weight_layout=layout)
+    return backend.candidates(p)
 
-  with mosaic_sm90.abstract_h100():
+  with h100_lowering():
     return jax.jit(f).trace(h, w, jax.random.key(0), t).lower(
         lowering_platforms=("cuda",))
 
@@ -226,19 +224,19 @@ def test_lowering_other_shapes(layout):
 def test_heuristic_picks_the_measured_schedules():
   # The settings PERF_LOG v7c / v9 measured best on the Qwen3-8B head.
   rows = 151936
-  small = mosaic_sm90.pick_config(32, 4096, rows)
-  assert (small.pingpong, small.batch_major, small.tile_v, small.mma_in_flight,
-          small.epi_passes) == (True, False, 128, 0, 1)
-  mid = mosaic_sm90.pick_config(128, 4096, rows)
-  assert (mid.batch_major, mid.epi_cols, mid.mma_in_flight, mid.tile_d,
-          mid.max_concurrent_steps) == (True, 8, 0, 64, 4)
-  assert mosaic_sm90.pick_config(64, 4096, rows).epi_cols == 16
-  wide = mosaic_sm90.pick_config(256, 4096, rows)
-  assert (wide.pingpong, wide.batch_major, wide.tile_v, wide.epi_passes,
-          wide.tile_d, wide.max_concurrent_steps, wide.mma_in_flight) == (
-              True, False, 64, 4, 64, 4, 1)
+  small = sm90_config.pick_config(32, 4096, rows)
+  assert (small.schedule, small.tile_v, small.mma_in_flight, small.epi_passes) == (
+      Schedule.PINGPONG_VOCAB_M, 128, 0, 1)
+  mid = sm90_config.pick_config(128, 4096, rows)
+  assert (mid.schedule, mid.epi_cols, mid.mma_in_flight, mid.tile_d,
+          mid.max_concurrent_steps) == (Schedule.PINGPONG_BATCH_M, 8, 0, 64, 4)
+  assert sm90_config.pick_config(64, 4096, rows).epi_cols == 16
+  wide = sm90_config.pick_config(256, 4096, rows)
+  assert (wide.schedule, wide.tile_v, wide.epi_passes, wide.tile_d,
+          wide.max_concurrent_steps, wide.mma_in_flight) == (
+              Schedule.PINGPONG_VOCAB_M, 64, 4, 64, 4, 1)
   # One compute warpgroup (V < 128): the cooperative schedule.
-  assert not mosaic_sm90.pick_config(256, 4096, 64).pingpong
+  assert sm90_config.pick_config(256, 4096, 64).schedule is Schedule.COOPERATIVE
 
 
 def test_heuristic_configs_are_valid():
@@ -246,11 +244,13 @@ def test_heuristic_configs_are_valid():
     for d in (64, 128, 4096, 8192):
       for v in (64, 100, 151936):
         rows = max(64, -(-v // 8) * 8)
-        cfg = mosaic_sm90.pick_config(n, d, rows)
+        cfg = sm90_config.pick_config(n, d, rows)
         cfg.check_problem(n=cfg.batch_pad(n), dim=d, rows=rows)
 
 
 # -- config validation ---------------------------------------------------------
+
+_PP, _BM = Schedule.PINGPONG_VOCAB_M, Schedule.PINGPONG_BATCH_M
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -265,30 +265,28 @@ def test_heuristic_configs_are_valid():
     (dict(compute_wgs=3), "compute_wgs=3"),
     (dict(tile_v=64, compute_wgs=2), "tile_v=64"),
     (dict(epi_passes=0), "epi_passes=0"),
-    (dict(pingpong=True), "pingpong needs compute_wgs=2"),
-    (dict(compute_wgs=2, pingpong=True, batch_major=True, epi_passes=2),
-     "epi_passes=2: batch_major"),
-    (dict(compute_wgs=2, batch_major=True), "batch_major needs pingpong"),
-    (dict(compute_wgs=2, pingpong=True, max_concurrent_steps=1),
-     "pingpong with mma_in_flight=1 needs max_concurrent_steps >= 2"),
+    (dict(schedule=_PP, compute_wgs=1), "PINGPONG_VOCAB_M runs 2 compute warpgroups"),
+    (dict(schedule=_BM, epi_passes=2), "epi_passes=2: PINGPONG_BATCH_M"),
+    (dict(schedule=_PP, max_concurrent_steps=1),
+     "PINGPONG_VOCAB_M with mma_in_flight=1 needs max_concurrent_steps >= 2"),
     (dict(mma_in_flight=2), "mma_in_flight=2"),
-    (dict(tile_v=64, epi_cols=16, epi_unroll=8, compute_wgs=2, pingpong=True,
-          batch_major=True), "must divide tile_v=64"),
+    (dict(schedule=_BM, tile_v=64, epi_cols=16, epi_unroll=8),
+     "must divide tile_v=64"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):
-    mosaic_sm90.TuningConfig(**kw)
+    TuningConfig(**kw)
 
 
 def test_config_wrong_type_raises_type_error():
   with pytest.raises(TypeError, match="tile_v"):
-    mosaic_sm90.TuningConfig(tile_v=128.0)
-  with pytest.raises(TypeError, match="pingpong"):
-    mosaic_sm90.TuningConfig(compute_wgs=2, pingpong=1)
+    TuningConfig(tile_v=128.0)
+  with pytest.raises(TypeError, match="schedule"):
+    TuningConfig(schedule="pingpong")
 
 
 def test_config_problem_checks():
-  cfg = mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, epi_cols=16)
+  cfg = TuningConfig(tile_v=128, tile_d=128, epi_cols=16)
   with pytest.raises(ValueError, match="epi_cols=16 x epi_unroll=1 must divide"):
     cfg.check_problem(n=24, dim=4096, rows=1024)
   with pytest.raises(ValueError, match="tile_d=128 must divide D=192"):
@@ -296,23 +294,21 @@ def test_config_problem_checks():
   with pytest.raises(ValueError, match="accumulator registers"):
     cfg.check_problem(n=256, dim=4096, rows=1024)
   # Ping-pong: each warpgroup holds a whole tile (128 x 256 / 128 = 256).
-  pp = mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, epi_cols=16,
-                                compute_wgs=2, pingpong=True)
+  pp = TuningConfig(schedule=_PP, tile_v=128, tile_d=64, epi_cols=16)
   with pytest.raises(ValueError, match="rows per warpgroup 128"):
     pp.check_problem(n=256, dim=4096, rows=1024)
-  bm = dataclasses.replace(pp, batch_major=True)
+  bm = dataclasses.replace(pp, schedule=_BM)
   with pytest.raises(ValueError, match="multiple of 64"):
     bm.check_problem(n=72, dim=4096, rows=1024)
   with pytest.raises(ValueError, match="N=192 x tile_v=128 needs 192"):
     bm.check_problem(n=192, dim=4096, rows=1024)
-  big = mosaic_sm90.TuningConfig(tile_v=128, tile_d=128,
-                                 max_concurrent_steps=8, epi_cols=16)
+  big = TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=8, epi_cols=16)
   with pytest.raises(ValueError, match="bytes of SMEM"):
     big.check_problem(n=128, dim=4096, rows=1024)
 
 
 def test_config_is_frozen():
-  cfg = mosaic_sm90.TuningConfig()
+  cfg = TuningConfig()
   with pytest.raises(AttributeError):
     cfg.tile_v = 64
 
@@ -324,28 +320,29 @@ def test_config_is_frozen():
                     "auto picks mosaic (tests/test_api.py)")
 def test_auto_picks_xla_on_cpu_and_mosaic_raises():
   h, w = inputs.exact_inputs(4, 64, 128)
-  p = _validate.prepare(h, w, jax.random.key(0))
-  assert api.resolve_backend("auto", p) == "xla"
-  with pytest.raises(NotImplementedError, match="sm90"):
-    fs.sample(h, w, jax.random.key(0), backend="mosaic")
-  with pytest.raises(NotImplementedError, match="sm90"):
-    mosaic_sm90.check_supported(p)
+  p = problem.prepare(h, w, jax.random.key(0))
+  c = controls.prepare_controls(batch=4, vocab_size=128, rows=128)
+  assert backends.resolve("auto", p, c).name == "xla"
+  for kw in ({}, dict(top_k=5)):
+    with pytest.raises(NotImplementedError, match="sm90"):
+      fs.sample(h, w, jax.random.key(0), backend="mosaic", **kw)
+    assert fs.which_backend(h, w, jax.random.key(0), **kw) == "xla"
 
 
 def test_unsupported_problems_raise_not_implemented():
-  with mosaic_sm90.interpret_mode():
-    h, w = inputs.exact_inputs(4, 96, 128)  # D not a multiple of 64
-    with pytest.raises(NotImplementedError, match="D=96"):
-      fs.sample(h, w, jax.random.key(0), backend="mosaic")
-    h, w = inputs.exact_inputs(4, 64, 128, dtype=jnp.float32)
-    with pytest.raises(NotImplementedError, match="float32"):
-      fs.sample(h, w, jax.random.key(0), backend="mosaic")
-    # auto still works: it moves on to xla.
-    tok = fs.sample(h, w, jax.random.key(0))
+  h, w = inputs.exact_inputs(4, 96, 128)  # D not a multiple of 64
+  with pytest.raises(NotImplementedError, match="D=96"):
+    fs.sample(h, w, jax.random.key(0), backend=INTERPRET)
+  h, w = inputs.exact_inputs(4, 64, 128, dtype=jnp.float32)
+  with pytest.raises(NotImplementedError, match="float32"):
+    fs.sample(h, w, jax.random.key(0), backend=INTERPRET)
+  # auto moves on to the xla backend.
+  assert fs.which_backend(h, w, jax.random.key(0), top_k=5) == "xla"
+  tok = fs.sample(h, w, jax.random.key(0))
   np.testing.assert_array_equal(tok, fs.reference.sample(h, w, jax.random.key(0)))
 
 
-# -- the controls kernel (pallas_kernels/mosaic_controls.py) -------------------
+# -- the controls kernel (pallas_kernels/sm90_controls.py) -------------------
 
 
 @pytest.mark.parametrize("layout,b,d,v,kw,launch_rows", [
@@ -364,11 +361,9 @@ def test_unsupported_problems_raise_not_implemented():
 ])
 def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
                                          monkeypatch):
-  from flashsample_jax import controls
-  from pallas_kernels import mosaic_controls
   rows, h_rows = [], []
-  real = mosaic_controls._launch
-  monkeypatch.setattr(mosaic_controls, "_launch",
+  real = sm90_controls._launch
+  monkeypatch.setattr(sm90_controls, "_launch",
                       lambda *a, **k: (rows.append(k["n"]), h_rows.append(a[2].shape[0]),
                                        real(*a, **k))[-1])
   h = jax.ShapeDtypeStruct((b, d), jnp.bfloat16)
@@ -376,16 +371,16 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
   t = jax.ShapeDtypeStruct((b,), jnp.float32)
 
   def f(h, w, key, t):
-    p = _validate.prepare(h, w, key, temperature=t, weight_layout=layout)
+    p = problem.prepare(h, w, key, temperature=t, weight_layout=layout)
     kk = dict(kw)
     if "logit_bias" in kk:
       kk["logit_bias"] = jnp.zeros((v,), jnp.float32)
     if "allowed_mask" in kk:
       kk["allowed_mask"] = jnp.zeros((b, -(-v // 32)), jnp.uint32)
     c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, **kk)
-    return mosaic_controls.controls_state(p, c)
+    return LOWER.controls_state(p, c)
 
-  with mosaic_sm90.abstract_h100():
+  with h100_lowering():
     lowered = jax.jit(f).trace(h, w, jax.random.key(0), t).lower(
         lowering_platforms=("cuda",))
   assert "flashsample_sm90_controls" in lowered.as_text()
@@ -397,3 +392,113 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
   groups = len(launch_rows) // chunks
   assert h_rows == [-(-min(n, b - c * n) // 8) * 8
                     for c in range(chunks) for _ in range(groups)]
+
+
+def test_mosaic_more_samples_than_one_launch():
+  # 6 samples: two launches (4 + 2), the second keeps only the best.
+  assert sm90_controls.MAX_KERNEL_SAMPLES < 6
+  SUITE.check_controls(CASES["all"], num_samples=6, return_logprobs=True)
+  SUITE.check_controls(CASES["bias"], KEYS["per_row"], num_samples=5)
+
+
+def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
+  # One value per slot and two per warpgroup: the bound is high, most rows
+  # cannot be certified from the candidates and take the materialized path.
+  monkeypatch.setattr(sm90_controls, "_SLOT_DEPTH", 1)
+  monkeypatch.setattr(sm90_controls, "_WG_CANDIDATES", 2)
+  jax.clear_caches()  # both are read when the sampler is traced
+  for case in ("top_k", "top_p", "k_p_minp", "min_p", "all"):
+    SUITE.check_controls(CASES[case], return_logprobs=True)
+  p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
+  c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **CASES["top_k"])
+  st = INTERPRET.controls_state(p, c)
+  _, _, fallback = stage2.finish(p, c, st)
+  assert np.asarray(fallback).sum() > 0
+  # The bound is never below a value the lists missed: every value above
+  # it is listed.
+  l = np.asarray(jnp.dot(H.astype(jnp.float32), W.astype(jnp.float32).T))
+  t = l / np.where(np.asarray(T) == 0, 1, np.asarray(T))[:, None]
+  vals, ids, bound = (np.asarray(a) for a in (st.cand_vals, st.cand_ids, st.cand_bound))
+  for b in range(B):
+    above = set(np.flatnonzero(t[b] > bound[b]))
+    assert above <= set(ids[b][vals[b] > bound[b]]), b
+
+
+def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
+  # B > 64 with one sample and no truncation rule: launches of 128 rows
+  # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
+  # rule: of 64. Tokens and log-probabilities as the reference's either way.
+  b = 80
+  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=9)
+  t = inputs.pow2_temperatures(b, greedy_every=7, seed=9) * 4
+  rng = np.random.default_rng(9)
+  kw = dict(softcap=8.0,
+            logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
+            allowed_mask=jnp.asarray(rng.integers(0, 2**32, (b, -(-V // 32)),
+                                                  dtype=np.uint32)))
+  rows = []
+  real = sm90_controls._launch
+  monkeypatch.setattr(sm90_controls, "_launch",
+                      lambda *a, **k: (rows.append(k["n"]), real(*a, **k))[1])
+  jax.clear_caches()  # launches are recorded when the sampler is traced
+  SUITE.check_controls(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t,
+                       return_logprobs=True)
+  assert rows == [128]
+  rows.clear()
+  SUITE.check_controls(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t)
+  assert rows == [64, 64]
+
+
+def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():
+  # _pair_lists against a brute-force merge: for each pair of lists the K
+  # best of the union in the order (t descending, id ascending), and a
+  # bound at least every value dropped. Ties across and within lists,
+  # -inf padding, and a bound already above some entries.
+  rng = np.random.default_rng(5)
+  w, k, n = 6, 4, 9
+  vals = rng.integers(-3, 3, size=(w, k, n)).astype(np.float32)
+  vals[rng.random((w, k, n)) < 0.2] = -np.inf
+  ids = np.stack([rng.permutation(50)[:w * k].reshape(w, k) for _ in range(n)], -1)
+  # Each list descending, ties by lower id first (as the kernel pops them).
+  for i in range(w):
+    for j in range(n):
+      order = np.lexsort((ids[i, :, j], -vals[i, :, j]))
+      vals[i, :, j], ids[i, :, j] = vals[i, order, j], ids[i, order, j]
+  bound = rng.integers(-4, 1, size=n).astype(np.float32)
+  # _pair_lists takes the kernel's layout, [N, K, W].
+  got_v, got_i, lost = (np.asarray(a).transpose(2, 1, 0) for a in sm90_controls._pair_lists(
+      jnp.asarray(vals.transpose(2, 1, 0)), jnp.asarray(ids.transpose(2, 1, 0), jnp.int32)))
+  got_b = np.maximum(bound, lost.max(axis=(0, 1)))   # as _merge_outputs folds it
+  assert got_v.shape == (w // 2, k, n)
+  want_b = bound.copy()
+  for c in range(w // 2):
+    for j in range(n):
+      v = np.r_[vals[2 * c, :, j], vals[2 * c + 1, :, j]]
+      i = np.r_[ids[2 * c, :, j], ids[2 * c + 1, :, j]]
+      order = np.lexsort((i, -v))
+      keep, drop = order[:k], order[k:]
+      assert sorted(zip(-v[keep], i[keep])) == sorted(
+          zip(-got_v[c, :, j], got_i[c, :, j])), (c, j)
+      want_b[j] = max(want_b[j], v[drop].max())
+  np.testing.assert_array_equal(got_b, want_b)
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_samples_only_run_as_rows_of_the_plain_kernel(key, monkeypatch):
+  # num_samples with temperature only: S * B <= SAMPLES_AS_ROWS_MAX rows of
+  # one plain launch (the controls kernel is not called), same tokens as the
+  # reference; above the limit the controls kernel takes them.
+  calls = []
+  real = sm90_controls.controls_state
+  monkeypatch.setattr(sm90_controls, "controls_state",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  h, t = H[:8], T[:8]
+  k = KEYS[key] if key == "scalar" else KEYS[key][:8]
+  jax.clear_caches()  # traces of other tests must not answer for this one
+  for s in (1, 5):
+    SUITE.check_controls({}, key=k, h=h, t=t, num_samples=s)
+  assert not calls
+  monkeypatch.setattr(mosaic_backend, "SAMPLES_AS_ROWS_MAX", 8)
+  jax.clear_caches()  # the limit is read at trace time
+  SUITE.check_controls({}, key=k, h=h, t=t, num_samples=2)
+  assert calls

@@ -2,9 +2,10 @@
 
 Run on the H100 with ``PYTHONPATH=. python3 -m pytest -m gpu tests/test_mosaic_gpu.py``;
 tests/conftest.py skips these without a GPU. They exist because CPU interpret
-mode misses races and lowering problems (DESIGN.md section 3, traps 1 and 2).
+mode misses races and lowering problems (docs/design.md, "Mosaic GPU facts").
 """
 
+import dataclasses
 import re
 
 import jax
@@ -14,8 +15,10 @@ import pytest
 from scipy import stats
 
 import flashsample_jax as fs
-from flashsample_jax import _validate, noise, xla_backend
-from pallas_kernels import mosaic_sm90
+from flashsample_jax import controls, noise, problem, stage2
+from flashsample_jax.backends import xla as xla_backend
+from flashsample_jax.backends.mosaic import MosaicBackend
+from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
 from tests.backend_suite import BackendSuite
 
@@ -62,45 +65,37 @@ def test_exact_large_batches(layout, b):
 
 
 _CONFIGS = [
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=2,
-                             epi_cols=8),
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=3,
-                             epi_cols=16, epi_unroll=2),
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=2,
-                             epi_cols=16),
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=4,
-                             epi_cols=8, epi_unroll=4, num_ctas=7),
-    # Two compute warpgroups (per-warpgroup reduction scratch, DESIGN trap 1).
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
-                             epi_cols=16, epi_unroll=2, compute_wgs=2,
-                             epi_passes=3),
-    mosaic_sm90.TuningConfig(tile_v=256, tile_d=64, max_concurrent_steps=2,
-                             epi_cols=8, compute_wgs=2, epi_passes=2,
-                             num_ctas=5),
+    TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=2, epi_cols=8),
+    TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=3, epi_cols=16,
+                 epi_unroll=2),
+    TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=2, epi_cols=16),
+    TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=4, epi_cols=8,
+                 epi_unroll=4, num_ctas=7),
+    # Two compute warpgroups (per-warpgroup reduction scratch: docs/design.md).
+    TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3, epi_cols=16,
+                 epi_unroll=2, compute_wgs=2, epi_passes=3),
+    TuningConfig(tile_v=256, tile_d=64, max_concurrent_steps=2, epi_cols=8,
+                 compute_wgs=2, epi_passes=2, num_ctas=5),
     # Ping-pong (two warpgroups on alternate tiles, one ring of slots):
     # 16 steps per tile over 3 slots; 24 tiles on 5 CTAs; unrolled twice.
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
-                             epi_cols=16, epi_unroll=2, compute_wgs=2,
-                             pingpong=True, num_ctas=5),
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=128, max_concurrent_steps=2,
-                             epi_cols=8, compute_wgs=2, pingpong=True),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=128, tile_d=64,
+                 max_concurrent_steps=3, epi_cols=16, epi_unroll=2,
+                 num_ctas=5),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=128, tile_d=128,
+                 max_concurrent_steps=2, epi_cols=8),
     # Batch on the wgmma M side (N=96 padded to 128), 24 tiles on 5 CTAs.
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=3,
-                             epi_cols=16, compute_wgs=2, pingpong=True,
-                             batch_major=True, num_ctas=5),
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=128, max_concurrent_steps=2,
-                             epi_cols=8, epi_unroll=2, compute_wgs=2,
-                             pingpong=True, batch_major=True),
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
+                 max_concurrent_steps=3, epi_cols=16, num_ctas=5),
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=128,
+                 max_concurrent_steps=2, epi_cols=8, epi_unroll=2),
     # The heuristic's N = 128 settings: chunks of [128, 8], each slot
     # released as soon as its wgmma is done.
-    mosaic_sm90.TuningConfig(tile_v=128, tile_d=64, max_concurrent_steps=4,
-                             epi_cols=8, compute_wgs=2, pingpong=True,
-                             batch_major=True, mma_in_flight=0),
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
+                 max_concurrent_steps=4, epi_cols=8, mma_in_flight=0),
     # Ping-pong with a buffer per warpgroup (the N > 128 schedule), in
     # uneven passes (2 + 3 + 3 chunks of N = 128).
-    mosaic_sm90.TuningConfig(tile_v=64, tile_d=64, max_concurrent_steps=4,
-                             epi_cols=16, compute_wgs=2, pingpong=True,
-                             epi_passes=3),
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=64, tile_d=64,
+                 max_concurrent_steps=4, epi_cols=16, epi_passes=3),
 ]
 
 
@@ -110,16 +105,16 @@ def test_configs_exact_scores(cfg, layout):
   # Power-of-two temperatures: scores, not only tokens, bit for bit against
   # the xla backend on the same GPU (libdevice logf vs XLA's log, the noise).
   # Other temperatures: tokens only; the f32 division rounds differently
-  # from XLA's for some T (see _div_rn in pallas_kernels/mosaic_sm90.py).
+  # from XLA's for some T (see div_rn in pallas_kernels/sm90_common.py).
   b = 128 if cfg.tile_v == 64 else 96
   d, v = 1024, 3001
   h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=7)
   pow2 = inputs.pow2_temperatures(b, greedy_every=5, seed=7)
   other = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
   for t, scores_too in ((pow2, True), (other, False)):
-    p = _validate.prepare(h, w, inputs.row_keys(b, seed=7), temperature=t,
-                          weight_layout=layout, vocab_size=2990)
-    got = jax.jit(lambda: mosaic_sm90.candidates(p, config=cfg))()
+    p = problem.prepare(h, w, inputs.row_keys(b, seed=7), temperature=t,
+                        weight_layout=layout, vocab_size=2990)
+    got = jax.jit(lambda: MosaicBackend(config=cfg).candidates(p))()
     want = xla_backend.candidates(p)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     if scores_too:
@@ -127,11 +122,11 @@ def test_configs_exact_scores(cfg, layout):
 
 
 def test_repeated_runs_identical():
-  # A race shows as results that move between runs (METHOD.md).
+  # A race shows as results that move between runs.
   b, d, v = 256, 4096, 151936
   h, w = _device_random_inputs(b, d, v, seed=11)
-  f = jax.jit(lambda h, w: mosaic_sm90.candidates(
-      _validate.prepare(h, w, jax.random.key(11), temperature=0.8)))
+  f = jax.jit(lambda h, w: MosaicBackend().candidates(
+      problem.prepare(h, w, jax.random.key(11), temperature=0.8)))
   first = jax.device_get(f(h, w))
   for _ in range(5):
     again = jax.device_get(f(h, w))
@@ -142,11 +137,11 @@ def test_repeated_runs_identical():
 def test_traced_vocab_offset():
   b, d, v = 40, 256, 3000
   h, w = inputs.exact_inputs(b, d, v, seed=12)
-  p = _validate.prepare(h, w, jax.random.key(12), vocab_size=v)
-  p = _validate.Problem(**{**p.__dict__, "vocab_size": 7000})
+  p = problem.prepare(h, w, jax.random.key(12), vocab_size=v)
+  p = dataclasses.replace(p, vocab_size=7000)
   for offset in (0, 2000, 5000):
     off = jnp.int32(offset)
-    got = jax.jit(lambda o: mosaic_sm90.candidates(p, vocab_offset=o))(off)
+    got = jax.jit(lambda o: MosaicBackend().candidates(p, vocab_offset=o))(off)
     want = jax.jit(lambda o: xla_backend.candidates(p, vocab_offset=o))(off)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     if offset <= 4000:
@@ -275,14 +270,12 @@ def test_controls_are_certified_on_llm_like_rows():
   # Top-k 50 + top-p 0.9 on logits of std 3: no row should need the
   # materialized pass (the candidates certify the kept set, or a nucleus
   # edge within rounding of p does not change the tokens).
-  from flashsample_jax import controls, xla_backend
-  from pallas_kernels import mosaic_controls
   d, v, b = 4096, 151936, 64
   h, w = _device_random_inputs(b, d, v, seed=6)
-  p = _validate.prepare(h, w, jax.random.key(6), temperature=1.0)
+  p = problem.prepare(h, w, jax.random.key(6), temperature=1.0)
   c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=50, top_p=0.9)
-  st = mosaic_controls.controls_state(p, c)
-  _, _, fallback = xla_backend.finish_controls(p, c, st)
+  st = MosaicBackend().controls_state(p, c)
+  _, _, fallback = stage2.finish(p, c, st)
   assert int(np.asarray(fallback).sum()) == 0
 
 

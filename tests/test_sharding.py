@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flashsample_jax as fs
-from flashsample_jax import _validate
+from flashsample_jax import problem, stage2
 from tests import inputs
 from tests.conftest import has_gpu
 
@@ -245,22 +245,26 @@ def test_random_inputs_agree_with_one_device():
   assert (got[0] == one).mean() >= 0.999
 
 
-def test_prepare_row_offset_and_vocab_shards():
-  # Rows 4..7 of a batch prepared with row_offset=4 get the global counters.
+def test_prepare_batch_shard_and_vocab_shards():
+  # Rows 4..7 of a batch, prepared as data-parallel shard 1 of 2, get the
+  # global counters, and their samples step over the global batch.
   b, d, v = 8, 64, 100
   h, w = inputs.exact_inputs(b, d, v, seed=13)
   key = jax.random.key(0)
-  whole = _validate.prepare(h, w, key, vocab_size=300, vocab_shards=4)
-  part = _validate.prepare(h[4:], w, key, vocab_size=300, vocab_shards=4,
-                           row_offset=4)
+  whole = problem.prepare(h, w, key, vocab_size=300, vocab_shards=4)
+  part = problem.prepare(h[4:], w, key, vocab_size=300, vocab_shards=4,
+                         batch_shard=(1, 2))
   np.testing.assert_array_equal(part.ctr_hi, whole.ctr_hi[4:])
   np.testing.assert_array_equal(part.ctr_lo, whole.ctr_lo[4:])
   np.testing.assert_array_equal(part.ctr_lo, np.arange(4, 8) * 300)
+  assert part.sample_stride == whole.sample_stride == 8 * 300
+  for got, want in zip(part.counters(3), whole.counters(3)):
+    np.testing.assert_array_equal(got, np.asarray(want)[:, 4:])
   assert whole.vocab_size == 300 and whole.vocab_shards == 4
-  assert _validate.prepare(h, w, key, vocab_shards=4).vocab_size == 400
-  traced = jax.jit(lambda o: _validate.prepare(
-      h[4:], w, key, vocab_size=300, vocab_shards=4, row_offset=o).ctr_lo)(
-          jnp.int32(4))
+  assert problem.prepare(h, w, key, vocab_shards=4).vocab_size == 400
+  traced = jax.jit(lambda o: problem.prepare(
+      h[4:], w, key, vocab_size=300, vocab_shards=4, batch_shard=(o, 2)).ctr_lo)(
+          jnp.int32(1))
   np.testing.assert_array_equal(traced, part.ctr_lo)
 
 
@@ -486,8 +490,8 @@ def test_controls_same_on_1_2_4_8_shards(case, key_kind):
 def test_controls_on_dp_x_tp_mesh_and_fallback(monkeypatch):
   # Scalar key with num_samples on a 2x4 mesh: counters use the global batch.
   # 4 candidates force most truncated rows through the gathered fallback.
-  from flashsample_jax import xla_backend
-  monkeypatch.setattr(xla_backend, "CANDIDATES", 4)
+  monkeypatch.setattr(stage2, "CANDIDATES", 4)
+  jax.clear_caches()  # M is read when the sampler is traced
   h, w = inputs.exact_inputs(_CB, _CD, _CV, scale=1, seed=9)
   t = inputs.pow2_temperatures(_CB, seed=9) * 4
   key = jax.random.key(9)
@@ -535,8 +539,8 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
   # reports barriers left allocated, for the plain kernel too), so the
   # shards run one after another on one device, each with its own offset,
   # and their states are merged as the all-gather inside shard_map does.
-  from flashsample_jax import controls, xla_backend
-  from pallas_kernels import mosaic_controls, mosaic_sm90
+  from flashsample_jax import controls
+  from flashsample_jax.backends.mosaic import MosaicBackend
   v = 1000
   h, w = inputs.exact_inputs(_CB, _CD, v, scale=1, seed=9)
   t = inputs.pow2_temperatures(_CB, greedy_every=5, seed=9) * 4
@@ -551,17 +555,17 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
   for n in (2, 4):
     rows = v // n
     c = controls.prepare_controls(batch=_CB, vocab_size=v, rows=v, **ctl)
-    shard = lambda i: _validate.prepare(h, w[i * rows:(i + 1) * rows], key,
-                                        temperature=t, vocab_size=v, vocab_shards=n)
-    with mosaic_sm90.interpret_mode():
-      states = [mosaic_controls.controls_state(shard(i), c, vocab_offset=i * rows)
-                for i in range(n)]
-    combine = xla_backend.state_combine(c, xla_backend.candidate_count(shard(0)))
+    shard = lambda i: problem.prepare(h, w[i * rows:(i + 1) * rows], key,
+                                      temperature=t, vocab_size=v, vocab_shards=n)
+    kernel = MosaicBackend(interpret=True)
+    states = [kernel.controls_state(shard(i), c, vocab_offset=i * rows)
+              for i in range(n)]
+    combine = stage2.state_combine(c, stage2.candidate_count(shard(0)))
     st = states[0]
     for other in states[1:]:   # shard order = id order, as after the all-gather
       st = combine(st, other)
     # Decided on the whole head: the rare materialized rows read all of W,
     # as the gathered logits inside shard_map do.
-    whole = _validate.prepare(h, w, key, temperature=t)
-    tokens, _, _ = xla_backend.finish_controls(whole, c, st)
+    whole = problem.prepare(h, w, key, temperature=t)
+    tokens, _, _ = stage2.finish(whole, c, st)
     np.testing.assert_array_equal(tokens[0], want, err_msg=f"{n} shards")

@@ -1,12 +1,16 @@
 """The streaming ``xla`` backend against the reference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import flashsample_jax as fs
-from flashsample_jax import _validate, xla_backend
+from flashsample_jax import problem
+from flashsample_jax.backends import xla as xla_backend
+from pallas_kernels import rules
 from tests import inputs
 from tests.backend_suite import BackendSuite
 
@@ -26,7 +30,7 @@ def test_chunk_size_does_not_change_tokens(chunk, per_row, unroll, monkeypatch):
   h, w = inputs.exact_inputs(b, d, v, seed=1)
   key = inputs.row_keys(b) if per_row else jax.random.key(5)
   t = inputs.pow2_temperatures(b, greedy_every=5)
-  p = _validate.prepare(h, w, key, temperature=t, vocab_size=2990)
+  p = problem.prepare(h, w, key, temperature=t, vocab_size=2990)
   _, tok = xla_backend.candidates(p, chunk=chunk)
   want = fs.reference.sample(h, w, key, temperature=t, vocab_size=2990)
   np.testing.assert_array_equal(tok, want)
@@ -34,20 +38,18 @@ def test_chunk_size_does_not_change_tokens(chunk, per_row, unroll, monkeypatch):
 
 def test_vocab_offset_scores_equal_unsharded():
   # Two halves of the vocabulary with global offsets combine to the whole.
-  from flashsample_jax import _core
   b, d, v = 7, 64, 1200
   h, w = inputs.exact_inputs(b, d, v, seed=2)
   key = jax.random.key(9)
-  whole = xla_backend.candidates(_validate.prepare(h, w, key, vocab_size=1100))
+  whole = xla_backend.candidates(problem.prepare(h, w, key, vocab_size=1100))
   parts = []
   for lo, hi in ((0, 600), (600, 1200)):
-    p = _validate.prepare(h, w[lo:hi], key, vocab_size=None)
+    p = problem.prepare(h, w[lo:hi], key, vocab_size=None)
     # Counters use the logical vocabulary of the whole head.
-    p = _validate.Problem(**{**p.__dict__, "vocab_size": 1100,
-                             "ctr_hi": whole_ctr(b, 1100)[0],
-                             "ctr_lo": whole_ctr(b, 1100)[1]})
+    p = dataclasses.replace(p, vocab_size=1100, ctr_hi=whole_ctr(b, 1100)[0],
+                            ctr_lo=whole_ctr(b, 1100)[1])
     parts.append(xla_backend.candidates(p, vocab_offset=lo))
-  got = _core.combine(*parts)
+  got = rules.combine(*parts)
   np.testing.assert_array_equal(got[1], whole[1])
   np.testing.assert_array_equal(got[0], whole[0])
 
@@ -84,7 +86,7 @@ def test_truncation_keeps_xla_cpu_topk_call(kw, v):
   # The candidates' top_k must stay XLA CPU's TopK call, not a sort of each
   # [B, chunk] block: reading single entries of its values folded them into
   # the sort and kept the whole sort (2.6 -> 0.7 ms at B=4, V=4096; 29 ->
-  # 10 ms at V=65536; xla_backend.finish_controls).
+  # 10 ms at V=65536; stage2.finish).
   h = jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((v, 256), jnp.bfloat16)
   f = lambda h, w: fs.sample(h, w, jax.random.key(0), backend="xla", **kw)

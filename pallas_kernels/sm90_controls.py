@@ -1,10 +1,11 @@
 """Sampling controls in the fused Mosaic GPU kernel (sm90).
 
-The kernel is the batch-major ping-pong of :mod:`pallas_kernels.mosaic_sm90`
-(``acc[N, Vt] = H @ W_tile.T``, N = 64 batch rows per launch, or 128 for B > 64
+The kernel is the batch-major ping-pong of :mod:`pallas_kernels.sm90_sampler`
+(:func:`~pallas_kernels.sm90_common.pingpong_frame`
+``acc[N, Vt] = H @ W_tile.T``, N = 64 batch rows per launch, or 128 for B > 64
 without truncation and with one sample (:data:`BATCH_WIDE`), two compute
 warpgroups alternating tiles) with a longer epilogue. Per element, in the
-order of :mod:`flashsample_jax.controls`::
+order of the package's controls (``flashsample_jax.controls``)::
 
     x = l                                   f32 accumulator
     x = c * tanh(x / c)                     softcap
@@ -26,12 +27,12 @@ best of every sample, the row's log-sum-exp, and its ``_WG_CANDIDATES``
 largest ``t`` (popped from the slot lists), plus a bound: no value of the
 row that the warpgroup saw and did not list is larger than it (the largest
 value that fell off a full slot list, or the next one after the popped).
-:func:`controls_state` merges the warpgroups' outputs into the controls
-state of :mod:`flashsample_jax.xla_backend`, whose
-:func:`~flashsample_jax.xla_backend.finish_controls` decides truncated rows on
-the top candidates exactly as for the xla backend; a row whose kept set is
-not certified (a list overflowed above the threshold, a nucleus wider than
-the candidates) takes the exact materialized path.
+:func:`controls_state` merges the warpgroups' outputs into one
+:class:`~pallas_kernels.state.ControlsState` per row, the form that the
+package's stage 2 finishes for every backend (it decides truncated rows on
+the top candidates; a row whose kept set is not certified, because a list
+overflowed above the threshold or a nucleus is wider than the candidates,
+takes the exact materialized path).
 
 Bias and mask tiles are copied to SMEM by TMA, issued by the compute
 warpgroup before its tile's wgmma (so their latency hides under the weight
@@ -50,9 +51,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from flashsample_jax import _core, controls, noise, xla_backend
-from flashsample_jax._validate import Problem
-from pallas_kernels import mosaic_sm90 as base
+from pallas_kernels import rules, sm90_common as common, threefry
+from pallas_kernels.state import ControlsState
+from pallas_kernels.sm90_config import SMEM_BUDGET, Schedule, TuningConfig
+
+__all__ = ["controls_state", "config", "BATCH", "BATCH_WIDE",
+           "MAX_KERNEL_SAMPLES"]
 
 # Batch rows per launch (the wgmma M side of one warpgroup).
 BATCH = 64
@@ -104,13 +108,12 @@ class Spec:
     return self.samples + (_WG_CANDIDATES if self.truncates else 0)
 
   @property
-  def rowdata_rows(self) -> int:
-    # k0, k1, bits of T, bits of the softcap, then (hi, lo) per sample.
-    return base._round_up(4 + 2 * self.samples, 8)
+  def rows(self) -> common.RowLayout:
+    return common.RowLayout(samples=self.samples)
 
 
 def config(dim: int, rows: int, itemsize: int = 2,
-           n: int = BATCH) -> base.TuningConfig:
+           n: int = BATCH) -> TuningConfig:
   """The launch config for ``n`` rows per launch: batch-major ping-pong,
   tiles of 128 (64 when the weight has fewer rows). N = 64: chunks of
   [64, 16], Dt = 128 when D allows, one wgmma in flight. N = 128: chunks of
@@ -119,22 +122,21 @@ def config(dim: int, rows: int, itemsize: int = 2,
   tile_v = 128 if rows >= 128 else 64
   wide = n > BATCH
   tile_d = 128 if dim % 128 == 0 and not wide else 64
-  cfg = base.TuningConfig(tile_v=tile_v, tile_d=tile_d, max_concurrent_steps=2,
-                          epi_cols=8 if wide else _EPI, compute_wgs=2,
-                          pingpong=True, batch_major=True,
-                          mma_in_flight=0 if wide else 1)
+  cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=tile_v,
+                     tile_d=tile_d, max_concurrent_steps=2,
+                     epi_cols=8 if wide else _EPI, mma_in_flight=0 if wide else 1)
   aux = 2 * tile_v * 4 + 2 * (tile_v // 32) * n * 4 + 8 * n * 4
   fixed = cfg.smem_bytes(n, itemsize) - 2 * (tile_v + n) * tile_d * itemsize
-  steps = (base._SMEM_BUDGET - fixed - aux) // ((tile_v + n) * tile_d * itemsize)
+  steps = (SMEM_BUDGET - fixed - aux) // ((tile_v + n) * tile_d * itemsize)
   return dataclasses.replace(cfg, max_concurrent_steps=int(max(2, min(8, steps))))
 
 
 def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
             layout: str, n: int, dim: int, rows: int, rows_valid: int,
-            vocab_size: int, n_tiles: int, num_ctas: int):
+            vocab_size: int, n_tiles: int, num_ctas: int, interpret: bool):
   """One CTA of the controls kernel (see the module docstring).
 
-  Refs: ``rowdata_ref`` uint32 ``[spec.rowdata_rows, N]``; optional
+  Refs: ``rowdata_ref`` uint32 ``[spec.rows.rows, N]`` (``RowLayout``); optional
   ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``mask_ref`` uint32
   ``[rows / 32, N]``; outputs ``f_ref`` f32 ``[N,
   spec.f_rows, 2 * num_ctas]`` and ``i_ref`` int32 ``[N, spec.i_rows, 2 *
@@ -162,15 +164,14 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, bias_smem=None,
               mask_smem=None, aux_bar=None):
-    row = lambda i: plgpu.load(rowdata_smem.at[i], layout=row_layout)
+    rl = spec.rows
     bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+    row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
     f32 = lambda x: lax.bitcast_convert_type(x, jnp.float32)
-    k0, k1 = bcast(row(0)), bcast(row(1))
-    t_row = bcast(f32(row(2)))
-    greedy = t_row == 0.0
-    t_safe = jnp.where(greedy, 1.0, t_row)
-    cap = bcast(f32(row(3))) if spec.softcap else None
-    ctr = [(bcast(row(4 + 2 * s)), bcast(row(5 + 2 * s))) for s in range(S)]
+    k0, k1 = row(rl.K0), row(rl.K1)
+    greedy, t_safe = rules.split_temperature(f32(row(rl.TEMPERATURE)))
+    cap = f32(row(rl.SOFTCAP)) if spec.softcap else None
+    ctr = [tuple(row(i) for i in rl.ctr(s)) for s in range(S)]
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
     off = off_ref[0]
 
@@ -202,15 +203,15 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         shift = (col + (c * epi) % 32).astype(jnp.uint32)
         valid = valid & (((word >> shift) & jnp.uint32(1)) == 1)
       x = jnp.where(valid, x, -jnp.inf)
-      t = base._div_rn(x, t_safe)
-      idx = jnp.where(valid, gid, base._INT_MAX)
+      t = common.div_rn(x, t_safe)
+      idx = jnp.where(valid, gid, rules.INT_MAX)
       gid_u = gid.astype(jnp.uint32)
       new_best = []
       for (c_hi, c_lo), b in zip(ctr, best):
-        hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
-        sc = jnp.where(greedy, x, t + noise.gumbel(k0, k1, hi, lo))
+        hi, lo = threefry.add_u32(c_hi, c_lo, gid_u)
+        sc = rules.perturb(x, t, threefry.gumbel(k0, k1, hi, lo), greedy)
         sc = jnp.where(valid, sc, -jnp.inf)
-        take = _core.better(sc, idx, b[0], b[1])
+        take = rules.better(sc, idx, b[0], b[1])
         nb = (jnp.where(take, sc, b[0]), jnp.where(take, idx, b[1]))
         if spec.t_best:
           nb += (jnp.where(take, t, b[2]),)
@@ -221,7 +222,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         # carried into the max (rows with NaN take the exact path).
         m, total = lse
         up = t > m
-        e = _approx_exp(-jnp.abs(t - m))
+        e = common.approx_exp(-jnp.abs(t - m), interpret=interpret)
         total = jnp.where(t == -jnp.inf, total,
                           jnp.where(up, total * e + 1.0, total + e))
         lse = (jnp.where(up | (t != t), t, m), total)
@@ -252,7 +253,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
     full = lambda v, dtype: plgpu.layout_cast(jnp.full((n, epi), v, dtype), wgmma)
     neg = lambda: full(-jnp.inf, jnp.float32)
-    big = lambda: full(base._INT_MAX, jnp.int32)
+    big = lambda: full(rules.INT_MAX, jnp.int32)
     best0 = tuple((neg(), big()) + ((neg(),) if spec.t_best else ())
                   for _ in range(S))
     lse0 = (neg(), full(0.0, jnp.float32)) if spec.lse else ()
@@ -264,13 +265,12 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     # Reduce the column slots inside each warp (no shared scratch).
     out = lax.axis_index("sm") * 2 + wg
     for s, b in enumerate(best):
-      m = jnp.max(b[0], axis=1)  # NaN if the row holds one
-      mb = bcast(m)
-      hit = (b[0] == mb) | ((b[0] != b[0]) & (mb != mb))
-      idx = jnp.min(jnp.where(hit, b[1], base._INT_MAX), axis=1)
+      m, idx = rules.first_best(b[0], b[1], 1)
       f_ref[:, s, out] = m
       i_ref[:, s, out] = idx
       if spec.t_best:
+        mb = bcast(m)
+        hit = (b[0] == mb) | (b[0] != b[0])
         own = hit & (b[1] == bcast(idx))
         f_ref[:, S + s, out] = jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1)
     if spec.lse:
@@ -286,7 +286,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       for r in range(_WG_CANDIDATES):
         mx = jnp.max(vals[0], axis=1)
         hit = vals[0] == bcast(mx)
-        top_id = jnp.min(jnp.where(hit, ids[0], base._INT_MAX), axis=1)
+        top_id = jnp.min(jnp.where(hit, ids[0], rules.INT_MAX), axis=1)
         pop = hit & (ids[0] == bcast(top_id))
         for j in range(_SLOT_DEPTH):
           nxt_v = vals[j + 1] if j + 1 < _SLOT_DEPTH else neg()
@@ -297,42 +297,26 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         i_ref[:, S + r, out] = top_id
       f_ref[:, 2 * S + 2, out] = jnp.maximum(overflow, jnp.max(vals[0], axis=1))
 
-  base._pingpong_frame(
+  common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref, batch_major=True,
-      rowdata_smem=plgpu.SMEM((spec.rowdata_rows, n), jnp.uint32),
+      rowdata_ref=rowdata_ref,
+      rowdata_smem=plgpu.SMEM((spec.rows.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
 
 
-def _approx_exp(x):
-  """``exp`` as ``ex2.approx`` (relative error ~2^-22) for the log-sum-exp,
-  whose sum only feeds log-probabilities and the top-p normalizer (both
-  read with tolerances), not the noise. Interpret mode runs ``jnp.exp``."""
-  if getattr(base._STATE, "interpret", False):
-    return jnp.exp(x)
-  layout = plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(layout,),
-                     return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
-  def fast(ctx, v):
-    del ctx
-    return v.exp(approx=True)
-
-  return fast(x)
-
-
 def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
-            rows_valid: int, vocab_size: int, n: int):
+            rows_valid: int, vocab_size: int, n: int, target: common.Target):
   dim = h.shape[1]
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
-  num_ctas = min(cfg.num_ctas or base._num_sms(), n_tiles)
+  num_ctas = min(cfg.num_ctas or target.sms(), n_tiles)
   body = functools.partial(_kernel, cfg=cfg, spec=spec, layout=layout, n=n,
                            dim=dim, rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
-                           num_ctas=num_ctas)
+                           num_ctas=num_ctas,
+                           interpret=target.interpret is not None)
   # The warpgroups on the minor axis (see _merge_outputs).
   out_type = (jax.ShapeDtypeStruct((n, spec.f_rows, 2 * num_ctas), jnp.float32),
               jax.ShapeDtypeStruct((n, spec.i_rows, 2 * num_ctas), jnp.int32))
@@ -341,34 +325,28 @@ def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
       num_threads=3, thread_name="wg",
       kernel_name="flashsample_sm90_controls",
       compiler_params=plgpu.CompilerParams(
-          reduction_scratch_bytes=base._REDUCTION_SCRATCH_BYTES,
-          lowering_semantics=plgpu.LoweringSemantics.Lane))
+          reduction_scratch_bytes=common.REDUCTION_SCRATCH_BYTES,
+          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      interpret=target.interpret)
   extra = [a for a in (bias, mask) if a is not None]
   return f(offset, rowdata, h, w, *extra)
 
 
-def check_supported(p: Problem, c: controls.Controls) -> None:
-  """Raises NotImplementedError where the controls kernel cannot run."""
-  base.check_supported(p)
-  del c  # every control is implemented
-
-
-def _local_bias(c: controls.Controls, offset, rows_k: int, total_rows: int,
-                epi: int):
+def _local_bias(logit_bias, offset, rows_k: int, total_rows: int, epi: int):
   """f32 ``[rows_k / epi, epi]``: the bias of this weight's rows (0 past V),
   one row per epilogue chunk.
 
   Padded so that ``offset + rows_k`` (offset <= the rows of all shards) is
   in range: ``dynamic_slice`` would clamp the start otherwise."""
-  bias = jnp.pad(c.logit_bias, (0, total_rows + rows_k - c.logit_bias.shape[0]))
+  bias = jnp.pad(logit_bias, (0, total_rows + rows_k - logit_bias.shape[0]))
   return lax.dynamic_slice_in_dim(bias, offset, rows_k).reshape(-1, epi)
 
 
-def _local_mask(c: controls.Controls, offset, rows_k: int, total_rows: int):
+def _local_mask(allowed_mask, offset, rows_k: int, total_rows: int):
   """uint32 ``[B, rows_k / 32]``: the allowed bits of this weight's rows,
   realigned so that word ``j`` holds local ids ``32 j .. 32 j + 31`` (bits
   past the mask's words are 0: not allowed)."""
-  mask = c.allowed_mask
+  mask = allowed_mask
   n_words = rows_k // 32
   total_words = -(-total_rows // 32) + n_words + 1
   mask = jnp.pad(mask, ((0, 0), (0, total_words - mask.shape[1])))
@@ -379,8 +357,8 @@ def _local_mask(c: controls.Controls, offset, rows_k: int, total_rows: int):
   return (a[:, :-1] >> r) | hi
 
 
-def _merge_outputs(fo, io, spec: Spec, m: int):
-  """Controls state rows from the warpgroups' outputs ``[N, *, W]``.
+def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
+  """One row's state from the warpgroups' outputs ``[N, *, W]``.
 
   Row ``s`` of ``fo``/``io`` is sample ``s``'s best score/id, row ``S + s``
   of ``fo`` its t; all samples are reduced over the warpgroups at once.
@@ -406,31 +384,33 @@ def _merge_outputs(fo, io, spec: Spec, m: int):
                    constant_values=-jnp.inf)
     maxed += [fo[:, 2 * S + 2:2 * S + 3], lost.reshape(n, -1, w)]
   maxima = jnp.max(jnp.concatenate(maxed, axis=1), axis=2)         # [N, rows]
-  score, tok = _core.reduce_candidates(fo[:, :S], ids, axis=2, best=maxima[:, :S])
+  score, tok = rules.first_best(fo[:, :S], ids, 2, best=maxima[:, :S])
   if spec.t_best:
     t = jnp.max(jnp.where(ids == tok[..., None], fo[:, S:2 * S], -jnp.inf), axis=2)
   else:
     t = jnp.zeros_like(score)
-  state = {"best": (score, tok, t)}                                # [N, S]
+  out = ControlsState(best_score=score, best_id=tok, best_t=t,   # [N, S]
+                        lse_max=None, lse_sum=None)
   if spec.lse:
     mw, sw = fo[:, 2 * S], fo[:, 2 * S + 1]
     mx = maxima[:, S]                    # the lse max follows the samples
     scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[:, None]))
-    state["lse"] = (mx, jnp.sum(sw * scale, axis=1))
+    out = out._replace(lse_max=mx, lse_sum=jnp.sum(sw * scale, axis=1))
   if spec.truncates:
     bound = jnp.max(maxima[:, S + int(spec.lse):], axis=1)
     # Listed values at or below the bound leave before the sort (the lists'
-    # invariant, xla_backend._topm_merge): the masking joins the pairing's
+    # invariant, see ControlsState): the masking joins the pairing's
     # fusion instead of a kernel of its own after the sort.
     vals = jnp.where(vals > bound[:, None, None], vals, -jnp.inf).reshape(n, -1)
     ids = c_ids.reshape(n, -1)
     if vals.shape[1] < m:
       pad = ((0, 0), (0, m - vals.shape[1]))
       vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
-      ids = jnp.pad(ids, pad, constant_values=base._INT_MAX)
+      ids = jnp.pad(ids, pad, constant_values=rules.INT_MAX)
     vals, j = lax.top_k(vals, m)
-    state["cand"] = (vals, jnp.take_along_axis(ids, j, axis=1), bound)
-  return state
+    out = out._replace(cand_vals=vals, cand_ids=jnp.take_along_axis(ids, j, axis=1),
+                       cand_bound=bound)
+  return out
 
 
 def _pair_lists(vals, ids):
@@ -459,39 +439,51 @@ def _pair_lists(vals, ids):
           jnp.where(take_a, b_v, a_v))
 
 
-def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
-                   global_batch: int | None = None):
-  """This shard's controls state (:func:`xla_backend.state_combine`'s form)
-  from the fused kernel: batch chunks of :data:`BATCH` rows (of
-  :data:`BATCH_WIDE` for B > BATCH with one sample and no truncation),
-  samples in groups of :data:`MAX_KERNEL_SAMPLES` per launch."""
-  check_supported(p, c)
-  global_batch = global_batch or p.batch
+def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
+                   layout: str, vocab_size: int, total_rows: int, candidates: int,
+                   truncates: bool, return_logprobs: bool, softcap: bool,
+                   logit_bias=None, allowed_mask=None,
+                   target: common.Target = common.Target()) -> ControlsState:
+  """The controls state of every row from the fused kernel.
+
+  Launches cover batch chunks of :data:`BATCH` rows (of :data:`BATCH_WIDE`
+  for B > BATCH with one sample and no truncation) and samples in groups of
+  :data:`MAX_KERNEL_SAMPLES`; each group re-reads W.
+
+  Args:
+    hidden: ``[B, D]`` in the weight's dtype (bf16/f16).
+    weight: ``[V, D]`` ("vd") or ``[D, V]`` ("dv"): this shard's rows.
+    rows: uint32 ``[RowLayout(S).rows, B]`` from
+      :func:`~pallas_kernels.sm90_common.pack_rows` (S samples).
+    vocab_offset: global id of the weight's first row (int or traced).
+    samples: S, the samples per row.
+    layout: "vd" or "dv".
+    vocab_size: the global logical vocabulary.
+    total_rows: the weight rows of all shards (what ``logit_bias`` and
+      ``allowed_mask`` index into).
+    candidates: M, the candidates per row to keep for truncation.
+    truncates: keep the candidate lists (a truncation rule is on).
+    return_logprobs: keep each sample's tempered logit.
+    softcap: apply the soft-cap of the rows' ``softcap`` field.
+    logit_bias: f32 ``[vocab_size]`` (global ids) or None.
+    allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]`` or None.
+    target: where the kernels run.
+  """
+  batch, dim = hidden.shape
   offset = jnp.asarray(vocab_offset, jnp.int32)
-  rows = p.weight_rows
-  w, rows_k = base.pad_vocab(p, _ROW_ALIGN)
-  n = (BATCH_WIDE if p.batch > BATCH and c.samples == 1 and not c.truncates
-       else BATCH)
-  cfg = config(p.hidden_dim, rows_k, jnp.dtype(p.weight.dtype).itemsize, n)
-  m = xla_backend.candidate_count(p)
-  total_rows = p.weight_rows * p.vocab_shards
-  bias = (_local_bias(c, offset, rows_k, total_rows, cfg.epi_cols)
-          if c.logit_bias is not None else None)
-  mask = (_local_mask(c, offset, rows_k, total_rows)
-          if c.allowed_mask is not None else None)
+  n_rows = weight.shape[0 if layout == "vd" else 1]
+  w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
+  n = BATCH_WIDE if batch > BATCH and samples == 1 and not truncates else BATCH
+  cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n)
+  bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
+          if logit_bias is not None else None)
+  mask = (_local_mask(allowed_mask, offset, rows_k, total_rows)
+          if allowed_mask is not None else None)
   # The log-sum-exp feeds log-probabilities and the truncation rules.
-  need_lse = c.return_logprobs or c.truncates
-  softcap = (jnp.broadcast_to(lax.bitcast_convert_type(c.softcap, jnp.uint32),
-                              (p.batch,)) if c.softcap is not None
-             else jnp.zeros((p.batch,), jnp.uint32))
-  # (hi, lo) of sample s in rows 2 s and 2 s + 1: the kernel's rowdata order.
-  counters = jnp.stack(xla_backend._sample_counters(p, c.samples, global_batch),
-                       axis=2).reshape(p.batch, 2 * c.samples).T     # [2 S, B]
-  hidden = p.hidden.astype(p.weight.dtype)
-  temp_bits = lax.bitcast_convert_type(p.temperature, jnp.uint32)
+  need_lse = return_logprobs or truncates
   states = []
-  for b0 in range(0, p.batch, n):
-    b1 = min(p.batch, b0 + n)
+  for b0 in range(0, batch, n):
+    b1 = min(batch, b0 + n)
     pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n - (b1 - b0))]
                                  + [(0, 0)] * (x.ndim - 1))
     mask_t = pad_rows(mask).T if mask is not None else None
@@ -500,29 +492,32 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     h_rows = -(-(b1 - b0) // 8) * 8
     h_chunk = jnp.pad(hidden[b0:b1], ((0, h_rows - (b1 - b0)), (0, 0)))
     parts = []
-    for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
-      g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
+    for g0 in range(0, samples, MAX_KERNEL_SAMPLES):
+      g1 = min(samples, g0 + MAX_KERNEL_SAMPLES)
       first = g0 == 0
-      spec = Spec(samples=g1 - g0, softcap=c.softcap is not None,
+      spec = Spec(samples=g1 - g0, softcap=softcap,
                   bias=bias is not None, mask=mask is not None,
-                  lse=first and need_lse, truncates=first and c.truncates,
-                  t_best=c.return_logprobs)
-      rowdata = jnp.concatenate([jnp.stack([p.k0, p.k1, temp_bits, softcap]),
-                                 counters[2 * g0:2 * g1]])
-      rowdata = jnp.pad(rowdata, [(0, spec.rowdata_rows - rowdata.shape[0]), (0, 0)])
+                  lse=first and need_lse, truncates=first and truncates,
+                  t_best=return_logprobs)
+      # This group's counters after the shared fields (RowLayout order).
+      ctr0 = common.RowLayout(1).ctr(0)[0]
+      rowdata = jnp.concatenate([rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]])
+      rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
       rowdata = pad_rows(rowdata.T).T
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
-                       mask_t, cfg=cfg, spec=spec, layout=p.layout,
-                       rows_valid=rows, vocab_size=p.vocab_size, n=n)
+                       mask_t, cfg=cfg, spec=spec, layout=layout,
+                       rows_valid=n_rows, vocab_size=vocab_size, n=n,
+                       target=target)
       # Padding rows leave the merge (and the top-M sort) before it starts.
-      parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, m))
+      parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, candidates))
     state = parts[0]
     if len(parts) > 1:   # the sample groups, side by side
-      state["best"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1),
-                                   *(part["best"] for part in parts))
-    if not need_lse:  # unused: finish_controls reads lse only for these
+      cat = lambda name: jnp.concatenate([getattr(q, name) for q in parts], axis=1)
+      state = state._replace(best_score=cat("best_score"), best_id=cat("best_id"),
+                             best_t=cat("best_t"))
+    if not need_lse:  # unused: stage 2 reads it only for these
       zero = jnp.zeros((b1 - b0,), jnp.float32)
-      state["lse"] = (zero, zero + 1.0)
+      state = state._replace(lse_max=zero, lse_sum=zero + 1.0)
     states.append(state)
   if len(states) == 1:
     return states[0]

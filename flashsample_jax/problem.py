@@ -1,11 +1,13 @@
-"""Argument checking shared by every backend and the reference.
+"""The problem every backend solves, checked once per call.
 
-One function, :func:`prepare`, turns the user's arguments into a
-:class:`Problem`: the canonical per-row form every backend consumes. Checks on
-shapes, dtypes and static values raise ``TypeError``/``ValueError`` naming the
-argument; checks on *values* run only when the value is concrete (a traced
-temperature cannot be inspected; see the README for what invalid traced
-values do).
+:func:`prepare` turns the user's arguments into a :class:`Problem`: the
+canonical per-row form every backend consumes. Checks on shapes, dtypes and
+static values raise ``TypeError``/``ValueError`` naming the argument; checks
+on *values* run only when the value is concrete (a traced temperature cannot
+be inspected; the README says what invalid traced values do). A ``Problem``
+is a pytree (arrays as leaves, the static facts as its structure), so a
+checked problem passes into ``jax.jit`` and ``shard_map`` without being
+checked again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flashsample_jax import noise
 
@@ -25,35 +28,39 @@ WEIGHT_LAYOUTS: tuple[str, ...] = ("vd", "dv")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """Validated arguments in the one form every backend consumes.
+  """Checked arguments in the one form every backend consumes.
 
   Noise is described per row: element ``(b, v)`` (``v`` a global vocabulary
-  id) gets Gumbel noise from key words ``(k0[b], k1[b])`` and 64-bit counter
-  ``(ctr_hi[b], ctr_lo[b]) + v``. A scalar key gives every row the same key
-  words and base counter ``b * vocab_size``; per-row keys give base 0. This is
-  DESIGN.md section 1 reduced to two ``[B]`` arrays, so kernels need not know
-  which key mode the user chose.
+  id) of sample ``s`` gets Gumbel noise from key words ``(k0[b], k1[b])`` at
+  the 64-bit counter ``(ctr_hi[b], ctr_lo[b]) + s * sample_stride + v``. A
+  scalar key gives every row the same key words and base counter
+  ``b * vocab_size`` (``b`` the global row) and a stride of
+  ``global_batch * vocab_size``; per-row keys give base 0 and stride
+  ``vocab_size``: the counters of ``jax.random.categorical(key, t, shape=(S,
+  B))`` (docs/design.md, "The exactness contract"), reduced to two ``[B]``
+  arrays and a number, so kernels need not know which key mode was chosen.
 
   Attributes:
     hidden: ``[B, D]``, cast to ``weight.dtype``.
-    weight: ``[V, D]`` (layout "vd") or ``[D, V]`` (layout "dv"), untouched.
-    k0, k1: uint32 ``[B]`` key words, ``key_words(key, B)``. A problem
-      given to ``xla_backend.finish_controls`` must keep them so: its exact
-      path splits them from ``key`` again inside its conditional branch.
-    ctr_hi, ctr_lo: uint32 ``[B]`` base counters.
+    weight: ``[V, D]`` (layout "vd") or ``[D, V]`` (layout "dv"), untouched;
+      one shard's rows when the vocabulary is sharded.
+    k0, k1: uint32 ``[B]`` key words.
+    ctr_hi, ctr_lo: uint32 ``[B]`` base counters of sample 0.
     temperature: float32 ``[B]``; 0 marks a greedy row.
-    layout: "vd" or "dv".
-    vocab_size: logical vocabulary; ids ``>= vocab_size`` are never returned.
-    per_row_keys: whether the user passed one key per row.
-    key: the user's key (typed or raw), kept for the reference.
+    key_data: the key's raw data, uint32 ``[2]`` or ``[B, 2]``: stage 2's
+      exact path takes the key words from it inside its conditional (a
+      branch's operands are copied into it on every call).
+    layout: "vd" or "dv" (static).
+    vocab_size: the global logical vocabulary; ids ``>= vocab_size`` are
+      never returned (static).
+    per_row_keys: whether the user passed one key per row (static).
     vocab_shards: how many vocabulary shards the logical vocabulary is split
-      into (1 unless ``weight`` is one shard of a vocabulary-parallel head);
-      ``vocab_size`` may then be up to ``vocab_shards * weight_rows``.
-    row_offset: global index of ``hidden``'s first row (non-zero when the
-      batch is sharded); a scalar key's base counters are
-      ``(row_offset + b) * vocab_size``. An int or an int32 scalar array.
+      into (1 unless ``weight`` is one shard of a vocabulary-parallel head;
+      static).
+    sample_stride: counter distance between consecutive samples (static).
   """
 
   hidden: jax.Array
@@ -63,12 +70,12 @@ class Problem:
   ctr_hi: jax.Array
   ctr_lo: jax.Array
   temperature: jax.Array
-  layout: str
-  vocab_size: int
-  per_row_keys: bool
-  key: Any
-  vocab_shards: int = 1
-  row_offset: Any = 0
+  key_data: jax.Array
+  layout: str = dataclasses.field(metadata=dict(static=True))
+  vocab_size: int = dataclasses.field(metadata=dict(static=True))
+  per_row_keys: bool = dataclasses.field(metadata=dict(static=True))
+  vocab_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
+  sample_stride: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   @property
   def batch(self) -> int:
@@ -82,6 +89,39 @@ class Problem:
   def weight_rows(self) -> int:
     """Rows of the vocabulary held by ``weight`` (padding included)."""
     return self.weight.shape[0 if self.layout == "vd" else 1]
+
+  @property
+  def total_rows(self) -> int:
+    """Weight rows of every vocabulary shard together."""
+    return self.weight_rows * self.vocab_shards
+
+  def counters(self, samples: int, *, rows_first: bool = False):
+    """Base counters ``(hi, lo)`` uint32 of samples ``0..S-1``: ``[S, B]``
+    (``[B, S]`` with ``rows_first``)."""
+    hi, lo = self.ctr_hi, self.ctr_lo
+    if rows_first:
+      hi, lo = hi[:, None], lo[:, None]
+    else:
+      hi, lo = hi[None], lo[None]
+    if samples == 1:
+      return hi, lo
+    steps = np.arange(samples, dtype=np.uint64) * np.uint64(self.sample_stride)
+    s_hi = (steps >> np.uint64(32)).astype(np.uint32)
+    s_lo = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    if not rows_first:
+      s_hi, s_lo = s_hi[:, None], s_lo[:, None]
+    s_hi, s_lo = jnp.asarray(s_hi), jnp.asarray(s_lo)
+    new_lo = lo + s_lo
+    return hi + s_hi + (new_lo < s_lo).astype(jnp.uint32), new_lo
+
+
+def logits(hidden, weight, layout: str) -> jax.Array:
+  """f32 logits ``[B, Vc]`` of ``hidden [B, D]`` against a weight slice
+  (``[Vc, D]`` for "vd", ``[D, Vc]`` for "dv"): f32 accumulation, the
+  package's definition of the logits."""
+  contract = 1 if layout == "vd" else 0
+  return lax.dot_general(hidden, weight, (((1,), (contract,)), ((), ())),
+                         preferred_element_type=jnp.float32)
 
 
 def _is_concrete(x) -> bool:
@@ -99,8 +139,9 @@ def _check_float_array(name: str, x) -> jax.Array:
   return jnp.asarray(x)
 
 
-def key_words(key, batch: int):
-  """Returns (k0 [B], k1 [B], per_row) from a typed or raw threefry key."""
+def key_data(key, batch: int):
+  """Checks ``key``; returns its raw data (uint32 ``[2]`` or ``[B, 2]``) and
+  whether it holds one key per row."""
   if isinstance(key, (int, np.integer)) or not hasattr(key, "dtype"):
     raise TypeError(
         "key must be a JAX key from jax.random.key (or raw uint32 key data "
@@ -132,11 +173,15 @@ def key_words(key, batch: int):
     raise ValueError(
         f"per-row keys need one key per row of hidden: key has "
         f"{data.shape[0]} keys, hidden has B={batch} rows")
-  if per_row:
-    return data[:, 0], data[:, 1], True
-  k0 = jnp.broadcast_to(data[0], (batch,))
-  k1 = jnp.broadcast_to(data[1], (batch,))
-  return k0, k1, False
+  return data, per_row
+
+
+def key_words(data, batch: int):
+  """``(k0, k1)`` uint32 ``[B]``: the key words of every row, from raw key
+  data ``[2]`` (one key for the batch) or ``[B, 2]`` (one per row)."""
+  if data.ndim == 2:
+    return data[:, 0], data[:, 1]
+  return (jnp.broadcast_to(data[0], (batch,)), jnp.broadcast_to(data[1], (batch,)))
 
 
 def _temperature(temperature, batch: int) -> jax.Array:
@@ -184,20 +229,22 @@ def _row_offset(row_offset) -> jax.Array:
   return jnp.asarray(row_offset).astype(jnp.uint32)
 
 
-def check_backend_name(backend, names: tuple[str, ...]) -> None:
-  if not isinstance(backend, str) or backend not in ("auto", *names):
-    raise ValueError(f"{backend=} must be 'auto' or one of {names}")
+def _check_int(name: str, value, lo: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+    raise ValueError(f"{name}={value!r} must be a Python int >= {lo}")
+  return int(value)
 
 
 def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-            vocab_size=None, vocab_shards=1, row_offset=0) -> Problem:
+            vocab_size=None, vocab_shards=1, batch_shard=(0, 1)) -> Problem:
   """Checks every argument and builds the canonical :class:`Problem`.
 
-  ``vocab_shards`` and ``row_offset`` serve vocabulary- and batch-sharded
-  callers (``flashsample_jax.sharding``): ``weight`` then holds one of
-  ``vocab_shards`` equal vocabulary shards, ``vocab_size`` is the global
-  logical vocabulary (default ``vocab_shards * weight_rows``), and ``hidden``
-  holds the rows ``row_offset ...`` of the global batch.
+  ``vocab_shards`` and ``batch_shard`` serve mesh callers
+  (``flashsample_jax.mesh``): ``weight`` then holds one of ``vocab_shards``
+  equal vocabulary shards, ``vocab_size`` is the global logical vocabulary
+  (default ``vocab_shards * weight_rows``), and ``hidden`` holds the rows of
+  data-parallel shard ``batch_shard = (index, count)`` (index: an int or a
+  traced int32 scalar): a scalar key counts rows across the whole batch.
 
   Raises:
     TypeError: an argument has the wrong type or dtype.
@@ -221,10 +268,9 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     raise ValueError(
         f"hidden.shape={tuple(hidden.shape)} and weight.shape="
         f"{tuple(weight.shape)} need D >= 1 and V >= 1")
-  if (isinstance(vocab_shards, bool) or not isinstance(vocab_shards, (int, np.integer))
-      or vocab_shards < 1):
-    raise ValueError(f"{vocab_shards=} must be a Python int >= 1")
-  vocab_shards = int(vocab_shards)
+  vocab_shards = _check_int("vocab_shards", vocab_shards, 1)
+  shard_index, shard_count = batch_shard
+  shard_count = _check_int("batch_shard count", shard_count, 1)
   total_rows = rows * vocab_shards
   if vocab_size is None:
     vocab_size = total_rows
@@ -238,29 +284,36 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
         f"{weight_layout=}{shards})")
   if vocab_size >= 2**31:
     raise ValueError(f"{vocab_size=} must be < 2**31")
-  k0, k1, per_row = key_words(key, batch)
+  data, per_row = key_data(key, batch)
+  k0, k1 = key_words(data, batch)
   temp = _temperature(temperature, batch)
+  global_batch = batch * shard_count
   if per_row:
     ctr_hi = jnp.zeros((batch,), jnp.uint32)
     ctr_lo = jnp.zeros((batch,), jnp.uint32)
-  elif not isinstance(row_offset, (int, np.integer)):
-    rows_ids = jnp.arange(batch, dtype=jnp.uint32) + _row_offset(row_offset)
-    ctr_hi, ctr_lo = noise.mul_u32_wide(rows_ids, np.uint32(vocab_size))
-  else:
+    stride = vocab_size
+  elif isinstance(shard_index, (int, np.integer)):
     # A Python offset makes the counters constants of the program (numpy,
     # not jnp, which traces under jit), so no kernel computes them on every
     # call: one launch and its gap less on a GPU.
+    row_offset = int(shard_index) * batch
     _row_offset(row_offset)                                  # range check
     rows_ids = (np.arange(batch, dtype=np.uint64) + np.uint64(row_offset)) % np.uint64(2**32)
     ctr = rows_ids * np.uint64(vocab_size)                  # < 2**63: exact
     ctr_hi = jnp.asarray((ctr >> np.uint64(32)).astype(np.uint32))
     ctr_lo = jnp.asarray((ctr & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+    stride = global_batch * vocab_size
+  else:
+    rows_ids = (jnp.arange(batch, dtype=jnp.uint32)
+                + _row_offset(shard_index * batch))
+    ctr_hi, ctr_lo = noise.mul_u32_wide(rows_ids, np.uint32(vocab_size))
+    stride = global_batch * vocab_size
   if not jax.config.jax_threefry_partitionable:
     raise NotImplementedError(
         "flashsample_jax reproduces jax.random with jax_threefry_partitionable="
         "True (the default since jax 0.5); it is False in this process")
   return Problem(
       hidden=hidden.astype(weight.dtype), weight=weight, k0=k0, k1=k1,
-      ctr_hi=ctr_hi, ctr_lo=ctr_lo, temperature=temp, layout=weight_layout,
-      vocab_size=vocab_size, per_row_keys=per_row, key=key,
-      vocab_shards=vocab_shards, row_offset=row_offset)
+      ctr_hi=ctr_hi, ctr_lo=ctr_lo, temperature=temp, key_data=data,
+      layout=weight_layout, vocab_size=vocab_size, per_row_keys=per_row,
+      vocab_shards=vocab_shards, sample_stride=stride)

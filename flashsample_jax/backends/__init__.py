@@ -1,0 +1,122 @@
+"""The backend registry: one small protocol, an ordered list of backends.
+
+A backend turns a checked :class:`~flashsample_jax.problem.Problem` into
+per-row results for the shared stage 2 (:mod:`flashsample_jax.stage2`):
+
+* :meth:`SamplerBackend.check` raises ``NotImplementedError`` (with the
+  reason) where it cannot run a call here; ``backend="auto"`` then moves on
+  to the next backend of :data:`BACKENDS`;
+* :meth:`SamplerBackend.candidates`: plain sampling, the best ``(score,
+  id)`` of each row over the weight's rows;
+* :meth:`SamplerBackend.controls_state`: sampling controls, a
+  :class:`~pallas_kernels.state.ControlsState` per row;
+* :meth:`SamplerBackend.samples_as_rows`: an optional fast path (draw
+  several samples as rows of one plain pass).
+
+A new backend is one adapter module in this package and one entry in
+``_REGISTRY``; the API names no backend, and the shared test suite and the
+benchmarks iterate over :data:`BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import ClassVar, Literal, get_args
+
+from flashsample_jax.controls import Controls
+from flashsample_jax.problem import Problem
+from pallas_kernels.state import ControlsState
+
+__all__ = ["Backend", "BACKENDS", "SamplerBackend", "get", "resolve", "check_name"]
+
+# Every backend name, in the order ``backend="auto"`` tries them.
+Backend = Literal["mosaic", "xla"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+# name -> "module:class" of its adapter (imported on first use, so a machine
+# without a backend's toolchain never imports it).
+_REGISTRY = {
+    "mosaic": "flashsample_jax.backends.mosaic:MosaicBackend",
+    "xla": "flashsample_jax.backends.xla:XlaBackend",
+}
+assert tuple(_REGISTRY) == BACKENDS
+
+
+class SamplerBackend(abc.ABC):
+  """What a backend implements. Instances are hashable (frozen dataclasses):
+  they are static arguments of the jitted sampler."""
+
+  name: ClassVar[str]
+
+  @abc.abstractmethod
+  def check(self, p: Problem, c: Controls) -> None:
+    """Raises ``NotImplementedError`` (saying why) if this backend cannot run
+    ``p`` with controls ``c`` on this device."""
+
+  @abc.abstractmethod
+  def candidates(self, p: Problem, *, vocab_offset=0):
+    """Best ``(score f32 [B], global id int32 [B])`` over ``p.weight``'s rows.
+
+    Sampled rows score ``l / T + gumbel``, greedy rows ``l``, ``-inf`` for
+    ids at or above ``p.vocab_size``; the best by the tie rule
+    (:mod:`pallas_kernels.rules`). ``vocab_offset``: the global id of the
+    weight's first row (an int, or a traced int32 inside ``shard_map``).
+    """
+
+  @abc.abstractmethod
+  def controls_state(self, p: Problem, c: Controls, *, vocab_offset=0) -> ControlsState:
+    """The :class:`~pallas_kernels.state.ControlsState` of ``p``'s rows over
+    ``p.weight``'s rows, with ``c``'s transforms applied and with candidate
+    lists when ``c`` truncates."""
+
+  def samples_as_rows(self, p: Problem, c: Controls) -> bool:
+    """Whether to draw ``c.samples`` samples as rows of one plain pass
+    (:func:`flashsample_jax.stage2.samples_as_rows`); asked only when
+    ``c.samples_only``."""
+    del p, c
+    return False
+
+
+def _load(name: str) -> type[SamplerBackend]:
+  module, cls = _REGISTRY[name].split(":")
+  return getattr(importlib.import_module(module), cls)
+
+
+def get(name: str) -> SamplerBackend:
+  """The default instance of backend ``name`` (one of :data:`BACKENDS`)."""
+  check_name(name)
+  if name == "auto":
+    raise ValueError("get() needs a backend name, not 'auto'")
+  return _load(name)()
+
+
+def check_name(backend) -> None:
+  """ValueError unless ``backend`` is ``"auto"``, a name of
+  :data:`BACKENDS` or a :class:`SamplerBackend` instance."""
+  if isinstance(backend, SamplerBackend):
+    return
+  if not isinstance(backend, str) or backend not in ("auto", *BACKENDS):
+    raise ValueError(f"{backend=} must be 'auto', one of {BACKENDS} or a "
+                     "flashsample_jax.backends.SamplerBackend")
+
+
+def resolve(backend, p: Problem, c: Controls) -> SamplerBackend:
+  """The backend that will run ``p``: ``backend`` itself (a name or an
+  instance; ``NotImplementedError`` if it cannot), or ``"auto"``'s pick,
+  the first of :data:`BACKENDS` that can."""
+  check_name(backend)
+  if backend != "auto":
+    impl = backend if isinstance(backend, SamplerBackend) else get(backend)
+    impl.check(p, c)
+    return impl
+  reasons = []
+  for name in BACKENDS:
+    impl = get(name)
+    try:
+      impl.check(p, c)
+    except NotImplementedError as e:
+      reasons.append(f"{name}: {e}")
+      continue
+    return impl
+  raise NotImplementedError("no backend can run this call: " + "; ".join(reasons))

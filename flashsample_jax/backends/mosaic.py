@@ -1,0 +1,134 @@
+"""The ``mosaic`` backend: the Pallas Mosaic GPU kernels for Hopper (sm90).
+
+This adapter turns a checked problem into the kernels' array arguments
+(:mod:`pallas_kernels.sm90_sampler` for plain sampling,
+:mod:`pallas_kernels.sm90_controls` for sampling controls) and says where
+they cannot run. The kernel modules are imported on first use: a CPU-only
+user of the ``xla`` backend never imports Pallas Mosaic GPU.
+
+For tests on a machine without a Hopper GPU, an instance can run the real
+kernels in Pallas' GPU interpret mode (``MosaicBackend(interpret=True)``) or
+trace them for an H100 to check their CUDA lowering
+(``MosaicBackend(assume_sm90=True)`` under :func:`h100_lowering`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from flashsample_jax import stage2
+from flashsample_jax.backends import SamplerBackend
+
+# Several samples alone (no transform, truncation or log-probabilities) are
+# drawn as S * B rows of one plain launch while those fit the fast plain
+# kernels (N <= 128): row ``s * B + b`` is sample ``s`` of row ``b`` with its
+# own counters, so the tokens are the same. The controls kernel pads B to
+# 64 rows and evaluates every sample's noise for each (PERF_LOG: S = 4 at
+# B = 1 took twice XLA's time that way).
+SAMPLES_AS_ROWS_MAX = 128
+
+
+def _kernels():
+  # Imported here: Pallas Mosaic GPU only where the backend runs.
+  from pallas_kernels import sm90_common, sm90_config, sm90_controls, sm90_sampler
+  return sm90_common, sm90_config, sm90_sampler, sm90_controls
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackend(SamplerBackend):
+  """The fused Hopper kernels.
+
+  Attributes:
+    interpret: run the kernels in Pallas' GPU interpret mode on the CPU:
+      True, or a ``plgpu.InterpretGPUParams``. For tests: it misses races
+      and accepts some ops that do not lower for CUDA.
+    num_sms: CTAs of the persistent grids. None: the GPU's SMs (4 in
+      interpret mode, which keeps interpretation fast).
+    assume_sm90: accept any device, to trace the kernels for CUDA on a
+      machine without a Hopper GPU (see :func:`h100_lowering`).
+    config: a ``pallas_kernels.sm90_config.TuningConfig`` for every plain
+      launch instead of the heuristic's (tests, benchmarks).
+  """
+
+  name: ClassVar[str] = "mosaic"
+  interpret: Any = None
+  num_sms: int | None = None
+  assume_sm90: bool = False
+  config: Any = None
+
+  def _target(self):
+    common = _kernels()[0]
+    params = self.interpret
+    if params is True:
+      from jax.experimental.pallas import mosaic_gpu as plgpu
+      params = plgpu.InterpretGPUParams()
+    num_sms = self.num_sms or (4 if params is not None else None)
+    return common.Target(interpret=params or None, num_sms=num_sms)
+
+  def check(self, p, c):
+    del c  # every control is implemented
+    if not (self.interpret or self.assume_sm90 or _is_sm90_device()):
+      try:
+        dev = jax.devices()[0]
+        where = f"{dev.platform} device {getattr(dev, 'device_kind', dev)}"
+      except RuntimeError:
+        where = "no device"
+      raise NotImplementedError(
+          f"the mosaic backend needs an sm90 (Hopper) GPU; the default device "
+          f"is a {where}")
+    dtype = jnp.dtype(p.weight.dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise NotImplementedError(
+          f"the mosaic backend supports bfloat16 and float16 weights, got "
+          f"weight.dtype={dtype}")
+    if p.hidden_dim % 64:
+      raise NotImplementedError(
+          f"the mosaic backend needs D a multiple of 64, got D={p.hidden_dim}")
+
+  def candidates(self, p, *, vocab_offset=0):
+    common, _, sampler, _ = _kernels()
+    rows = common.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+                            ctr_hi=p.ctr_hi[None], ctr_lo=p.ctr_lo[None])
+    return sampler.candidates(p.hidden, p.weight, rows, vocab_offset,
+                              layout=p.layout, vocab_size=p.vocab_size,
+                              config=self.config, target=self._target())
+
+  def controls_state(self, p, c, *, vocab_offset=0):
+    common, _, _, controls_kernel = _kernels()
+    ctr_hi, ctr_lo = p.counters(c.samples)
+    rows = common.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+                            ctr_hi=ctr_hi, ctr_lo=ctr_lo, softcap=c.softcap)
+    return controls_kernel.controls_state(
+        p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
+        layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
+        candidates=stage2.candidate_count(p), truncates=c.truncates,
+        return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
+        logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
+        target=self._target())
+
+  def samples_as_rows(self, p, c):
+    return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
+
+
+def _is_sm90_device() -> bool:
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+@contextlib.contextmanager
+def h100_lowering(num_sms: int = 132):
+  """Traces under an abstract H100 of ``num_sms`` SMs, so that
+  ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` runs the
+  Pallas -> Mosaic GPU lowering of the kernels without a GPU (with
+  ``MosaicBackend(assume_sm90=True)``)."""
+  common = _kernels()[0]
+  with jax.sharding.use_abstract_mesh(common.h100_abstract_mesh(num_sms)):
+    yield

@@ -1,0 +1,182 @@
+"""The ``xla`` backend: pure JAX, streams over vocabulary chunks.
+
+Each step computes the logits of one chunk of the vocabulary, adds the noise
+and keeps a running best ``(score, id)`` per row (with controls: the per-row
+:class:`~pallas_kernels.state.ControlsState`), so no ``[B, V]`` array is
+ever live. Runs on any JAX device and is the fallback for
+``backend="auto"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashsample_jax import controls, noise, problem, stage2
+from flashsample_jax.backends import SamplerBackend
+from flashsample_jax.problem import Problem
+from pallas_kernels import rules
+from pallas_kernels.state import ControlsState
+
+# Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
+# logits, about as much again for the scores): measured on an H200
+# (PERF_LOG), 2**20 left the GEMMs too small (B=256: 1.7x slower). On a
+# CPU, where each chunk's slice of W is a copy, 2**20 keeps memory small.
+_CHUNK_ELEMENTS = {"gpu": 2**22}
+_DEFAULT_CHUNK_ELEMENTS = 2**20
+_MIN_CHUNK = 512
+
+
+def _platform() -> str:
+  return jax.default_backend()
+
+
+def chunk_size(batch: int, rows: int) -> int:
+  """Vocabulary rows per chunk: a fixed number of elements, a multiple of 128."""
+  elements = _CHUNK_ELEMENTS.get(_platform(), _DEFAULT_CHUNK_ELEMENTS)
+  c = max(_MIN_CHUNK, elements // max(batch, 1))
+  c = (c // 128) * 128
+  return min(c, rows)
+
+
+# How _stream walks the chunks (measured on an H200, benchmarks/PERF_LOG.md):
+# on a GPU, static slices of W fuse into XLA's GEMM, while a fori_loop's
+# dynamic slice is copied out of W first (a [chunk, D] copy per step: 2.7x
+# slower at B=64). So there chunks are unrolled, each one's matmul ordered
+# after the previous chunk's result by an optimization barrier (else XLA may
+# run every chunk's matmul first and hold all their outputs at once). On a
+# CPU a static slice is a copy too and unrolling only raises memory, and past
+# MAX_UNROLLED chunks the loop keeps the program small.
+MAX_UNROLLED = {"gpu": 32}
+
+
+def _stream(p: Problem, block, combine, vc: int):
+  """Folds ``block(hidden, w_chunk, start, width)`` over the vocabulary.
+
+  The first chunk seeds the state (rather than constants): in the loop form
+  the carry then varies over the same shard_map axes as the data, which
+  shard_map(check_vma=True) requires.
+  """
+  rows = p.weight_rows
+  axis = 0 if p.layout == "vd" else 1
+  n_full = rows // vc
+  state = block(p.hidden, lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
+
+  def step(state, w, start, width):
+    hidden, state = lax.optimization_barrier((p.hidden, state))
+    return combine(state, block(hidden, w, start, width))
+
+  if n_full <= MAX_UNROLLED.get(_platform(), 0):
+    for i in range(1, n_full):
+      w = lax.slice_in_dim(p.weight, i * vc, (i + 1) * vc, axis=axis)
+      state = step(state, w, i * vc, vc)
+  else:
+    def body(i, state):
+      start = i * vc
+      w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
+      return combine(state, block(p.hidden, w, start, vc))
+    state = lax.fori_loop(1, n_full, body, state)
+  tail = rows - n_full * vc
+  if tail:
+    w = lax.slice_in_dim(p.weight, n_full * vc, rows, axis=axis)
+    state = step(state, w, n_full * vc, tail)
+  return state
+
+
+def _row_best(s, gid):
+  """Best ``(score, global id)`` of each row of a score block ``[B, Vc]``."""
+  j = jnp.argmax(s, axis=1)  # first max, first NaN: the tie rule
+  best = jnp.take_along_axis(s, j[:, None], axis=1)[:, 0]
+  return best, jnp.broadcast_to(gid, s.shape[-1:])[j].astype(jnp.int32)
+
+
+def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
+  """Best ``(score f32 [B], global id int32 [B])`` over ``p.weight``'s rows.
+
+  Args:
+    p: the checked problem.
+    vocab_offset: global vocabulary id of the weight's first row (non-zero
+      when ``weight`` is one shard of a vocabulary-sharded head).
+    chunk: vocabulary rows per step; default :func:`chunk_size`.
+  """
+  vc = min(chunk or chunk_size(p.batch, p.weight_rows), p.weight_rows)
+  offset = jnp.asarray(vocab_offset, jnp.int32)
+
+  def block(hidden, w, start, width):
+    gid = offset + start + lax.iota(jnp.int32, width)
+    l = problem.logits(hidden, w, p.layout)
+    s = stage2.perturbed(p, l, stage2.tempered(p, l), gid, 1)[:, 0]
+    s = jnp.where(gid < p.vocab_size, s, -jnp.inf)
+    return _row_best(s, gid)
+
+  return _stream(p, block, rules.combine, vc)
+
+
+
+# -- sampling controls ---------------------------------------------------------
+
+
+def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
+                   chunk: int | None = None) -> ControlsState:
+  """The :class:`~pallas_kernels.state.ControlsState` of ``p``'s rows in one
+  streaming pass over the vocabulary.
+
+  Per row: the best perturbed score of each sample (with its tempered
+  logit), an online log-sum-exp of the tempered logits, and (with
+  truncation) the top-M tempered logits, exact per chunk (bound ``-inf``).
+  """
+  samples = c.samples
+  vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
+  m = stage2.candidate_count(p)
+  offset = jnp.asarray(vocab_offset, jnp.int32)
+
+  def block(hidden, w, start, width):
+    gid = offset + start + lax.iota(jnp.int32, width)
+    x = controls.transform(problem.logits(hidden, w, p.layout), gid, c, p.vocab_size)
+    t = stage2.tempered(p, x)
+    sc = stage2.perturbed(p, x, t, gid, samples)                   # [B, S, W]
+    j = jnp.argmax(sc, axis=2)                                     # [B, S]
+    mx = jnp.max(t, axis=1)
+    st = ControlsState(
+        best_score=jnp.take_along_axis(sc, j[:, :, None], axis=2)[:, :, 0],
+        best_id=gid[j], best_t=jnp.take_along_axis(t, j, axis=1), lse_max=mx,
+        lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
+                                  jnp.exp(t - mx[:, None])), axis=1))
+    if c.truncates:
+      vals, j = lax.top_k(t, min(m, width))
+      if width < m:
+        pad = ((0, 0), (0, m - width))
+        vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+        j = jnp.pad(j, pad, constant_values=width - 1)
+      st = st._replace(cand_vals=vals, cand_ids=gid[j],
+                       cand_bound=jnp.full((p.batch,), -jnp.inf))
+    return st
+
+  return _stream(p, block, stage2.state_combine(c, m), vc)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend(SamplerBackend):
+  """Pure JAX streaming over vocabulary chunks; runs on every device.
+
+  Attributes:
+    chunk: vocabulary rows per step (None: :func:`chunk_size`).
+  """
+
+  name: ClassVar[str] = "xla"
+  chunk: int | None = None
+
+  def check(self, p, c):
+    del p, c  # every checked problem
+
+  def candidates(self, p, *, vocab_offset=0):
+    return candidates(p, vocab_offset=vocab_offset, chunk=self.chunk)
+
+  def controls_state(self, p, c, *, vocab_offset=0):
+    return controls_state(p, c, vocab_offset=vocab_offset, chunk=self.chunk)
+
+

@@ -1,0 +1,360 @@
+"""Stage 2: what every backend's per-row results go through to become tokens.
+
+A backend delivers, per row, either one ``(score, id)`` candidate (plain
+sampling: the best over its vocabulary rows) or a
+:class:`~pallas_kernels.state.ControlsState` (sampling controls: each
+sample's best, an online log-sum-exp, the top-M tempered logits). This module
+merges them (chunks, warpgroups, shards: :func:`state_combine`), decides the
+truncation rules on the candidates (:func:`finish`), and runs the exact
+materialized path for the rare rows the candidates cannot certify. It also
+turns several samples of a row into rows of their own
+(:func:`samples_as_rows`), for backends that draw those faster.
+
+The tie rule and the greedy rule are :mod:`pallas_kernels.rules`, shared with
+the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashsample_jax import controls, mesh, noise, problem
+from flashsample_jax.problem import Problem
+from pallas_kernels import rules
+from pallas_kernels.state import ControlsState
+
+__all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
+           "perturbed", "state_combine", "topm_merge", "finish",
+           "samples_as_rows"]
+
+# Candidates per row kept for truncation (top-k / top-p / min-p): the M
+# largest tempered logits. Rows whose kept set the candidates cannot certify
+# take the exact materialized path (see finish).
+CANDIDATES = 128
+# Relative distance of the mass before an id from top_p below which a row is
+# not certified from the candidates (f32 sums over ~1e5 terms differ by far
+# less); such rows are rare and take the exact path.
+_TOP_P_MARGIN = 1e-4
+
+
+def candidate_count(p: Problem) -> int:
+  """M: the candidates per row kept for truncation (at most the rows).
+
+  Lists are padded to M entries when a shard has fewer rows, so that
+  shards' lists merge with one shape."""
+  return min(CANDIDATES, p.total_rows)
+
+
+def tempered(p: Problem, x):
+  """``x / T`` per row (greedy rows: T = 1). Division, not multiplication by
+  ``1 / T``: the reference divides, and the two round differently unless T
+  is a power of two."""
+  return x / rules.split_temperature(p.temperature[:, None])[1]
+
+
+def perturbed(p: Problem, x, t, gid, samples: int):
+  """Scores ``[B, S, W]`` whose argmax over the last axis is each sample:
+  ``t + g`` (greedy rows: ``x``).
+
+  ``x`` and ``t`` are ``[B, W]``, ``gid`` ``[W]`` or ``[B, W]``. One
+  expression for every sample, so the program does not grow with S; XLA
+  fuses the noise into the reduction that consumes it.
+  """
+  hi, lo = p.counters(samples, rows_first=True)                  # [B, S]
+  hi, lo = noise.add_u32(hi[:, :, None], lo[:, :, None],
+                         gid.astype(jnp.uint32)[..., None, :])
+  g = noise.gumbel(p.k0[:, None, None], p.k1[:, None, None], hi, lo)
+  greedy = p.temperature[:, None, None] == 0
+  return rules.perturb(x[:, None], t[:, None], g, greedy)
+
+
+def _lse_merge(a, b):
+  """Merges online log-sum-exp states ``(max, sum of exp(t - max))``."""
+  m = jnp.maximum(a[0], b[0])
+  scale = lambda mx: jnp.where(m == -jnp.inf, 0.0, jnp.exp(mx - m))
+  return m, a[1] * scale(a[0]) + b[1] * scale(b[0])
+
+
+def topm_merge(a, b, m: int):
+  """Merges candidate lists ``(vals [B, *], ids, bound [B])``: the ``m``
+  largest values (ties keep ``a``, lower ids, first) and the larger bound.
+
+  ``bound`` is an upper bound on every value of the row that is in no list
+  (``-inf`` for exact lists; a kernel's fixed-depth lists can overflow).
+  Listed values at or below the bound are ``-inf`` (they may have unlisted
+  equals or neighbours): every producer of a list keeps that, so
+  :func:`finish` reads the lists as they are.
+  """
+  vals = jnp.concatenate([a[0], b[0]], axis=1)
+  ids = jnp.concatenate([a[1], b[1]], axis=1)
+  bound = jnp.maximum(a[2], b[2])
+  vals, j = lax.top_k(jnp.where(vals > bound[:, None], vals, -jnp.inf), m)
+  return vals, jnp.take_along_axis(ids, j, axis=1), bound
+
+
+def state_combine(c: controls.Controls, m: int):
+  """The associative merge of two :class:`ControlsState` of the same rows
+  over two parts of the vocabulary (the tie rule decides equal scores by
+  id; equal candidate values keep ``a``'s first, so give ``a`` the lower
+  ids)."""
+  def combine(a: ControlsState, b: ControlsState) -> ControlsState:
+    take = rules.better(b.best_score, b.best_id, a.best_score, a.best_id)
+    pick = lambda x, y: jnp.where(take, y, x)
+    lse = _lse_merge((a.lse_max, a.lse_sum), (b.lse_max, b.lse_sum))
+    out = ControlsState(
+        best_score=pick(a.best_score, b.best_score),
+        best_id=pick(a.best_id, b.best_id), best_t=pick(a.best_t, b.best_t),
+        lse_max=lse[0], lse_sum=lse[1])
+    if c.truncates:
+      vals, ids, bound = topm_merge((a.cand_vals, a.cand_ids, a.cand_bound),
+                                    (b.cand_vals, b.cand_ids, b.cand_bound), m)
+      out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
+    return out
+  return combine
+
+
+def samples_as_rows(p: Problem, samples: int) -> Problem:
+  """The problem whose row ``s * B + b`` is sample ``s`` of row ``b``: the
+  same hidden row, key and temperature, and that sample's counters, so the
+  argmax of its row is that sample's token (for backends whose plain pass
+  is cheaper than a pass with several samples per element)."""
+  hi, lo = p.counters(samples)                                    # [S, B]
+  tile = lambda a: jnp.tile(a, samples)
+  return dataclasses.replace(
+      p, hidden=jnp.tile(p.hidden, (samples, 1)), k0=tile(p.k0), k1=tile(p.k1),
+      ctr_hi=hi.reshape(-1), ctr_lo=lo.reshape(-1),
+      temperature=tile(p.temperature),
+      key_data=(jnp.tile(p.key_data, (samples, 1)) if p.per_row_keys
+                else p.key_data))
+
+
+def _certify(c: controls.Controls, cand_t, lse, complete, last,
+             margin: float = _TOP_P_MARGIN):
+  """Thresholds of the truncation rules from the top-M candidates.
+
+  ``cand_t [B, M]`` (descending) holds every value of the row above
+  ``last [B]``, an upper bound on the values not listed (ties with it may
+  be unlisted). Returns ``(keep [B, M], certified [B])``: which candidates
+  survive every rule, and whether that set is exactly the rows' kept set
+  (every rule's threshold is known from the candidates, and at least one
+  rule's kept set lies inside them). Mirrors :func:`controls.keep_mask`.
+  ``lse`` is the rows' online log-sum-exp ``(max, sum)``.
+  Rows where the mass before a listed id is within ``margin`` (relative) of
+  ``top_p`` are not certified (rounding could move the nucleus edge).
+  """
+  b, m = cand_t.shape
+  top = cand_t[:, :1]
+  keep = jnp.ones((b, m), bool)
+  known = jnp.ones((b,), bool)
+  inside = jnp.zeros((b,), bool)
+  active = jnp.zeros((b,), bool)
+  in_k = jnp.ones((b,), bool)
+  # Each rule is "on" exactly where keep_mask applies it (NaN included).
+  if c.top_k is not None:
+    k = c.top_k
+    on = ~(k <= 0)
+    thr = jnp.take_along_axis(cand_t, jnp.clip(k - 1, 0, m - 1)[:, None], axis=1)[:, 0]
+    thr = jnp.where(k > m, -jnp.inf, thr)           # only used when complete
+    keep &= ~on[:, None] | (cand_t >= thr[:, None])
+    known &= ~on | (k <= m) | complete
+    in_k = ~on | complete | ((k <= m) & (last < thr))
+    inside |= on & in_k
+    active |= on
+  if c.top_p is not None:
+    pp = c.top_p
+    on = ~(pp >= 1)
+    tk = jnp.where(keep, cand_t, -jnp.inf)
+    # The normalizer: over the top-k set when it lies in the candidates
+    # (the last prefix sum), else (top-k off) over the whole row, from the
+    # online log-sum-exp. The prefix sums are of exp(t - top), normalized
+    # after: the sum and the cumsum are then one pass, not two in a row
+    # (the rounding differs from keep_mask's by far less than the margin).
+    e = jnp.exp(tk - top)
+    cs = jnp.cumsum(e, axis=1)
+    z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
+    k_on = (c.top_k > 0) if c.top_k is not None else jnp.zeros((b,), bool)
+    z = jnp.where(k_on, cs[:, -1], z_all)
+    before = (cs - e) / z[:, None]
+    # The mass before an id grows down the list, so the ids with mass < p
+    # before them are a prefix (at least the first): its smallest t is the
+    # threshold (one reduction, not a count and then a gather).
+    first = lax.broadcasted_iota(jnp.int32, (b, m), 1) == 0
+    thr = jnp.min(jnp.where((before < pp[:, None]) | first, tk, jnp.inf), axis=1)
+    keep &= ~on[:, None] | (tk >= thr[:, None])
+    # The nucleus edge lies in the list if a listed id already has mass
+    # >= p ranked before it (the mass before an id only grows down the list).
+    edge_inside = jnp.any((tk > -jnp.inf) & (before >= pp[:, None]), axis=1)
+    # The mass before an id is a sum whose rounding depends on the order
+    # and the normalizer's path (chunks, shards); keep_mask sums otherwise.
+    # Where it lies within rounding of p the two could disagree on the
+    # edge: such rows take the exact path.
+    near = jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
+                                      <= margin * pp[:, None]), axis=1)
+    known &= ~on | (((k_on & in_k) | (~k_on & edge_inside) | complete) & ~near)
+    inside |= on & (complete | (last < thr))
+    active |= on
+  if c.min_p is not None:
+    mp = c.min_p
+    on = ~(mp <= 0)
+    ok = jnp.exp(cand_t - top) >= mp[:, None]
+    keep &= ~on[:, None] | ok
+    inside |= on & (complete | (jnp.exp(last - top[:, 0]) < mp))
+    active |= on
+  # A row left with no finite candidate (e.g. a traced min_p > 1) samples
+  # among -inf in keep_mask: the exact path reproduces that.
+  nonempty = jnp.any(keep & (cand_t > -jnp.inf), axis=1)
+  certified = ~active | (known & (inside | complete) & nonempty)
+  return keep, certified, active
+
+
+def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
+           axis: tuple[str, ...] | None = None):
+  """Tokens and log-probabilities from a controls state (any backend's).
+
+  ``st`` is the state of this shard's rows (:func:`state_combine`'s form);
+  with ``axis`` (inside ``shard_map``, the vocabulary sharded over it) the
+  shards' states are gathered and merged first (O(B x M) bytes). Then
+  truncated rows are decided on the candidates, or, where those cannot
+  certify the kept set, on the exact materialized path (the rare uncertified
+  rows gather the full logits over ``axis``). Rows that ``allowed_mask``
+  leaves empty return ``-1`` (log-probabilities NaN).
+
+  Returns:
+    ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``:
+    ``fallback`` marks the rows that took the materialized path.
+
+  The exact path sits behind ``lax.cond``. On a GPU, XLA keeps such a
+  conditional inside its CUDA graph (decided on the device) only if every
+  op of both branches can live in a graph; else it copies the predicate to
+  the host on every call, and nothing after it is launched until the copy
+  lands (PERF_LOG c5). Hence :func:`controls.keep_mask` sorts with two keys
+  (never a CUB sort). The sharded path's all-gather in the branch may still
+  need the host. Inside the graph the conditional node still has a cost of
+  its own even with trivial branches (PERF_LOG c5), so there is one, not
+  nested.
+  """
+  samples = c.samples
+  m = candidate_count(p)
+  total_rows = p.total_rows
+  combine = state_combine(c, m)
+  perturb = lambda x, t, gid: perturbed(p, x, t, gid, samples)
+  if axis:
+    parts = jax.tree.map(lambda a: mesh.all_gather_invariant(a, axis), st)
+    n = jax.tree.leaves(parts)[0].shape[0]
+    st = jax.tree.map(lambda a: a[0], parts)
+    for i in range(1, n):       # shard order = id order: ties keep lower ids
+      st = combine(st, jax.tree.map(lambda a, i=i: a[i], parts))
+  tokens = st.best_id.T                                      # [S, B]
+  t_tok = st.best_t.T
+  lse = (st.lse_max, st.lse_sum)
+  lse_all = st.lse_max + jnp.log(st.lse_sum)
+  lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
+  fallback = jnp.zeros((p.batch,), bool)
+  if c.truncates:
+    # Values at or below ``bound`` may have unlisted neighbours: only the
+    # values above it are known to be complete and in order; the lists hold
+    # -inf in their place (_topm_merge).
+    cand_t, cand_i, bound = st.cand_vals, st.cand_ids, st.cand_bound
+    if jax.default_backend() == "cpu":
+      # XLA's CPU compiler turns a top_k into a sort and back into its fast
+      # TopK call only if the sort is read through [0:k] slices; reading
+      # single entries (the top, the k-th, the last) folds them into the
+      # sort, which then stays a full sort of the chunk (B=4, V=4096: 2.5
+      # ms of a 2.6 ms call). The barrier keeps those reads off the sort.
+      cand_t = lax.optimization_barrier(cand_t)
+    last = jnp.maximum(bound, cand_t[:, -1])
+    complete = (bound == -jnp.inf) & ((m >= total_rows) | (last == -jnp.inf))
+    certify = functools.partial(_certify, cand_t=cand_t, lse=lse,
+                                complete=complete, last=last)
+    keep, certified, active = certify(c)
+    # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
+    # treat them in ways the candidates do not track; the exact path does.
+    finite = ~active | jnp.isfinite(st.lse_max)
+    certified &= finite
+    sampled = p.temperature != 0
+    if not c.return_logprobs:  # greedy rows ignore truncation (argmax of x)
+      certified |= ~sampled
+    use = active & sampled & (st.lse_max > -jnp.inf)
+
+    def pick(keep):
+      """Tokens, their t and the kept log-sum-exp with ``keep`` applied."""
+      kept_t = jnp.where(keep, cand_t, -jnp.inf)
+      sc = perturb(kept_t, kept_t, cand_i)                         # [B, S, M]
+      # The list is sorted by t, not id: ties of the perturbed score must
+      # go to the lowest id (the combine rule), not the first list position.
+      # One variadic row reduction (with the winner's t), not a max, then a
+      # min of the ids that attain it, then a max of their t.
+      _, tok, new_t = rules.argbest(sc, cand_i[:, None], axis=2,
+                                    carry=cand_t[:, None])         # [B, S]
+      return (jnp.where(use[None], tok.T, tokens),
+              jnp.where(use[None], new_t.T, t_tok),
+              jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept))
+
+    tokens, t_tok, lse_kept = pick(keep)
+    fallback = ~certified
+    if c.top_p is not None and not c.return_logprobs:
+      # Rows whose nucleus edge lies within rounding of top_p can still be
+      # decided here: the kept sets at p -/+ width are nested around the one
+      # at p, so if both give the same token (the edge ids rarely win), so
+      # does p. Not with logprobs: the kept log-sum-exp depends on the edge.
+      # Computed on every call: a second, nested conditional around it cost
+      # more than these few small fusions (PERF_LOG c5).
+      width = 2 * _TOP_P_MARGIN * c.top_p
+      (k_lo, ok_lo, _), (k_hi, ok_hi, _) = (
+          certify(dataclasses.replace(c, top_p=c.top_p + d), margin=0.0)
+          for d in (-width, width))
+      (tok_lo, t_lo, _), (tok_hi, _, _) = pick(k_lo), pick(k_hi)
+      same = fallback & ok_lo & ok_hi & finite & jnp.all(tok_lo == tok_hi, axis=0)
+      tokens = jnp.where(same[None], tok_lo, tokens)
+      t_tok = jnp.where(same[None], t_lo, t_tok)
+      fallback = fallback & ~same
+
+    def exact():
+      # The key words are split from the key (a program parameter) inside
+      # the branch: slices of it passed in were each copied into the
+      # conditional on every call (PERF_LOG c5).
+      k0, k1 = problem.key_words(p.key_data, p.batch)
+      pb = dataclasses.replace(p, k0=k0, k1=k1)
+      return _materialized(
+          pb, c, fallback, tokens, t_tok, lse_kept,
+          lambda x, t, gid: perturbed(pb, x, t, gid, samples), axis)
+
+    tokens, t_tok, lse_kept = lax.cond(
+        jnp.any(fallback), exact, lambda: (tokens, t_tok, lse_kept))
+  out = None
+  if c.return_logprobs:
+    out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],
+                                logprob_truncated=t_tok - lse_kept,
+                                logsumexp=jnp.broadcast_to(lse_all, tokens.shape))
+  if c.allowed_mask is not None:
+    empty = controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
+    tokens = jnp.where(empty, -1, tokens)
+    if out is not None:
+      nan = lambda a: jnp.where(empty, jnp.nan, a)
+      out = controls.SampleOutput(tokens, nan(out.logprob),
+                                  nan(out.logprob_truncated), out.logsumexp)
+  return tokens, out, fallback
+
+
+def _materialized(p: Problem, c: controls.Controls, rows, tokens, t_tok, lse_kept,
+                 perturbed, axis):
+  """The exact path for ``rows``: full logits, :func:`controls.keep_mask`."""
+  l = problem.logits(p.hidden, p.weight, p.layout)               # [B, local rows]
+  if axis:   # every shard's logits, in global id order
+    l = jnp.moveaxis(mesh.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
+  gid = lax.iota(jnp.int32, l.shape[1])
+  x = controls.transform(l, gid, c, p.vocab_size)[:, :p.vocab_size]
+  gid = gid[:p.vocab_size]
+  t = tempered(p, x)
+  kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
+  j = jnp.argmax(perturbed(x, kept, gid), axis=2)                # [B, S]
+  new_t = jnp.take_along_axis(t, j, axis=1)
+  r = rows[None]
+  return (jnp.where(r, j.T.astype(jnp.int32), tokens),
+          jnp.where(r, new_t.T, t_tok),
+          jnp.where(r, jax.nn.logsumexp(kept, axis=1)[None], lse_kept))

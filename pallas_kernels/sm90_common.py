@@ -1,0 +1,471 @@
+"""What the sm90 kernels share: device facts, per-row data, the ping-pong frame.
+
+The public pieces here are the building blocks of both Mosaic GPU kernels
+(:mod:`pallas_kernels.sm90_sampler` and :mod:`pallas_kernels.sm90_controls`):
+
+* :class:`Target`: where a launch runs (the GPU, or Pallas' GPU interpret
+  mode on the CPU), passed to every launcher; nothing here reads global
+  state.
+* :class:`RowLayout` and :func:`pack_rows`: the per-row data block (key
+  words, temperature, soft-cap, noise counters of each sample) by field name.
+* :func:`pingpong_frame`: the SMEM ring of ``W``/``H`` slots and its
+  barriers, the memory warpgroup that streams a CTA's tiles through it
+  (:func:`stream_steps`), and each compute warpgroup's loop over its tiles
+  (:func:`pingpong_tile`, :func:`consume_tile`). A kernel supplies only its
+  epilogue.
+* :func:`col_reduce`, :func:`store_column`, :func:`approx_exp`: epilogue ops
+  that need inline Mosaic GPU code on the GPU and plain ``jnp`` in interpret
+  mode (which cannot run inline code).
+
+Traps these pieces avoid (docs/design.md, "Mosaic GPU facts"): two compute
+warpgroups must not share a reduction scratch (``jnp.max``'s sits at one
+fixed offset; :func:`col_reduce` gives each its own), and a slot is released
+only once the wgmma that reads it has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import memref
+
+from pallas_kernels.sm90_config import TuningConfig, round_up
+
+# 128-byte swizzle: 64 bf16/f16 elements per swizzled row.
+SWIZZLE = 128
+# CompilerParams' suggested reduction scratch (jnp.max/min inside a warpgroup).
+REDUCTION_SCRATCH_BYTES = 2 * 128 * 6 * 4
+# Alignment of the vocabulary axis that TMA needs (see pad_vocab).
+_VD_ROW_ALIGN = 8
+_DV_COL_ALIGN = SWIZZLE // 2
+# An H100 SXM has 132 SMs; used only when no device or abstract mesh says.
+DEFAULT_NUM_SMS = 132
+# The device kind interpret mode and CUDA lowering on a CPU pretend to be
+# (JAX's own tests/pallas/gpu_pallas_interpret_test.py does the same).
+H100_KIND = "NVIDIA H100 80GB HBM3"
+
+
+# ----------------------------------------------------------------------------
+# Where a launch runs
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where the kernels run, passed explicitly to every launcher.
+
+  Attributes:
+    interpret: ``None`` on a GPU; else the ``plgpu.InterpretGPUParams`` of
+      Pallas' GPU interpret mode, which runs the kernel on the CPU (it misses
+      races and accepts some ops that do not lower; test lowering too).
+    num_sms: CTAs of the persistent grids; None: the device's SM count (or
+      that of the enclosing abstract mesh's device).
+  """
+
+  interpret: plgpu.InterpretGPUParams | None = None
+  num_sms: int | None = None
+
+  def sms(self) -> int:
+    return self.num_sms or device_num_sms()
+
+
+def device_num_sms() -> int:
+  """SMs of the abstract mesh's device if one is set, else of the default
+  GPU, else :data:`DEFAULT_NUM_SMS`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "num_cores", None):
+    return int(device.num_cores)
+  try:
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+      return int(dev.core_count)
+  except (RuntimeError, AttributeError):
+    pass
+  return DEFAULT_NUM_SMS
+
+
+def h100_abstract_mesh(num_cores: int = DEFAULT_NUM_SMS):
+  """An abstract mesh whose device is an H100 with ``num_cores`` SMs: trace
+  under it (``jax.sharding.use_abstract_mesh``) to lower the kernels for
+  CUDA on a machine without a GPU."""
+  device = jax.sharding.AbstractDevice(
+      device_kind=H100_KIND, platform="gpu", num_cores=num_cores)
+  return jax.sharding.AbstractMesh((), (), abstract_device=device)
+
+
+# ----------------------------------------------------------------------------
+# Per-row data
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+  """The rows of the per-row data block (uint32 ``[rows, N]``), by name.
+
+  ``k0``/``k1``: the row's threefry key words; ``temperature``: the bits of
+  its f32 temperature (0: greedy); ``softcap``: the bits of the f32 soft-cap
+  (controls kernel only); then the 64-bit base counter ``(hi, lo)`` of each
+  of ``samples`` samples (element ``v`` of sample ``s`` draws its noise at
+  counter ``ctr(s) + v``). Padded to a multiple of 8 rows, so a block of N
+  rows is a multiple of 128 bytes (Lane-semantics copies need that).
+  """
+
+  samples: int = 1
+
+  K0 = 0
+  K1 = 1
+  TEMPERATURE = 2
+  SOFTCAP = 3
+
+  def ctr(self, sample: int = 0) -> tuple[int, int]:
+    """Rows of sample ``sample``'s counter words ``(hi, lo)``."""
+    return 4 + 2 * sample, 5 + 2 * sample
+
+  @property
+  def rows(self) -> int:
+    return round_up(4 + 2 * self.samples, 8)
+
+
+def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None):
+  """The per-row block ``uint32 [RowLayout(S).rows, B]``.
+
+  Args:
+    k0, k1: uint32 ``[B]`` key words.
+    temperature: f32 ``[B]``.
+    ctr_hi, ctr_lo: uint32 ``[S, B]``: each sample's base counter.
+    softcap: f32 scalar or ``[B]``, or None (the row holds 0).
+  """
+  b = k0.shape[0]
+  bits = lambda x: lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+  cap = (jnp.zeros((b,), jnp.uint32) if softcap is None
+         else jnp.broadcast_to(bits(softcap), (b,)))
+  counters = jnp.stack([ctr_hi, ctr_lo], axis=1).reshape(-1, b)   # hi0, lo0, hi1, ..
+  block = jnp.concatenate([jnp.stack([k0, k1, bits(temperature), cap]), counters])
+  layout = RowLayout(samples=ctr_hi.shape[0])
+  return jnp.pad(block, [(0, layout.rows - block.shape[0]), (0, 0)])
+
+
+# ----------------------------------------------------------------------------
+# Shapes the TMA needs
+# ----------------------------------------------------------------------------
+
+
+def pad_vocab(weight, layout: str, align: int = 1):
+  """``(W, rows_k)``: the weight with its vocabulary axis padded for TMA.
+
+  TMA with a tiled SMEM destination tiles the whole GMEM array, so the
+  vocabulary axis must be a multiple of the tile there: 8 rows for "vd",
+  one 64-wide swizzle row for "dv" (and of ``align``), at least one 64-row
+  tile. Real LM heads are padded that way (151936 and 128256 are multiples
+  of 64); anything else pays one copy of W here, and the launchers mask the
+  padding rows (``rows_valid``).
+  """
+  rows = weight.shape[0 if layout == "vd" else 1]
+  align = int(np.lcm(align, _VD_ROW_ALIGN if layout == "vd" else _DV_COL_ALIGN))
+  rows_k = max(round_up(rows, align), 64)
+  if rows_k != rows:
+    weight = jnp.pad(weight, [(0, rows_k - rows), (0, 0)] if layout == "vd"
+                     else [(0, 0), (0, rows_k - rows)])
+  return weight, rows_k
+
+
+# ----------------------------------------------------------------------------
+# Epilogue ops with an inline-code GPU path
+# ----------------------------------------------------------------------------
+
+
+def col_reduce(x, op: str, scratch, *, interpret: bool):
+  """``max``/``min`` of ``x`` [rows, C] (WGMMA layout) over axis 0.
+
+  On the GPU the cross-warp step goes through ``scratch``, this warpgroup's
+  own SMEM: ``jnp.max`` uses one scratch area at a fixed offset that two
+  compute warpgroups would share and race on. Interpret mode cannot run
+  inline Mosaic GPU code, and has no races: ``jnp`` there.
+  """
+  if interpret:
+    return jnp.max(x, axis=0) if op == "max" else jnp.min(x, axis=0)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct(
+          (x.shape[1],), x.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
+  def reduce(_, v, scratch_ref):
+    return v.reduce(op, 0, scratch=scratch_ref)
+
+  return reduce(x, scratch)
+
+
+def store_column(x, ref, *, interpret: bool):
+  """Stores ``x`` [C] (the column layout ``WGMMA.reduce(0)``) into ``ref``
+  [C, 1], a column of a GMEM array (stride: its row length).
+
+  Mosaic GPU's vector stores need the layout's vectorized dimension (two
+  adjacent columns per thread here) to be contiguous in memory, so each
+  thread stores its values one by one (the copies of a value that other
+  warps hold store the same value). Interpret mode: a plain store.
+  """
+  if interpret:
+    ref[:, 0] = x
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType()))
+  def store(_, v, out):
+    zero = mgpu.utils.c(0, ir.IndexType.get())
+    v.foreach(lambda val, idx: memref.store(val, out, [idx[0], zero]))
+
+  store(x, ref)
+
+
+def approx_exp(x, *, interpret: bool):
+  """``exp`` as ``ex2.approx`` (relative error ~2^-22), for sums that feed
+  only values read with tolerances (log-probabilities, the top-p
+  normalizer), never the noise: its log must stay libdevice's, which
+  ``CompilerParams(approx_math=True)`` would also replace."""
+  if interpret:
+    return jnp.exp(x)
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout,),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
+  def fast(ctx, v):
+    del ctx
+    return v.exp(approx=True)
+
+  return fast(x)
+
+
+def div_rn(x, y):
+  """f32 ``x / y`` as the kernels compute it: a plain (IEEE) division.
+
+  XLA divides differently on the GPU (docs/design.md, "Division"), so for
+  temperatures that are not powers of two the kernels' tempered scores can
+  differ from XLA's in the last bit; tokens agreed in every test.
+  """
+  return x / y
+
+
+def tma_transforms(dtype):
+  elems = SWIZZLE // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+# ----------------------------------------------------------------------------
+# The ping-pong frame
+# ----------------------------------------------------------------------------
+
+
+def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
+                   dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
+                   h_ref, rowdata_ref, rowdata_smem, acc_smem,
+                   shared_acc: bool = True, **scratch):
+  """What the ping-pong kernels share: the SMEM ring and its barriers, the
+  memory warpgroup, and each compute warpgroup's loop over its tiles.
+
+  ``compute(wg=, tile_loop=, rowdata_smem=, acc_smem=, **scratch)`` runs on
+  both compute warpgroups once the per-row data is in SMEM;
+  ``tile_loop(epilogue, carry, prologue=None) -> carry`` runs the
+  warpgroup's local tiles (:func:`pingpong_tile`). ``rowdata_smem``,
+  ``acc_smem`` and ``scratch`` are the kernel's own SMEM allocations
+  (``plgpu.SMEM`` types); ``shared_acc``: the warpgroups hand one
+  accumulator buffer to each other (else each has its own). ``h_ref`` may
+  have fewer rows than ``n`` (a multiple of 8, batch-major: the controls
+  kernel's launches of fewer than 64 rows): its rows fill the top of each
+  H slot, the rest of the slot is never written, and the accumulator rows
+  it feeds are padding the caller drops (PERF_LOG c8). The schedule's
+  ``batch_major`` decides the operand order of the wgmma.
+  """
+  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
+  k_steps = dim // dt
+  transforms = tma_transforms(w_ref.dtype)
+  w_block = (vt, dt) if layout == "vd" else (dt, vt)
+  batch_major = cfg.schedule.batch_major
+  acc_shape = (n, vt) if batch_major else (vt, n)
+
+  @functools.partial(
+      pl.run_scoped,
+      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
+      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
+      rowdata_smem=rowdata_smem,
+      acc_smem=acc_smem,
+      acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
+      collective_axes="wg",
+      **scratch)
+  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
+             rowdata_barrier, **scratch):
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("sm")
+    n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
+
+    @pl.when(wg == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      # Per-row key words, counters and temperatures for every epilogue
+      # (GMEM loads into the register layouts do not lower, SMEM ones do).
+      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+      stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                   full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                   k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
+                   total=n_local * k_steps)
+
+    def operands(slot):
+      w_slot = w_smem.at[slot]
+      if batch_major:  # acc[N, Vt] = H @ W_tile.T
+        return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+      return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
+
+    @pl.when(wg < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.barrier_wait(rowdata_barrier)
+      consume = functools.partial(consume_tile, wg=wg, k_steps=k_steps, S=S,
+                                  full=full, empty=empty, operands=operands,
+                                  in_flight=cfg.mma_in_flight)
+
+      def tile_loop(epilogue, carry, prologue=None):
+        return lax.fori_loop(
+            0, (n_local - wg + 1) // 2,
+            lambda j, c: pingpong_tile(
+                i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
+                rows=rows, acc_shape=acc_shape, n_local=n_local,
+                acc_free=acc_free if shared_acc else None, consume=consume,
+                epilogue=epilogue,
+                prologue=prologue, carry=c),
+            carry)
+
+      compute(wg=wg, tile_loop=tile_loop, rowdata_smem=rowdata_smem,
+              acc_smem=acc_smem, **scratch)
+
+
+def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
+                  acc_shape, n_local, acc_free, consume, epilogue, prologue,
+                  carry):
+  """Local tile ``i`` of a ping-pong compute warpgroup: ``prologue(tile,
+  start)`` if given (e.g. issue copies the epilogue needs), its wgmma over
+  the stream (``consume``), then ``epilogue(acc, tile, start, first_new,
+  carry) -> carry`` while holding the shared accumulator buffer
+  (``acc_free``; None: each warpgroup has its own)."""
+  tile = cta + i * num_ctas
+  start = tile_start(tile, vt, rows)
+  if prologue is not None:
+    prologue(tile, start)
+
+  def mma(acc_ref):
+    consume(acc_ref, i=i)
+    return acc_ref[...]
+
+  acc = pl.run_scoped(mma, plgpu.ACC(acc_shape, jnp.float32))
+
+  if acc_free is None:
+    return epilogue(acc, tile, start, tile * vt - start, carry)
+
+  # The accumulator buffer is shared: wait until the other warpgroup's
+  # epilogue (of local tile i - 1) has read it all.
+  @pl.when(i > 0)
+  def _():
+    plgpu.barrier_wait(acc_free.at[wg])
+
+  carry = epilogue(acc, tile, start, tile * vt - start, carry)
+
+  # Every thread arrives once it is done reading (Lane semantics count 128
+  # arrivals); none after the CTA's last tile, so that every phase is waited
+  # on exactly once.
+  @pl.when(i + 1 < n_local)
+  def _():
+    plgpu.barrier_arrive(acc_free.at[1 - wg])
+
+  return carry
+
+
+def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
+                 vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
+                 num_ctas: int, total):
+  """The memory warpgroup of the ping-pong kernels: streams the CTA's
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
+
+  @pl.loop(0, total)
+  def _step(s):
+    slot, i, k = ring_step(s, S=S, k_steps=k_steps, empty=empty)
+    start = tile_start(cta + i * num_ctas, vt, rows)
+    if layout == "vd":
+      w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
+    else:
+      w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
+    bar = full.at[lax.rem(i, 2) * S + slot]
+    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
+    # H may have fewer rows than the slot (a multiple of 8): its rows fill
+    # the top of the slot and the rest is never written (those accumulator
+    # rows are padding, dropped by the caller).
+    h_rows = h_ref.shape[0]
+    h_dst = (h_smem.at[slot] if h_rows == h_smem.shape[1]
+             else h_smem.at[slot, pl.ds(0, h_rows)])
+    plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k * dt, dt)], h_dst, bar)
+
+  # Observe the last release of every slot used (each barrier phase is
+  # waited once; interpret mode checks it), so that no slot is still read
+  # when the CTA exits.
+  @pl.loop(jnp.maximum(total - S, 0), total)
+  def _drain(s):
+    plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+
+
+def ring_step(s, *, S: int, k_steps: int, empty):
+  """Step ``s`` of a memory warpgroup's stream: ``(slot, local tile i, k)``,
+  once the slot's previous use (step ``s - S``) has been released."""
+  slot = lax.rem(s, S)
+  i = s // k_steps
+
+  @pl.when(s >= S)
+  def _():
+    plgpu.barrier_wait(empty.at[slot])
+
+  return slot, i, s - i * k_steps
+
+
+def tile_start(tile, vt: int, rows: int):
+  """First weight row of a tile. The last tile is moved back so that it
+  ends at the last weight row: no out-of-bounds TMA; rows already seen are
+  masked in the epilogue (``first_new``)."""
+  return jnp.minimum(tile * vt, rows - vt)
+
+
+def consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
+                 operands, in_flight: int):
+  """A compute warpgroup's wgmma over the ``k_steps`` slots of its local
+  tile ``i`` (ping-pong kernels). With ``in_flight=1`` one wgmma stays in
+  flight: a slot is released once the next step's wgmma is issued and the
+  previous finished; with 0 each slot is released as soon as its wgmma
+  is done."""
+
+  def step(k, _):
+    s = i * k_steps + k
+    slot = lax.rem(s, S)
+    plgpu.barrier_wait(full.at[wg * S + slot])
+    plgpu.wgmma(acc_ref, *operands(slot))
+    plgpu.wgmma_wait(in_flight)
+    if in_flight:
+      @pl.when(k > 0)
+      def _():
+        plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
+    else:
+      plgpu.barrier_arrive(empty.at[slot])
+
+    return ()
+
+  lax.fori_loop(0, k_steps, step, ())
+  if in_flight:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
+

@@ -1,0 +1,387 @@
+"""Configs of the sm90 kernels: the schedule, the frozen tiling, the heuristic.
+
+A launch is described by a :class:`TuningConfig`, a frozen dataclass validated
+on construction (and against a problem's shapes by
+:meth:`TuningConfig.check_problem`). Its :class:`Schedule` names how the
+warpgroups share the work; :func:`pick_config` chooses one from a table of
+measured settings (the measurements are in ``benchmarks/PERF_LOG.md``), with
+no autotuning at call time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+__all__ = [
+    "Schedule",
+    "TuningConfig",
+    "pick_config",
+    "batch_chunks",
+    "batch_side",
+    "round_up",
+    "MAX_N",
+    "SMEM_BUDGET",
+    "ROWDATA_ROWS",
+]
+
+# wgmma's N (the batch side when the vocabulary is on M) is a multiple of 8
+# up to 256 (N = 4 and N > 256 are rejected; docs/design.md).
+MAX_N = 256
+N_ALIGN = 8
+# H100/H200 allow 227 KiB of dynamic SMEM per block; keep room for the
+# reduction scratch and barriers.
+SMEM_BUDGET = 212 * 1024
+# Widest epilogue pass (columns of the accumulator copied to SMEM at once).
+_MAX_PASS_COLS = 64
+# Noise elements per thread in one epilogue loop iteration (see pick_config).
+_EPI_ELEMS_PER_THREAD = 16
+# Rows of the per-row data block of the plain kernels (RowLayout(samples=1)):
+# 8 * N * 4 bytes is a multiple of 128, which Lane-semantics copies need.
+ROWDATA_ROWS = 8
+
+
+class Schedule(enum.Enum):
+  """How the compute warpgroups of a CTA share the vocabulary tiles.
+
+  Every schedule is warp-specialized (a memory warpgroup issues the TMA
+  copies) and persistent (a CTA loops over its tiles).
+  """
+
+  #: Vocabulary on the wgmma M side; one or two compute warpgroups share
+  #: every tile (``emit_pipeline_warp_specialized``): each takes
+  #: ``tile_v / compute_wgs`` rows, both run their wgmma, then both their
+  #: epilogue. The only schedule for one compute warpgroup (V < 128).
+  COOPERATIVE = "cooperative"
+  #: Vocabulary on M ("swap AB": W tile times H.T); two compute warpgroups
+  #: alternate whole tiles over one hand-written ring of SMEM slots, so one's
+  #: epilogue overlaps the other's share of the weight stream.
+  PINGPONG_VOCAB_M = "pingpong_vocab_m"
+  #: The same ping-pong with the batch on M (``acc[N, Vt] = H @ W_tile.T``,
+  #: N padded to 64): the per-row argmax reduces inside each warp and a
+  #: running best carries over chunks and tiles.
+  PINGPONG_BATCH_M = "pingpong_batch_m"
+
+  @property
+  def pingpong(self) -> bool:
+    return self is not Schedule.COOPERATIVE
+
+  @property
+  def batch_major(self) -> bool:
+    return self is Schedule.PINGPONG_BATCH_M
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static tiling of one kernel launch; validated on construction.
+
+  Attributes:
+    schedule: see :class:`Schedule`.
+    tile_v: ``Vt``, vocabulary rows per tile: a multiple of 64. With the
+      vocabulary on M, the accumulator ``[Vt, N]`` f32 lives in the registers
+      of one warpgroup (``Vt * N / 128`` per thread); with the batch on M
+      it is ``[N, Vt]`` and ``Vt`` is the wgmma N side (<= 256).
+    tile_d: ``Dt``, hidden elements per pipeline step (the wgmma K side): a
+      multiple of 64 (one 128-byte swizzle row of bf16/f16).
+    max_concurrent_steps: pipeline depth (SMEM slots per operand).
+    epi_cols: columns of the accumulator in one epilogue chunk: 8 or 16
+      (f32 SMEM transfers of wider WGMMA-layout chunks fail to lower: "Failed
+      to synthesize a transfer pattern that avoids bank conflicts").
+    epi_unroll: chunks per iteration of the epilogue loop (more independent
+      work per thread, more code).
+    num_ctas: CTAs of the persistent grid; None means one per SM.
+    compute_wgs: compute warpgroups per CTA. ``COOPERATIVE``: 1 or 2 (each
+      owns ``tile_v / 2`` rows of a tile: its own accumulator, epilogue and
+      candidates); the ping-pong schedules always have 2. None: the
+      schedule's default (1 for ``COOPERATIVE``).
+    epi_passes: the accumulator goes to SMEM in this many column passes
+      (each followed by its epilogue loop), so that the SMEM copy is
+      ``tile_v * N / epi_passes`` f32 and leaves room for pipeline slots.
+      With ``PINGPONG_VOCAB_M`` and more than one pass, each compute
+      warpgroup copies into its own buffer: no hand-over, so the two
+      warpgroups' epilogues may run at the same time.
+    mma_in_flight: ping-pong consumers: wgmmas left in flight after each
+      step's issue (1 or 0). With 1 the next step's issue overlaps the
+      running wgmma, and a slot is released one step after its wgmma (the
+      consumer holds two slots); with 0 each step waits for its wgmma and
+      releases its slot at once (one more slot of the ring loading).
+  """
+
+  schedule: Schedule = Schedule.COOPERATIVE
+  tile_v: int = 128
+  tile_d: int = 64
+  max_concurrent_steps: int = 4
+  epi_cols: int = 16
+  epi_unroll: int = 1
+  num_ctas: int | None = None
+  compute_wgs: int | None = None
+  epi_passes: int = 1
+  mma_in_flight: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.schedule, Schedule):
+      raise TypeError(f"schedule={self.schedule!r} must be a Schedule")
+    for name in ("tile_v", "tile_d", "max_concurrent_steps", "epi_cols",
+                 "epi_unroll", "epi_passes", "mma_in_flight"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}={v!r} must be an int")
+    tile_v, tile_d = self.tile_v, self.tile_d
+    steps, epi_cols = self.max_concurrent_steps, self.epi_cols
+    if tile_v <= 0 or tile_v % 64:
+      raise ValueError(f"{tile_v=} must be a positive multiple of 64")
+    wgs = self.compute_wgs
+    if wgs is not None and (isinstance(wgs, bool) or not isinstance(wgs, int)):
+      raise TypeError(f"compute_wgs={wgs!r} must be an int or None")
+    if self.schedule.pingpong:
+      if wgs not in (None, 2):
+        raise ValueError(f"{self.schedule.name} runs 2 compute warpgroups, "
+                         f"got compute_wgs={wgs}")
+    elif wgs not in (None, 1, 2):
+      raise ValueError(f"compute_wgs={wgs} must be 1 or 2")
+    if self.mma_in_flight not in (0, 1):
+      raise ValueError(f"mma_in_flight={self.mma_in_flight} must be 0 or 1")
+    if self.schedule.pingpong and steps < 1 + self.mma_in_flight:
+      # With one wgmma in flight a slot is released one step after its
+      # wgmma is issued: a ring of one slot would wait on itself.
+      raise ValueError(
+          f"{self.schedule.name} with mma_in_flight={self.mma_in_flight} "
+          f"needs max_concurrent_steps >= {1 + self.mma_in_flight}, got {steps}")
+    if self.schedule.batch_major:
+      if tile_v % (epi_cols * self.epi_unroll):
+        raise ValueError(
+            f"PINGPONG_BATCH_M: epi_cols={epi_cols} x epi_unroll="
+            f"{self.epi_unroll} must divide {tile_v=}")
+      if self.epi_passes != 1:
+        raise ValueError(
+            f"epi_passes={self.epi_passes}: PINGPONG_BATCH_M copies the whole "
+            "accumulator at once (one buffer shared by both warpgroups)")
+    if tile_v % (64 * self.wg_share):
+      raise ValueError(
+          f"{tile_v=} must be a multiple of 64 x compute_wgs="
+          f"{self.num_compute_wgs} (warpgroups sharing a tile)")
+    if self.epi_passes < 1:
+      raise ValueError(f"epi_passes={self.epi_passes} must be >= 1")
+    if tile_d <= 0 or tile_d % 64:
+      raise ValueError(f"{tile_d=} must be a positive multiple of 64")
+    if steps < 1:
+      raise ValueError(f"max_concurrent_steps={steps} must be >= 1")
+    if epi_cols not in (8, 16):
+      raise ValueError(f"{epi_cols=} must be 8 or 16")
+    if self.epi_unroll < 1:
+      raise ValueError(f"epi_unroll={self.epi_unroll} must be >= 1")
+    num_ctas = self.num_ctas
+    if num_ctas is not None and (isinstance(num_ctas, bool)
+                                 or not isinstance(num_ctas, int) or num_ctas < 1):
+      raise ValueError(f"{num_ctas=} must be None or a positive int")
+
+  @property
+  def num_compute_wgs(self) -> int:
+    if self.schedule.pingpong:
+      return 2
+    return self.compute_wgs or 1
+
+  @property
+  def wg_share(self) -> int:
+    """Compute warpgroups that split one tile's rows (1 when they alternate)."""
+    return 1 if self.schedule.pingpong else self.num_compute_wgs
+
+  @property
+  def wg_rows(self) -> int:
+    """Vocabulary rows of one compute warpgroup's accumulator."""
+    return self.tile_v // self.wg_share
+
+  def batch_pad(self, n: int) -> int:
+    """The kernel's batch side for ``n`` rows (a multiple of 8)."""
+    if self.schedule.batch_major:  # wgmma M: multiples of 64
+      return round_up(n, 64)
+    return min(MAX_N, round_up(n, self.epi_cols * self.epi_unroll))
+
+  def passes(self, n: int) -> list[tuple[int, int]]:
+    """Static ``(first, end)`` epilogue chunks of each pass: the loop
+    iterations (``epi_unroll`` chunks each) split as evenly as possible."""
+    iters = n // (self.epi_cols * self.epi_unroll)
+    p = min(self.epi_passes, iters)
+    bounds = [iters * i // p * self.epi_unroll for i in range(p + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+  def smem_bytes(self, n: int, itemsize: int = 2) -> int:
+    """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
+    the f32 accumulator copies the epilogues loop over, the per-row data."""
+    pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
+    rowdata = ROWDATA_ROWS * n * 4
+    if self.schedule.batch_major:
+      return pipeline + self.tile_v * n * 4 + rowdata
+    if self.schedule.pingpong and self.epi_passes == 1:  # shared buffer
+      acc = self.tile_v * n * 4
+    elif self.schedule.pingpong:  # one pass's columns per warpgroup
+      acc = 2 * self.tile_v * self._pass_cols(n) * 4
+    else:
+      acc = self.num_compute_wgs * self.wg_rows * self._pass_cols(n) * 4
+    return (pipeline + acc + rowdata
+            + self.num_compute_wgs * 2 * wg_scratch_elems(self.epi_cols) * 4)
+
+  def _pass_cols(self, n: int) -> int:
+    """Columns of the largest epilogue pass (see :meth:`passes`)."""
+    return max(b - a for a, b in self.passes(n)) * self.epi_cols
+
+  def check_problem(self, *, n: int, dim: int, rows: int, itemsize: int = 2):
+    """Raises ValueError if this config cannot run the given shapes."""
+    if n % N_ALIGN or not 0 < n <= MAX_N:
+      raise ValueError(f"batch side {n=} must be a multiple of 8 in [8, {MAX_N}]")
+    if dim % self.tile_d:
+      raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
+    if rows < self.tile_v:
+      raise ValueError(f"tile_v={self.tile_v} must be <= the weight rows V={rows}")
+    if self.schedule.batch_major:
+      if n % 64:
+        raise ValueError(f"PINGPONG_BATCH_M: batch side {n=} must be a multiple of 64")
+      if self.tile_v > MAX_N:
+        raise ValueError(
+            f"PINGPONG_BATCH_M: tile_v={self.tile_v} is the wgmma N side, <= {MAX_N}")
+      regs = n * self.tile_v // 128
+      if regs > 128:
+        raise ValueError(
+            f"PINGPONG_BATCH_M: N={n} x tile_v={self.tile_v} needs {regs} "
+            "accumulator registers per thread; at most 128 leave room for the "
+            "epilogue")
+    else:
+      if n % (self.epi_cols * self.epi_unroll):
+        raise ValueError(
+            f"epi_cols={self.epi_cols} x epi_unroll={self.epi_unroll} must "
+            f"divide the batch side {n=}")
+      iters = n // (self.epi_cols * self.epi_unroll)
+      if self.epi_passes > iters:
+        raise ValueError(
+            f"epi_passes={self.epi_passes} exceeds the {iters} epilogue loop "
+            f"iterations of N={n}")
+      regs = self.wg_rows * n // 128
+      if regs > 128:
+        raise ValueError(
+            f"tile_v={self.tile_v} (rows per warpgroup {self.wg_rows}) x N={n} "
+            f"needs {regs} accumulator registers per thread; at most 128 leave "
+            "room for the epilogue")
+    smem = self.smem_bytes(n, itemsize)
+    if smem > SMEM_BUDGET:
+      raise ValueError(
+          f"{self} needs {smem} bytes of SMEM for N={n}, more than {SMEM_BUDGET}")
+
+
+def wg_scratch_elems(epi_cols: int) -> int:
+  """Elements of one warpgroup's cross-warp reduction scratch: 4 warps x 32
+  lanes x 2-vectors per 8 reduced columns (all of a chunk at once)."""
+  return 4 * 32 * 2 * (epi_cols // 8)
+
+
+# Rows per launch (one pass over W each): full chunks first, then the rest.
+# A launch's cost grows slower than its rows, so chunks are as full as the
+# kernel allows (PERF_LOG v7: one launch of 256 rows against two of 128).
+CHUNK_ROWS = MAX_N
+
+
+def batch_chunks(batch: int) -> list[tuple[int, int]]:
+  """``[(b0, b1), ...]``: the row ranges of the launches for ``batch`` rows."""
+  return [(b0, min(batch, b0 + CHUNK_ROWS)) for b0 in range(0, batch, CHUNK_ROWS)]
+
+
+def batch_side(batch: int) -> int:
+  """wgmma N for a batch chunk of ``batch <= MAX_N`` rows."""
+  return min(MAX_N, round_up(max(batch, 1), N_ALIGN))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+  """One row of the heuristic's table: the settings for N up to ``n_max``."""
+
+  n_max: int
+  schedule: Schedule
+  tile_v: int
+  epi_cols: int
+  mma_in_flight: int
+  epi_passes: int = 1
+  n_align: int = 16
+
+
+# Two compute warpgroups (V >= 128): the schedule by batch side N. Each row
+# is the best of the settings PERF_LOG measured at those N on the H100/H200
+# (Qwen3-8B and Llama-3-70B heads):
+# * N <= 48: vocabulary on M, tiles of 128 rows; H slices this small leave
+#   room for 4-5 slots of Dt = 128, and each slot is released as soon as its
+#   wgmma is done (v4, v7, v7c).
+# * N = 64: batch on M, chunks of [64, 16], one wgmma kept in flight (v5).
+# * N = 128: batch on M, chunks of [128, 8] (half the loop body), each slot
+#   released at once (v7, v9).
+# * N > 128: vocabulary on M over tiles of 64 rows (an accumulator [64, N]
+#   is 128 registers at N = 256), a quarter-accumulator buffer per
+#   warpgroup so both epilogues may run at once (v9).
+_TABLE = (
+    _Row(48, Schedule.PINGPONG_VOCAB_M, tile_v=128, epi_cols=16, mma_in_flight=0),
+    _Row(64, Schedule.PINGPONG_BATCH_M, tile_v=128, epi_cols=16, mma_in_flight=1,
+         n_align=64),
+    _Row(128, Schedule.PINGPONG_BATCH_M, tile_v=128, epi_cols=8, mma_in_flight=0,
+         n_align=64),
+    _Row(MAX_N, Schedule.PINGPONG_VOCAB_M, tile_v=64, epi_cols=16, mma_in_flight=1,
+         epi_passes=4),
+)
+
+
+def _one_warpgroup(n: int) -> tuple[TuningConfig, int]:
+  """V < 128 (one compute warpgroup): cooperative, vocabulary on M, the
+  accumulator in passes of at most 64 columns (PERF_LOG v3). Epilogue loop
+  iterations of 16 noise elements per thread: the loop body bounds the code
+  size (v1 unrolled every chunk and ran at 0.07 IPC per warp) while leaving
+  ILP; one chunk per iteration where N <= 16 (no padding to a second chunk)
+  or N > 128 (the later passes' columns in registers pushed the loop over
+  the register cap)."""
+  epi_cols = 16
+  epi_unroll = max(1, _EPI_ELEMS_PER_THREAD * 128 // (64 * epi_cols))
+  if n <= epi_cols or n > 128:
+    epi_unroll = 1
+  per_iter = epi_cols * epi_unroll
+  n = round_up(n, per_iter)
+  iters = n // per_iter
+  passes = -(-iters // max(1, _MAX_PASS_COLS // per_iter))
+  cfg = TuningConfig(schedule=Schedule.COOPERATIVE, tile_v=64, epi_cols=epi_cols,
+                     epi_unroll=epi_unroll, compute_wgs=1, epi_passes=passes,
+                     max_concurrent_steps=1)
+  return cfg, n
+
+
+def pick_config(n: int, dim: int, rows: int, itemsize: int = 2) -> TuningConfig:
+  """The config for batch side ``n`` (a multiple of 8), hidden ``D`` and
+  ``rows`` weight rows: a row of the measured table (by N), then the
+  largest ``Dt`` and the most pipeline slots that fit the SMEM budget:
+  ``Dt = 128`` when D allows and 3 slots fit (fewer steps and barrier
+  waits), else 64; 2 to 8 slots. :meth:`TuningConfig.batch_pad` gives the
+  padded batch side."""
+  if rows < 128:
+    base, n = _one_warpgroup(n)
+  else:
+    row = next(r for r in _TABLE if n <= r.n_max)
+    n = round_up(n, row.n_align)
+    passes = min(row.epi_passes, n // row.epi_cols)
+    base = TuningConfig(schedule=row.schedule, tile_v=row.tile_v,
+                        epi_cols=row.epi_cols, mma_in_flight=row.mma_in_flight,
+                        epi_passes=passes, max_concurrent_steps=2)
+  n = base.batch_pad(n)
+  tile_v = base.tile_v
+  fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(n, itemsize)
+           - 2 * (tile_v + n) * 64 * itemsize)
+  options = (128, 64) if dim % 128 == 0 else (64,)
+  for tile_d in options:
+    per_step = (tile_v + n) * tile_d * itemsize
+    steps = min(8, (SMEM_BUDGET - fixed) // per_step)
+    if steps >= 3 or (steps >= 2 and tile_d == options[-1]):
+      break
+  return dataclasses.replace(base, tile_d=tile_d, max_concurrent_steps=max(2, steps))
+
+
+def supported_dtype(dtype) -> bool:
+  """Whether the kernels take weights of ``dtype`` (bf16 and f16 wgmma)."""
+  return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

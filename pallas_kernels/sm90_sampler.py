@@ -1,0 +1,471 @@
+"""The plain sampling kernels for Hopper (sm90), in Pallas Mosaic GPU.
+
+One launch streams the LM head ``W`` through shared memory once and keeps,
+per batch row, the best ``(score, global id)`` of each vocabulary tile (or of
+each warpgroup's tiles); plain JAX then reduces the few candidates::
+
+    logits = W_tile @ H.T                          (f32, wgmma, K loop over Dt)
+    score  = logits / T + gumbel(key, ctr + gid)   (sampled rows; greedy: logits)
+    cand   = (max score, lowest gid attaining it; NaN wins)
+
+One kernel body per :class:`~pallas_kernels.sm90_config.Schedule` (the
+heuristic :func:`~pallas_kernels.sm90_config.pick_config` picks one by batch
+size; the measurements are in ``benchmarks/PERF_LOG.md``):
+
+* :func:`_kernel_pingpong` (``PINGPONG_VOCAB_M``): vocabulary on the wgmma M
+  side ("swap AB"); the two compute warpgroups alternate whole tiles over the
+  ring of :func:`~pallas_kernels.sm90_common.pingpong_frame`, so one's
+  epilogue overlaps the other's share of the weight stream. Column
+  reductions across warps use per-warpgroup SMEM scratch
+  (:func:`~pallas_kernels.sm90_common.col_reduce`).
+* :func:`_kernel_batch_major` (``PINGPONG_BATCH_M``): the same ping-pong with
+  the batch on the M side (``acc[N, Vt]``): the per-row argmax reduces inside
+  each warp (no barriers, no scratch) with a running best carried over chunks
+  and tiles.
+* :func:`_kernel` (``COOPERATIVE``, where V < 128 leaves one compute
+  warpgroup): every step of ``emit_pipeline_warp_specialized`` shared, the
+  accumulator to SMEM in column passes; every step waits for its wgmma.
+
+The public entry point is :func:`candidates`, with array-level arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import rules, sm90_common as common, threefry
+from pallas_kernels.sm90_config import (
+    ROWDATA_ROWS, Schedule, TuningConfig, batch_chunks, batch_side, pick_config,
+    wg_scratch_elems)
+
+__all__ = ["candidates"]
+
+# The plain kernels draw one sample per row.
+_ROWS = common.RowLayout(samples=1)
+assert _ROWS.rows == ROWDATA_ROWS  # the SMEM budget counts this block
+
+
+def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
+              off_ref, rowdata_smem, acc_smem, scratch_f, scratch_i,
+              score_ref, index_ref, out_row, rows_valid: int, vocab_size: int,
+              interpret: bool):
+  """Noise, transform and per-column (max, first argmax) of one accumulator.
+
+  ``acc`` [vw, N] f32 holds rows ``start + row0 + [0, vw)`` of the weight;
+  rows below ``first_new`` (tile-local) were done by an earlier tile.
+  Writes one candidate column ``score_ref[:, :, out_row]`` (and index).
+
+  The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
+  the noise runs in a (not unrolled) loop over column chunks: unrolled, the
+  epilogue was ~10k straight-line instructions per tile and ran at ~0.07
+  IPC per warp (PERF_LOG v1). ``passes`` lists the (first, end) chunks
+  of each pass: the copy of a pass, then its loop.
+  """
+  vw = acc.shape[0]
+  epi = cfg.epi_cols
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  local = plgpu.broadcasted_iota(jnp.int32, (vw, epi), 0,
+                                 layout=plgpu.Layout.WGMMA) + row0
+  gid = local + (off_ref[0] + start)
+  valid = ((local >= first_new) & (local + start < rows_valid)
+           & (gid < vocab_size))
+  gid_u = gid.astype(jnp.uint32)
+  bcast = lambda x: lax.broadcast_in_dim(x, (vw, epi), (1,))
+
+  rl = _ROWS
+  reduce = lambda op, scratch: lambda x, axis: common.col_reduce(
+      x, op, scratch, interpret=interpret)
+
+  def chunk(c, slot):
+    load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i],
+                                      layout=col_layout))
+    l = plgpu.load(acc_smem.at[slot], layout=plgpu.Layout.WGMMA)
+    hi, lo = threefry.add_u32(*(load(i) for i in rl.ctr(0)), gid_u)
+    g = threefry.gumbel(load(rl.K0), load(rl.K1), hi, lo)
+    greedy, t_safe = rules.split_temperature(
+        lax.bitcast_convert_type(load(rl.TEMPERATURE), jnp.float32))
+    s = rules.perturb(l, common.div_rn(l, t_safe), g, greedy)
+    s = jnp.where(valid, s, -jnp.inf)
+    # max.NaN: the max is NaN iff the column holds a NaN; NaN rows then win.
+    m, idx = rules.first_best(s, gid, 0, mask=valid,
+                              max_fn=reduce("max", scratch_f),
+                              min_fn=reduce("min", scratch_i))
+    common.store_column(m, score_ref.at[c, :, pl.ds(out_row, 1)],
+                        interpret=interpret)
+    common.store_column(idx, index_ref.at[c, :, pl.ds(out_row, 1)],
+                        interpret=interpret)
+
+  for first, end in passes:
+    for j in range(first, end):
+      acc_smem[j - first] = acc[:, j * epi:(j + 1) * epi]
+
+    def body(it, carry, first=first):
+      for u in range(cfg.epi_unroll):
+        slot = it * cfg.epi_unroll + u
+        chunk(first + slot, slot)
+      return carry
+
+    lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
+
+
+
+
+def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
+            cfg: TuningConfig, layout: str, n: int, dim: int, rows: int,
+            rows_valid: int, vocab_size: int, n_tiles: int, num_ctas: int,
+            interpret: bool):
+  """One CTA: a persistent loop over vocabulary tiles (cooperative schedule).
+
+  Refs (GMEM), with ``C = cfg.epi_cols`` and ``nc = N / C`` epilogue
+  chunks: ``off_ref`` int32 [1] vocabulary offset; ``rowdata_ref`` uint32
+  [nc, 8, C]: the rows of ``RowLayout(samples=1)`` for each chunk's
+  columns; ``h_ref`` [N, D]; ``w_ref`` [V, D] ("vd")
+  or [D, V] ("dv"), ``V = rows`` of which the first ``rows_valid`` are real
+  (the rest is alignment padding, see :func:`candidates`); outputs
+  ``score_ref`` f32 and ``index_ref`` int32, both
+  [nc, C, n_tiles * compute_wgs] (one column per warpgroup's part of a
+  tile).
+  """
+  del num_ctas  # nd_loop partitions the tiles over the "sm" axis.
+  vt, dt = cfg.tile_v, cfg.tile_d
+  n_wg = cfg.num_compute_wgs
+  vw = cfg.wg_rows
+  k_steps = dim // dt
+  transforms = common.tma_transforms(w_ref.dtype)
+  if layout == "vd":
+    w_spec = plgpu.BlockSpec((vt, dt), lambda k: (0, k), transforms=transforms)
+  else:
+    w_spec = plgpu.BlockSpec((dt, vt), lambda k: (k, 0), transforms=transforms)
+  h_spec = plgpu.BlockSpec((n, dt), lambda k: (0, k), transforms=transforms)
+
+  def make_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40,
+        in_specs=[w_spec, h_spec], wg_axis="wg", num_compute_wgs=n_wg,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context)
+
+  epi = cfg.epi_cols
+  n_chunks = n // epi
+  pass_chunks = max(b - a for a, b in cfg.passes(n))
+
+  ignore = lambda *_, **__: None
+  w_view = (w_ref.at[pl.ds(0, vt), :] if layout == "vd"
+            else w_ref.at[:, pl.ds(0, vt)])
+  scratch_elems = wg_scratch_elems(epi)
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=make_pipeline(ignore, ignore).get_allocations(w_view, h_ref),
+      rowdata_smem=plgpu.SMEM((n_chunks, _ROWS.rows, epi), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_wg, pass_chunks, vw, epi), jnp.float32),
+      red_f=plgpu.SMEM((n_wg, scratch_elems), jnp.float32),
+      red_i=plgpu.SMEM((n_wg, scratch_elems), jnp.int32),
+      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
+      collective_axes="wg")
+  def _scope(allocs, rowdata_smem, acc_smem, red_f, red_i, rowdata_barrier):
+    wg = lax.axis_index("wg")
+    # Per-row key words, counters and temperatures, read by every epilogue:
+    # GMEM loads into the column layout do not lower, SMEM ones do. The
+    # first warpgroup copies; every compute warpgroup waits for the copy.
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+
+    @pl.when(wg < n_wg)
+    def _():
+      plgpu.barrier_wait(rowdata_barrier)
+
+    def mma_body(_, w_smem, h_smem, acc_ref):
+      if n_wg == 1:
+        a = w_smem if layout == "vd" else w_smem.T
+      elif layout == "vd":
+        a = w_smem.at[pl.ds(wg * vw, vw)]
+      else:
+        a = w_smem.at[:, pl.ds(wg * vw, vw)].T
+      plgpu.wgmma(acc_ref, a, h_smem.T)
+      # Wait for this step's wgmma before its slot is released. Keeping one
+      # in flight (wgmma_wait(1) + delay_release=1, docs/design.md) is not
+      # safe across our per-tile pipelines: the memory warpgroup never waits
+      # for the last step's release, so the next tile's prologue could
+      # overwrite the slot the last wgmma still reads.
+      plgpu.wgmma_wait(0)
+      return acc_ref
+
+    @plgpu.nd_loop((n_tiles,), collective_axes="sm")
+    def _tile_loop(info):
+      (tile,) = info.index
+      start = common.tile_start(tile, vt, rows)
+      first_new = tile * vt - start  # local rows < first_new were done before
+      w_tile = (w_ref.at[pl.ds(start, vt), :] if layout == "vd"
+                else w_ref.at[:, pl.ds(start, vt)])
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((vw, n), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          _epilogue(acc_ref[...], cfg=cfg, passes=cfg.passes(n),
+                    row0=wg * vw,
+                    start=start, first_new=first_new, off_ref=off_ref,
+                    rowdata_smem=rowdata_smem, acc_smem=acc_smem.at[wg],
+                    scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                    score_ref=score_ref, index_ref=index_ref,
+                    out_row=tile * n_wg + wg, rows_valid=rows_valid,
+                    vocab_size=vocab_size, interpret=interpret)
+
+      make_pipeline(mma_body, compute_context)(w_tile, h_ref,
+                                               allocations=allocs)
+
+
+def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
+                     *, cfg: TuningConfig, layout: str, n: int, dim: int,
+                     rows: int, rows_valid: int, vocab_size: int, n_tiles: int,
+                     num_ctas: int, interpret: bool):
+  """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
+
+  Same refs as :func:`_kernel`, but one candidate column per tile
+  (``[nc, C, n_tiles]``). The CTA owns tiles ``cta + i * num_ctas``; its
+  memory warpgroup streams their ``(tile, k)`` steps in order through one
+  ring of ``S`` SMEM slots, and local tile ``i`` belongs to compute
+  warpgroup ``i % 2``. While one warpgroup runs its epilogue, the other
+  consumes the stream, so neither the weight stream nor the tensor cores
+  wait for the noise (PERF_LOG v4).
+
+  Barriers: ``full[w * S + slot]`` completes when a step for warpgroup
+  ``w`` has landed in ``slot`` (each warpgroup waits only on its own, so
+  the implicit phase of every barrier it waits on advances exactly once
+  per wait); ``empty[slot]`` is arrived by the warpgroup that consumed the
+  slot, after its wgmma finished reading it, and waited on by the memory
+  warpgroup before reuse. ``cfg.mma_in_flight`` wgmmas stay in flight
+  across steps.
+
+  With ``epi_passes == 1`` the two warpgroups share one SMEM copy of the
+  accumulator ``[N / C, Vt, C]`` (the whole of it: the epilogue then holds
+  no accumulator registers and has room for ILP); ``acc_free[w]`` hands it
+  to warpgroup ``w``, so the epilogues take turns. With more passes each
+  warpgroup has its own buffer of one pass's columns (the later passes'
+  columns wait in registers) and the epilogues of both may run at once
+  (N > 128, where that measured faster than taking turns: PERF_LOG v9).
+  """
+  epi = cfg.epi_cols
+  n_chunks = n // epi
+  scratch_elems = wg_scratch_elems(epi)
+  shared = cfg.epi_passes == 1
+  passes = [(0, n_chunks)] if shared else cfg.passes(n)
+  pass_chunks = max(b - a for a, b in passes)
+
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i):
+    def epilogue(acc, tile, start, first_new, carry):
+      _epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
+                first_new=first_new, off_ref=off_ref,
+                rowdata_smem=rowdata_smem,
+                acc_smem=acc_smem if shared else acc_smem.at[wg],
+                scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                score_ref=score_ref, index_ref=index_ref, out_row=tile,
+                rows_valid=rows_valid, vocab_size=vocab_size,
+                interpret=interpret)
+      return carry
+
+    tile_loop(epilogue, ())
+
+  common.pingpong_frame(
+      compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
+      n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
+      rowdata_ref=rowdata_ref, shared_acc=shared,
+      rowdata_smem=plgpu.SMEM((n_chunks, _ROWS.rows, epi), jnp.uint32),
+      acc_smem=plgpu.SMEM(((pass_chunks,) if shared else (2, pass_chunks))
+                          + (cfg.tile_v, epi), jnp.float32),
+      red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
+      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32))
+
+
+
+def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
+                        index_ref, *, cfg: TuningConfig, layout: str, n: int,
+                        dim: int, rows: int, rows_valid: int, vocab_size: int,
+                        n_tiles: int, num_ctas: int, interpret: bool):
+  """One CTA, ping-pong, batch on the wgmma M side (PERF_LOG v5).
+
+  ``acc[N, Vt] = H[N, :] @ W[tile].T``: rows are batch rows (16 per warp),
+  columns vocabulary ids (spread over the lanes of a quad and registers),
+  so the per-row argmax needs no cross-warp reduction. Each compute
+  warpgroup keeps a running best ``(score, id)`` per (row, column slot)
+  over the column chunks of all its tiles, and reduces the slots (inside
+  each warp) once at the end: outputs ``score_ref``/``index_ref``
+  [N, 2 * num_ctas], one column per compute warpgroup. ``rowdata_ref`` is
+  uint32 [8, N], the rows of ``RowLayout(samples=1)``.
+
+  Streaming, slots, barriers and the shared accumulator buffer as in
+  :func:`_kernel_pingpong`.
+  """
+  vt = cfg.tile_v
+  epi = cfg.epi_cols
+  n_chunks = vt // epi
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
+    rl = _ROWS
+    bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+    row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
+    k0, k1 = row(rl.K0), row(rl.K1)
+    c_hi, c_lo = (row(i) for i in rl.ctr(0))
+    greedy, t_safe = rules.split_temperature(
+        lax.bitcast_convert_type(row(rl.TEMPERATURE), jnp.float32))
+    col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
+    off = off_ref[0]
+
+    def chunk(c, start, first_new, best):
+      l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
+      local = col + c * epi  # vocabulary column within the tile
+      gid = local + (off + start)
+      valid = ((local >= first_new) & (local + start < rows_valid)
+               & (gid < vocab_size))
+      hi, lo = threefry.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
+      g = threefry.gumbel(k0, k1, hi, lo)
+      sc = rules.perturb(l, common.div_rn(l, t_safe), g, greedy)
+      sc = jnp.where(valid, sc, -jnp.inf)
+      idx = jnp.where(valid, gid, rules.INT_MAX)
+      return rules.combine(best, (sc, idx))
+
+    def epilogue(acc, tile, start, first_new, best):
+      del tile
+      for c in range(n_chunks):
+        acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
+
+      def body(it, best):
+        for u in range(cfg.epi_unroll):
+          best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
+        return best
+
+      return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
+
+    init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
+                              wgmma_layout),
+            plgpu.layout_cast(jnp.full((n, epi), rules.INT_MAX, jnp.int32),
+                              wgmma_layout))
+    best_s, best_i = tile_loop(epilogue, init)
+    # Reduce the column slots inside each warp (axis 1: lanes of a quad
+    # and registers, no shared scratch, so trap 1 does not apply).
+    m, idx = rules.first_best(best_s, best_i, 1)
+    out = lax.axis_index("sm") * 2 + wg
+    score_ref[:, out] = m
+    index_ref[:, out] = idx
+
+  common.pingpong_frame(
+      compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
+      n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
+      rowdata_ref=rowdata_ref,
+      rowdata_smem=plgpu.SMEM((_ROWS.rows, n), jnp.uint32),
+      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32))
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
+            rows_valid: int, vocab_size: int, target: common.Target):
+  """Runs the kernel on one batch chunk (``h`` [N, D], N <= 256 padded).
+
+  Returns ``(score, index)``, both ``[N, n_out]``: each row's candidates
+  (one per tile or per compute warpgroup) along the minor axis.
+  """
+  n, dim = h.shape
+  rows = w.shape[0] if layout == "vd" else w.shape[1]
+  n_tiles = -(-rows // cfg.tile_v)
+  cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
+  num_ctas = min(cfg.num_ctas or target.sms(), n_tiles)
+  kernel = _KERNELS[cfg.schedule]
+  body = functools.partial(kernel, cfg=cfg, layout=layout, n=n, dim=dim,
+                           rows=rows, rows_valid=rows_valid,
+                           vocab_size=vocab_size, n_tiles=n_tiles,
+                           num_ctas=num_ctas,
+                           interpret=target.interpret is not None)
+  # Candidates on the minor axis (each store is a strided column): stage 2
+  # is then one row reduction, which XLA runs as one kernel; over the major
+  # axis it took three (max, select, min; PERF_LOG c9).
+  if cfg.schedule.batch_major:  # one candidate per compute warpgroup
+    n_out = 2 * num_ctas
+    shape = (n, n_out)
+  else:  # one per tile (or per warpgroup's part of a tile)
+    n_out = n_tiles * cfg.wg_share
+    shape = (n // cfg.epi_cols, cfg.epi_cols, n_out)
+  out_type = (jax.ShapeDtypeStruct(shape, jnp.float32),
+              jax.ShapeDtypeStruct(shape, jnp.int32))
+  f = plgpu.kernel(
+      body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
+      num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
+      kernel_name="flashsample_sm90",  # the name profilers show
+      compiler_params=plgpu.CompilerParams(
+          reduction_scratch_bytes=common.REDUCTION_SCRATCH_BYTES,
+          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      interpret=target.interpret)
+  s, i = f(offset, rowdata, h, w)
+  return s.reshape(n, n_out), i.reshape(n, n_out)
+
+
+_KERNELS = {
+    Schedule.COOPERATIVE: _kernel,
+    Schedule.PINGPONG_VOCAB_M: _kernel_pingpong,
+    Schedule.PINGPONG_BATCH_M: _kernel_batch_major,
+}
+
+
+def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
+               vocab_size: int, config: TuningConfig | None = None,
+               target: common.Target = common.Target()):
+  """Best ``(score, global id)`` of each row over the weight's rows.
+
+  Args:
+    hidden: ``[B, D]`` bf16/f16, the weight's dtype.
+    weight: ``[V, D]`` (``layout="vd"``) or ``[D, V]`` (``"dv"``); any V
+      (padded here for TMA where needed, see
+      :func:`~pallas_kernels.sm90_common.pad_vocab`), D a multiple of 64.
+    rows: uint32 ``[8, B]``, the per-row block of
+      :func:`~pallas_kernels.sm90_common.pack_rows` with one sample.
+    vocab_offset: global id of the weight's first row (an int or a traced
+      int32 scalar, e.g. a shard's offset inside ``shard_map``).
+    layout: ``"vd"`` or ``"dv"``.
+    vocab_size: ids at or above it get ``-inf`` (global ids).
+    config: a config for every launch instead of the heuristic's (tests,
+      benchmarks).
+    target: where the kernels run (the GPU or interpret mode).
+
+  Returns:
+    ``(score f32 [B], id int32 [B])``: sampled rows ``l / T + gumbel``,
+    greedy rows ``l``, maximal by the tie rule; ``(-inf, INT_MAX)`` for a
+    row with no valid id.
+  """
+  offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
+  n_rows = weight.shape[0 if layout == "vd" else 1]
+  w, rows_k = common.pad_vocab(weight, layout)
+  batch, dim = hidden.shape
+  scores, tokens = [], []
+  for b0, b1 in batch_chunks(batch):
+    nb = b1 - b0
+    n = batch_side(nb)
+    cfg = config or pick_config(n, dim, rows_k, jnp.dtype(weight.dtype).itemsize)
+    n = cfg.batch_pad(n)
+    rowdata = jnp.pad(rows[:, b0:b1], [(0, 0), (0, n - nb)])
+    if not cfg.schedule.batch_major:
+      # [8, N] -> [nc, 8, C]: one contiguous block per epilogue chunk.
+      rowdata = rowdata.reshape(_ROWS.rows, n // cfg.epi_cols, cfg.epi_cols)
+      rowdata = rowdata.transpose(1, 0, 2)
+    h = jnp.pad(hidden[b0:b1], [(0, n - nb), (0, 0)])
+    s, i = _launch(offset, rowdata, h, w, cfg=cfg, layout=layout,
+                   rows_valid=n_rows, vocab_size=vocab_size, target=target)
+    s, i = rules.argbest(s[:nb], i[:nb], axis=1)
+    scores.append(s)
+    tokens.append(i)
+  if len(scores) == 1:
+    return scores[0], tokens[0]
+  return jnp.concatenate(scores), jnp.concatenate(tokens)
