@@ -93,3 +93,30 @@ def test_bench_e2e_smoke(tmp_path):
       (b, s) for b in (2,) for s in ("fused", "xla")}
   assert all(r["tpot_ms"] > 0 and r["same_tokens_rows"] == 1.0 for r in res["rows"])
   assert (tmp_path / "e2e_test.md").exists() and (tmp_path / "e2e_test.png").exists()
+
+
+def test_decode_example_greedy(capsys):
+  # --temperature 0 is greedy (as in fs.sample); it used to be rejected.
+  from examples import decode
+  rc = decode.main(["--sampler", "both", "--batch", "3", "--tokens", "4",
+                    "--prompt-len", "4", "--temperature", "0"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "fused and xla tokens identical: True" in out
+  for bad in ("-0.5", "nan"):
+    with pytest.raises(SystemExit):
+      decode.parse_args(["--temperature", bad])
+  assert "must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sampler", _model.SAMPLERS)
+def test_next_token_at_temperature_zero_is_the_argmax(sampler):
+  from flashsample_jax import flax_heads
+  cfg = dataclasses.replace(_model.CONFIGS["tiny-untied"], dtype="float32")
+  graphdef, state = _model.init(cfg, seed=2)
+  model = nnx.merge(graphdef, state)
+  hidden = jax.random.normal(jax.random.key(2), (6, cfg.dim), jnp.float32)
+  want = jnp.argmax(flax_heads.logits(model.head, hidden), axis=-1)
+  for seed in (0, 1):  # greedy: the key does not matter
+    got = _model.next_token(model, hidden, jax.random.key(seed), jnp.float32(0), sampler)
+    np.testing.assert_array_equal(got, want)
