@@ -234,13 +234,18 @@ def next_token(model: Decoder, hidden, key, temperature, sampler: str, backend: 
   "fused": :func:`flashsample_jax.sample` (``backend``, default "auto") on the
   head as stored, never writing the ``[B, V]`` logits. "xla": materialize the
   f32 logits, then ``jax.random.categorical``. Same key, same tokens.
+  ``temperature`` 0 is greedy (the argmax of the logits) for both.
   """
   if sampler == "fused":
     return flax_heads.sample_from_head(model.head, hidden, key, temperature=temperature,
                                        backend=backend)
   if sampler == "xla":
     logits = flax_heads.logits(model.head, hidden)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    # T = 0 is greedy, as in flashsample_jax.sample: logits / 0 would give
+    # inf/NaN scores, so divide by 1 there and take the argmax instead.
+    t = jnp.asarray(temperature, jnp.float32)
+    sampled = jax.random.categorical(key, logits / jnp.where(t == 0, 1.0, t))
+    return jnp.where(t == 0, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
   raise ValueError(f"{sampler=} must be one of {SAMPLERS}")
 
 

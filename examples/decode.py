@@ -12,6 +12,7 @@ time per output token (TPOT). ``--sampler fused`` samples with
   python examples/decode.py --sampler xla
   python examples/decode.py --config qwen3-8b --batch 16 --tokens 128   # GPU
   python examples/decode.py --sampler both                    # both, same tokens?
+  python examples/decode.py --temperature 0                   # greedy
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=4, help="B, rows decoded together")
   p.add_argument("--tokens", type=int, default=32, help="N, tokens decoded per row")
   p.add_argument("--prompt-len", type=int, default=16, help="random prompt length")
-  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--backend", default="auto",
                  help="flashsample_jax backend of the fused sampler (auto, mosaic, xla)")
@@ -45,8 +46,8 @@ def parse_args(argv=None):
   for name in ("batch", "tokens", "prompt_len"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-  if args.temperature <= 0:
-    p.error(f"--temperature={args.temperature} must be > 0")
+  if not args.temperature >= 0:  # also rejects NaN
+    p.error(f"--temperature={args.temperature} must be >= 0 (0 means greedy)")
   return args
 
 

@@ -1,14 +1,38 @@
 """Sampling straight from a Flax LM head, without writing the logits.
 
-A Flax model ends in one of three heads; each maps to a weight layout of
+Needs Flax: ``pip install "flashsample-jax[flax]"`` (the ``flax`` extra).
+
+A Flax model ends in one of these heads; each maps to a weight layout of
 :func:`flashsample_jax.sample` that reads the stored parameter as it is (no
 transpose, no cast, no copy of ``W`` in device memory):
 
-* ``nnx.Linear(D, V, use_bias=False)``: ``kernel [D, V]``, layout ``"dv"``;
+* ``nnx.Linear(D, V)``: ``kernel [D, V]``, layout ``"dv"`` (``bias [V]``
+  if it has one);
 * ``nnx.Embed(V, D)`` as a tied head (``embed.attend``): ``embedding [V, D]``,
   layout ``"vd"``;
-* a Linen ``nn.Dense`` head's params ``{"kernel": [D, V]}``: ``"dv"``;
+* a Linen ``nn.Dense`` head's params ``{"kernel": [D, V]}`` (and ``"bias"``):
+  ``"dv"``;
 * a Linen ``nn.Embed``'s params ``{"embedding": [V, D]}``: ``"vd"``.
+
+Only heads whose logits are exactly ``hidden @ kernel (+ bias)`` (or
+``hidden @ embedding.T``) are accepted; anything else raises rather than
+sample from a different distribution. That is why the module checks are on
+the exact class, not ``isinstance``: a subclass such as ``nnx.LoRALinear``
+adds ``x @ lora_a @ lora_b`` to the output, which the stored kernel does not
+hold. Refused, with what to do instead:
+
+* subclasses of ``nnx.Linear`` / ``nnx.Embed`` (``nnx.LoRALinear``, a
+  quantized or custom ``__call__``): merge the extra weights into one
+  ``[D, V]`` / ``[V, D]`` array (for LoRA: ``kernel + lora_a @ lora_b``) and
+  call :func:`flashsample_jax.sample` on it;
+* an ``nnx.Linear`` whose ``dot_general`` or ``promote_dtype`` is not Flax's
+  default (quantized or otherwise custom products);
+* parameter dicts with keys other than ``kernel`` (+ ``bias``) or
+  ``embedding`` (LoRA's ``lora_a``/``lora_b``, quantization scales, ...).
+
+A Linen dict holds no code, so a ``nn.Dense`` built with a custom
+``dot_general`` cannot be told apart from a plain one by its params: pass
+such a head's params only if its product is the plain one.
 
 Example::
 
@@ -24,17 +48,20 @@ Example::
 What differs from calling the module:
 
 * The product is ``hidden`` cast to the parameter's dtype times the stored
-  parameter, accumulated in f32 (the package's contract, DESIGN.md section 1).
-  The module's ``dtype``/``precision``/``promote_dtype`` are not applied:
-  casting ``W`` to another dtype would write a converted copy of the head to
-  device memory, which is what this package exists to avoid. Store the head in
-  the dtype you want it read in (``param_dtype=jnp.bfloat16``).
+  parameter, accumulated in f32 (the package's exactness contract, README
+  "The exactness guarantee"). The module's ``dtype``, ``precision`` and
+  ``preferred_element_type`` are not applied: they change only how the same
+  product is rounded, and casting ``W`` to another dtype would write a
+  converted copy of the head to device memory, which is what this package
+  exists to avoid. Store the head in the dtype you want it read in
+  (``param_dtype=jnp.bfloat16``).
 * A head's bias ``[V]`` becomes ``sample()``'s ``logit_bias`` (added in f32 to
   the f32 logits); a ``logit_bias`` passed by the caller is added to it first.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,15 +83,98 @@ def _array(x) -> jax.Array:
   return x
 
 
-def head_bias(head) -> jax.Array | None:
-  """The head's bias ``[V]`` (``nnx.Linear(use_bias=True)``, Linen ``bias``), or None."""
-  if isinstance(head, nnx.Linear):
-    return None if head.bias is None else _array(head.bias)
+# Flax's own defaults: an nnx.Linear built with anything else computes a
+# product other than ``hidden @ kernel`` (e.g. a quantized dot_general).
+_LINEAR_DEFAULTS = {
+    name: inspect.signature(nnx.Linear.__init__).parameters[name].default
+    for name in ("dot_general", "promote_dtype")}
+_EMBED_DEFAULTS = {
+    "promote_dtype": inspect.signature(nnx.Embed.__init__).parameters["promote_dtype"].default}
+
+_MERGE_HINT = (
+    "sample from the weight the head effectively multiplies by instead: "
+    "fs.sample(hidden, W, key, weight_layout='dv') with W [D, V] (for LoRA, "
+    "merge it first: kernel + lora_a @ lora_b; for a quantized product, the "
+    "dequantized kernel), or weight_layout='vd' for W [V, D]")
+
+
+def _check_defaults(head, defaults: dict[str, Any]) -> None:
+  for name, default in defaults.items():
+    value = getattr(head, name, default)
+    if value is not default:
+      raise ValueError(
+          f"head.{name}={value!r} is not Flax's default for {type(head).__name__}: "
+          "the head's logits are then not hidden @ its stored parameter, and "
+          f"sampling from that parameter would draw other tokens; {_MERGE_HINT}")
+
+
+def _linen_params(head: Mapping) -> Mapping:
+  """The parameter dict of a Linen head, unwrapping ``{"params": ...}``."""
+  params = head
+  if set(params) == {"params"}:
+    params = params["params"]
+  if not isinstance(params, Mapping):
+    raise TypeError(f"head['params'] must be a parameter dict, got {type(params).__name__}")
+  keys = set(params)
+  if keys not in ({"kernel"}, {"kernel", "bias"}, {"embedding"}):
+    raise ValueError(
+        "a Linen head's params must be exactly {'kernel' [D, V]} or {'kernel', "
+        "'bias' [V]} (nn.Dense) or {'embedding' [V, D]} (nn.Embed); got keys "
+        f"{sorted(keys)}. Other parameters (LoRA's lora_a/lora_b, quantization "
+        "scales, a second collection) change the logits, so sampling from the "
+        f"kernel alone would draw other tokens; {_MERGE_HINT}")
+  return params
+
+
+def _head_parts(head) -> tuple[jax.Array, str, jax.Array | None]:
+  """``(weight, weight_layout, bias or None)`` of a supported head; see the module doc."""
+  weight, layout, bias = _stored_parts(head)
+  # Checked here, not left to sample(): its message would name logit_bias,
+  # an argument the caller never passed.
+  if bias is not None and getattr(weight, "ndim", None) == 2:
+    rows = weight.shape[1 if layout == "dv" else 0]
+    if tuple(getattr(bias, "shape", ())) != (rows,):
+      raise ValueError(
+          f"the head's bias has shape {getattr(bias, 'shape', None)}; a head with "
+          f"weight.shape={tuple(getattr(weight, 'shape', ()))} ({layout!r}) needs "
+          f"a bias of shape [V]=({rows},)")
+  return weight, layout, bias
+
+
+def _stored_parts(head) -> tuple[jax.Array, str, jax.Array | None]:
+  # Exact classes: a subclass may compute anything in __call__ (nnx.LoRALinear
+  # adds x @ lora_a @ lora_b), and the stored kernel would not show it.
+  if type(head) is nnx.Linear:
+    _check_defaults(head, _LINEAR_DEFAULTS)
+    bias = None if head.bias is None else _array(head.bias)
+    return _array(head.kernel), "dv", bias
+  if type(head) is nnx.Embed:
+    _check_defaults(head, _EMBED_DEFAULTS)
+    return _array(head.embedding), "vd", None
+  if isinstance(head, (nnx.Linear, nnx.Embed)):
+    base = "nnx.Linear" if isinstance(head, nnx.Linear) else "nnx.Embed"
+    raise TypeError(
+        f"head is a {type(head).__name__}, a subclass of {base}: only {base} "
+        "itself is accepted, because a subclass's logits need not be hidden @ "
+        f"the stored parameter (nnx.LoRALinear adds x @ lora_a @ lora_b); {_MERGE_HINT}")
   if isinstance(head, Mapping):
-    params = head["params"] if set(head) == {"params"} else head
-    bias = params.get("bias")
-    return None if bias is None else _array(bias)
-  return None
+    params = _linen_params(head)
+    if "kernel" in params:
+      bias = params.get("bias")
+      return _array(params["kernel"]), "dv", None if bias is None else _array(bias)
+    return _array(params["embedding"]), "vd", None
+  raise TypeError(
+      "head must be an nnx.Linear, an nnx.Embed or a Linen parameter dict "
+      f"({{'kernel': ...}} or {{'embedding': ...}}), got {type(head).__name__}")
+
+
+def head_bias(head) -> jax.Array | None:
+  """The head's bias ``[V]`` (``nnx.Linear(use_bias=True)``, Linen ``bias``), or None.
+
+  Raises:
+    What :func:`head_weight` raises.
+  """
+  return _head_parts(head)[2]
 
 
 def head_weight(head) -> tuple[jax.Array, str]:
@@ -73,36 +183,22 @@ def head_weight(head) -> tuple[jax.Array, str]:
   Args:
     head: an ``nnx.Linear`` (kernel ``[D, V]``, layout ``"dv"``), an
       ``nnx.Embed`` used as a tied head (embedding ``[V, D]``, ``"vd"``), or a
-      Linen parameter dict ``{"kernel": [D, V]}`` / ``{"embedding": [V, D]}``
-      (also wrapped as ``{"params": {...}}``; boxed values are unboxed).
+      Linen parameter dict ``{"kernel": [D, V]}`` (optionally with ``"bias"``)
+      / ``{"embedding": [V, D]}`` (also wrapped as ``{"params": {...}}``;
+      boxed values are unboxed). Exactly these classes, with Flax's default
+      ``dot_general`` and ``promote_dtype``: see the module docstring.
 
   Returns:
     ``(weight, weight_layout)``, ``weight`` being the stored array itself.
 
   Raises:
-    TypeError: ``head`` is none of the above.
-    ValueError: a parameter dict has both or neither of ``kernel`` and
-      ``embedding``.
+    TypeError: ``head`` is none of the above, e.g. a subclass such as
+      ``nnx.LoRALinear``.
+    ValueError: a parameter dict has other keys than those above, or the
+      module has a custom ``dot_general`` / ``promote_dtype``.
   """
-  if isinstance(head, nnx.Linear):
-    return _array(head.kernel), "dv"
-  if isinstance(head, nnx.Embed):
-    return _array(head.embedding), "vd"
-  if isinstance(head, Mapping):
-    params = head
-    if set(params) == {"params"}:
-      params = params["params"]
-    has_kernel, has_embedding = "kernel" in params, "embedding" in params
-    if has_kernel == has_embedding:
-      raise ValueError(
-          "a Linen head's params must hold exactly one of 'kernel' [D, V] "
-          f"(nn.Dense) and 'embedding' [V, D] (nn.Embed); got keys {sorted(params)}")
-    if has_kernel:
-      return _array(params["kernel"]), "dv"
-    return _array(params["embedding"]), "vd"
-  raise TypeError(
-      "head must be an nnx.Linear, an nnx.Embed or a Linen parameter dict "
-      f"({{'kernel': ...}} or {{'embedding': ...}}), got {type(head).__name__}")
+  weight, layout, _ = _head_parts(head)
+  return weight, layout
 
 
 def _flatten_rows(hidden, key, kwargs: dict[str, Any]):
@@ -148,20 +244,22 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array:
     int32 token ids of shape ``hidden.shape[:-1]``.
 
   Raises:
-    TypeError: ``weight_layout`` was passed, or ``head`` is not a head.
+    TypeError: ``weight_layout`` was passed, or ``head`` is not a supported
+      head (:func:`head_weight`).
+    ValueError: a head whose logits are not ``hidden @`` its stored
+      parameter (:func:`head_weight`), or a bias that is not ``[V]``.
     Anything :func:`flashsample_jax.sample` raises for bad arguments.
   """
   if "weight_layout" in kwargs:
     raise TypeError(
         "weight_layout is set by the head (nnx.Linear/kernel: 'dv', "
         "nnx.Embed/embedding: 'vd'); do not pass it")
-  weight, layout = head_weight(head)
+  weight, layout, bias = _head_parts(head)
   if not hasattr(hidden, "ndim") or hidden.ndim < 2:
     raise ValueError(
         f"hidden must have shape [B, D] or [..., D], got "
         f"{getattr(hidden, 'shape', type(hidden).__name__)}")
   hidden2, key, kwargs, lead = _flatten_rows(hidden, key, kwargs)
-  bias = head_bias(head)
   if bias is not None:
     extra = kwargs.get("logit_bias")
     bias = bias.astype(jnp.float32)
@@ -196,11 +294,10 @@ def logits(head, hidden) -> jax.Array:
 
   Materializes them: for checking and for comparison baselines only.
   """
-  weight, layout = head_weight(head)
+  weight, layout, bias = _head_parts(head)
   contract = 1 if layout == "vd" else 0
   l = jax.lax.dot_general(
       jnp.asarray(hidden).astype(weight.dtype), weight,
       (((hidden.ndim - 1,), (contract,)), ((), ())),
       preferred_element_type=jnp.float32)
-  bias = head_bias(head)
   return l if bias is None else l + bias.astype(jnp.float32)

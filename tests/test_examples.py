@@ -93,3 +93,62 @@ def test_bench_e2e_smoke(tmp_path):
       (b, s) for b in (2,) for s in ("fused", "xla")}
   assert all(r["tpot_ms"] > 0 and r["same_tokens_rows"] == 1.0 for r in res["rows"])
   assert (tmp_path / "e2e_test.md").exists() and (tmp_path / "e2e_test.png").exists()
+
+
+def test_decode_example_greedy(capsys):
+  # --temperature 0 is greedy (as in fs.sample); it used to be rejected.
+  from examples import decode
+  rc = decode.main(["--sampler", "both", "--batch", "3", "--tokens", "4",
+                    "--prompt-len", "4", "--temperature", "0"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "fused and xla tokens identical: True" in out
+  for bad in ("-0.5", "nan"):
+    with pytest.raises(SystemExit):
+      decode.parse_args(["--temperature", bad])
+  assert "must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sampler", _model.SAMPLERS)
+def test_next_token_at_temperature_zero_is_the_argmax(sampler):
+  from flashsample_jax import flax_heads
+  cfg = dataclasses.replace(_model.CONFIGS["tiny-untied"], dtype="float32")
+  graphdef, state = _model.init(cfg, seed=2)
+  model = nnx.merge(graphdef, state)
+  hidden = jax.random.normal(jax.random.key(2), (6, cfg.dim), jnp.float32)
+  want = jnp.argmax(flax_heads.logits(model.head, hidden), axis=-1)
+  for seed in (0, 1):  # greedy: the key does not matter
+    got = _model.next_token(model, hidden, jax.random.key(seed), jnp.float32(0), sampler)
+    np.testing.assert_array_equal(got, want)
+
+
+# -- examples/demo.py: like-for-like baseline, temperature honoured ----------
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 2.0])
+def test_demo_baseline_is_the_reference_sampler(temperature):
+  # The timed baseline must sample what fs.sample samples: same temperature,
+  # greedy at 0. Exact inputs, so the tokens must be identical.
+  from examples import demo
+  import flashsample_jax as fs
+  from tests import inputs
+  h, w = inputs.exact_inputs(8, 64, 1000, seed=3)
+  key = jax.random.key(3)
+  got = demo.baseline_sampler(temperature)(key, h, w)
+  np.testing.assert_array_equal(got, fs.reference.sample(h, w, key, temperature=temperature))
+  if temperature == 0:
+    np.testing.assert_array_equal(got, jnp.argmax(
+        jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32).T), axis=-1))
+
+
+def test_demo_runs_and_does_not_overclaim(capsys):
+  from examples import demo
+  rc = demo.main(["--config", "tiny", "--batch", "4", "--temperature", "0.7",
+                  "--iters", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "RANDOM weights" in out and "temperature=0.7" in out
+  assert "exact inputs: 4/4 rows identical (PASS)" in out
+  assert "speedup" not in out.lower()
+  # On a CPU the kernel does not run, and the demo must say so.
+  assert "no fused kernel on this device" in out
+  assert len(out.splitlines()) <= 10

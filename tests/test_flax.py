@@ -8,6 +8,8 @@ of rows.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -200,11 +202,136 @@ def test_bad_arguments():
     flax_heads.sample_from_embed(head, h, key)
   with pytest.raises(TypeError, match="nnx.Linear"):
     flax_heads.sample_from_linear(_embed(w.T), h, key)
-  with pytest.raises(ValueError, match="exactly one"):
+  with pytest.raises(ValueError, match="must be exactly"):
     flax_heads.sample_from_params({"kernel": w, "embedding": w.T}, h, key)
-  with pytest.raises(ValueError, match="exactly one"):
+  with pytest.raises(ValueError, match="must be exactly"):
     flax_heads.sample_from_params({"scale": w}, h, key)
   with pytest.raises(ValueError):  # D mismatch, reported by sample()
     flax_heads.sample_from_head(head, h[:, :32], key)
   with pytest.raises(ValueError, match=r"\[B, D\]"):
     flax_heads.sample_from_head(head, h[0], key)
+
+
+# -- Heads whose logits are not hidden @ the stored parameter: refused --------
+#
+# Sampling from the stored kernel of such a head draws from another
+# distribution, silently. Each helper must refuse them with an error that
+# names the problem and says what to do.
+
+def _every_helper(head, h, key):
+  """Calls every public helper that reads a head; each must raise."""
+  yield lambda: flax_heads.sample_from_head(head, h, key)
+  yield lambda: flax_heads.head_weight(head)
+  yield lambda: flax_heads.head_bias(head)
+  yield lambda: flax_heads.logits(head, h)
+  if isinstance(head, nnx.Linear):
+    yield lambda: flax_heads.sample_from_linear(head, h, key)
+  if isinstance(head, nnx.Embed):
+    yield lambda: flax_heads.sample_from_embed(head, h, key)
+  if isinstance(head, dict):
+    yield lambda: flax_heads.sample_from_params(head, h, key)
+
+
+def _assert_every_helper_raises(head, h, key, error, match):
+  for call in _every_helper(head, h, key):
+    with pytest.raises(error, match=match):
+      call()
+
+
+def test_lora_linear_is_refused_and_the_merged_weight_is_exact():
+  # The issue's case: nnx.LoRALinear with a nonzero lora_b. Its logits are
+  # kernel + lora_a @ lora_b, so sampling from the kernel alone is wrong.
+  d, v, rank = 16, 300, 2
+  r = np.random.default_rng(20)
+  h = jnp.asarray(r.integers(-3, 4, (B, d)), jnp.float32)
+  lora = nnx.LoRALinear(d, v, lora_rank=rank, use_bias=False, rngs=nnx.Rngs(0))
+  lora.kernel[...] = jnp.asarray(r.integers(-3, 4, (d, v)), jnp.float32)
+  lora.lora.lora_a[...] = jnp.asarray(r.integers(-2, 3, (d, rank)), jnp.float32)
+  lora.lora.lora_b[...] = jnp.asarray(r.integers(-2, 3, (rank, v)), jnp.float32)
+  key = jax.random.key(20)
+  want = _module_tokens(lora(h), key, 1.0)
+  kernel_only = fs.reference.sample(h, lora.kernel[...], key, weight_layout="dv")
+  assert (np.asarray(kernel_only) != np.asarray(want)).any()  # the hazard is real
+  _assert_every_helper_raises(lora, h, key, TypeError,
+                              r"LoRALinear.*subclass of nnx\.Linear.*lora_a @ lora_b")
+  # Also its nnx.state, which is a Mapping holding 'kernel' (and 'lora').
+  _assert_every_helper_raises(dict(nnx.state(lora)), h, key, ValueError,
+                              r"got keys \['kernel', 'lora'\].*lora_a @ lora_b")
+  # The advice in the message is exact: integer weights make every sum exact.
+  merged = lora.kernel[...] + lora.lora.lora_a[...] @ lora.lora.lora_b[...]
+  _assert_same(fs.sample(h, merged, key, weight_layout="dv"), want)
+
+
+def test_module_subclasses_are_refused():
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=21)
+  key = jax.random.key(21)
+
+  class ScaledLinear(nnx.Linear):
+    def __call__(self, x):
+      return 2 * super().__call__(x)
+
+  class PlainSubclass(nnx.Linear):
+    pass  # refused too: the check is on the class, not on what it overrides
+
+  class ScaledEmbed(nnx.Embed):
+    def attend(self, query):
+      return 2 * super().attend(query)
+
+  for cls in (ScaledLinear, PlainSubclass):
+    head = cls(D, V, use_bias=False, rngs=nnx.Rngs(0))
+    head.kernel[...] = w
+    _assert_every_helper_raises(head, h, key, TypeError,
+                                rf"{cls.__name__}, a subclass of nnx\.Linear")
+  embed = ScaledEmbed(V, D, rngs=nnx.Rngs(0))
+  embed.embedding[...] = w.T
+  _assert_every_helper_raises(embed, h, key, TypeError,
+                              r"ScaledEmbed, a subclass of nnx\.Embed")
+
+
+def test_custom_products_are_refused():
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=22)
+  key = jax.random.key(22)
+
+  def doubled_dot(*args, **kwargs):  # e.g. a quantized or rescaled product
+    return 2 * jax.lax.dot_general(*args, **kwargs)
+
+  def identity_promote(arrays, dtype=None, inexact=True):
+    return arrays
+
+  head = _linear(w, dot_general=doubled_dot)
+  _assert_every_helper_raises(head, h, key, ValueError, r"head\.dot_general=.*not Flax's default")
+  head = _linear(w, promote_dtype=identity_promote)
+  _assert_every_helper_raises(head, h, key, ValueError, r"head\.promote_dtype=")
+  embed = nnx.Embed(V, D, promote_dtype=identity_promote, rngs=nnx.Rngs(0))
+  _assert_every_helper_raises(embed, h, key, ValueError, r"head\.promote_dtype=")
+
+
+def test_precision_is_accepted():
+  # precision only changes how the same product rounds; with exact inputs the
+  # module's own tokens and the helper's agree.
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=23)
+  head = _linear(w, precision=jax.lax.Precision.HIGHEST)
+  key = jax.random.key(23)
+  _assert_same(flax_heads.sample_from_head(head, h, key), _module_tokens(head(h), key, 1.0))
+
+
+@pytest.mark.parametrize("params,keys", [
+    ({"kernel": 0, "lora_a": 0, "lora_b": 0}, "['kernel', 'lora_a', 'lora_b']"),
+    ({"kernel": 0, "kernel_scale": 0}, "['kernel', 'kernel_scale']"),
+    ({"embedding": 0, "bias": 0}, "['bias', 'embedding']"),
+    ({"params": {"kernel": 0}, "lora": {"a": 0}}, "['lora', 'params']"),
+])
+def test_linen_params_with_other_keys_are_refused(params, keys):
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=24)
+  arrays = {"kernel": w, "embedding": w.T, "bias": jnp.zeros((V,))}
+  fill = lambda d: {k: fill(x) if isinstance(x, dict) else arrays.get(k, w)
+                    for k, x in d.items()}
+  _assert_every_helper_raises(fill(params), h, jax.random.key(0), ValueError,
+                              f"got keys {re.escape(keys)}")
+
+
+def test_bias_of_the_wrong_shape_is_refused():
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=25)
+  params = {"kernel": w, "bias": jnp.zeros((V - 1,))}
+  _assert_every_helper_raises(params, h, jax.random.key(0), ValueError,
+                              r"bias has shape \(999,\).*\[V\]=\(1000,\)")
