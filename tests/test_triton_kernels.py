@@ -197,6 +197,26 @@ def test_sampler_compiles_with_xla_arithmetic(capability, layout, dtype, batch,
 
 
 @compiled_only
+@pytest.mark.parametrize("capability,batch,tanh", [((9, 0), 1, 0), ((9, 0), 64, 1),
+                                                   ((8, 0), 32, 0)])
+def test_controls_compile(capability, batch, tanh, tmp_path):
+  """Every control on: XLA's division, no IEEE division or approximate log,
+  and the controls heuristic's config does not spill."""
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  ctl = tc.Controls(samples=2, softcap=True, bias=True, mask=True, t_best=True,
+                    lse=True, top_k=8, tanh=tanh)
+  cfg = tc.pick_controls_config(batch, 4096, 151936, capability, ctl)
+  k = tc.controls_for_inspection(cfg, ctl, layout="vd", dtype=jnp.bfloat16,
+                                 batch=batch, dim=4096, rows=151936,
+                                 capability=capability)
+  ops = float_ops(k.asm["ptx"])
+  assert "div.full.f32" in ops
+  assert not any(op.startswith(("div.rn", "lg2")) for op in ops), ops
+  reg, stack = registers(k.asm["cubin"], tmp_path)
+  assert stack == 0, f"{cfg} spills: {stack} bytes of stack, {reg} registers"
+
+
+@compiled_only
 def test_noise_probe_ptx():
   """The Gumbel probe: __nv_logf twice, negation as a sign flip, no approx."""
   k = ts.compile_for_inspection(
@@ -433,6 +453,166 @@ def test_interpreter_nan_and_ties(interp):
   np.testing.assert_array_equal(score[1, [1, 3]], [0.0, -np.inf])
 
 
+def make_control_rows(batch, samples, *, seed=0, cap=None, ctr_base=2**32 - 90,
+                      ctr_step=3 * 2**31 + 5):
+  """Packed control rows and their parts; sample s of row b has counter
+  ``ctr_base + (s * B + b) * ctr_step`` (64-bit, carries)."""
+  rowdata, parts = make_rowdata(batch, seed=seed)
+  c = (np.uint64(ctr_base) + np.arange(samples * batch, dtype=np.uint64)
+       * np.uint64(ctr_step)).reshape(samples, batch)
+  hi = (c >> np.uint64(32)).astype(np.uint32)
+  lo = c.astype(np.uint32)
+  caps = np.full(batch, 0.0 if cap is None else cap, np.float32)
+  rows = np.concatenate([
+      np.stack([parts["k0"], parts["k1"], parts["t"].view(np.uint32),
+                caps.view(np.uint32)]),
+      np.stack([hi, lo], axis=1).reshape(2 * samples, batch)])
+  parts.update(s_hi=hi, s_lo=lo, cap=caps)
+  return rows, parts
+
+
+def mirror_controls(logits, parts, ctl, *, offset, rows_valid, vocab_size, bias,
+                    mask, block_v):
+  """Per (row, tile) controls outputs, the kernel's math in NumPy float32
+  (the interpreter's soft-cap tanh is exp-based, as in the kernel)."""
+  b, rows = logits.shape
+  f32 = np.float32
+  local = np.arange(rows)
+  gid = offset + local
+  valid = np.broadcast_to((local < rows_valid) & (gid < vocab_size), (b, rows))
+  x = logits.astype(f32)
+  if ctl.softcap:
+    cap = parts["cap"][:, None]
+    y = x / cap
+    e = np.exp(f32(-2.0) * np.abs(y))
+    r = (f32(1) - e) / (f32(1) + e)
+    x = cap * np.where(y < 0, f32(0) - r, r)
+  if ctl.bias:
+    x = x + np.where(gid < vocab_size, bias[np.minimum(gid, vocab_size - 1)], 0)
+  if ctl.mask:
+    word = mask[:, np.minimum(gid, vocab_size - 1) // 32]
+    valid = valid & (((word >> (gid % 32).astype(np.uint32)) & 1) == 1)
+  x = np.where(valid, x, -np.inf).astype(f32)
+  temp = parts["t"][:, None]
+  t = (x / np.where(temp == 0, f32(1), temp)).astype(f32)
+  n_tiles = -(-rows // block_v)
+  pad = n_tiles * block_v - rows
+  tiles = lambda a, fill: np.pad(a, ((0, 0), (0, pad)), constant_values=fill
+                                 ).reshape(b, n_tiles, block_v)
+  out = {"best_score": [], "best_index": [], "best_t": []}
+  gid_t = (offset + np.arange(n_tiles * block_v)).reshape(n_tiles, block_v)[None]
+  for s_ in range(ctl.samples):
+    bits = threefry_bits(parts["k0"][:, None], parts["k1"][:, None],
+                         parts["s_hi"][s_][:, None], parts["s_lo"][s_][:, None],
+                         gid.astype(np.uint32)[None, :])
+    sc = np.where(valid, np.where(temp == 0, x, t + numpy_gumbel(bits)), -np.inf)
+    sc = sc.astype(f32)
+    m, idx = _tile_best_rows(sc, valid, block_v, offset)
+    out["best_score"].append(m)
+    out["best_index"].append(idx)
+    out["best_t"].append(np.max(np.where(gid_t == idx[..., None],
+                                         tiles(t, -np.inf), -np.inf), -1))
+  tt = tiles(t, -np.inf)
+  m = np.max(tt, -1)
+  with np.errstate(invalid="ignore"):
+    e = np.where(tt == -np.inf, 0, np.exp(tt - m[..., None]))
+  out["lse_max"], out["lse_sum"] = m, e.sum(-1)
+  work = np.where(np.isnan(tt), -np.inf, tt)
+  vals, ids = [], []
+  for _ in range(ctl.top_k):
+    v = np.max(work, -1)
+    hit = (work == v[..., None]) & (work > -np.inf)
+    top = np.min(np.where(hit, gid_t, INT_MAX), -1)
+    vals.append(v)
+    ids.append(top)
+    work = np.where(gid_t == top[..., None], -np.inf, work)
+  out["bound"] = np.max(work, -1)
+  out["cand_vals"], out["cand_ids"] = vals, ids
+  return out
+
+
+def _tile_best_rows(s, valid, block_v, offset):
+  """:func:`tile_best` with a validity mask per row ([B, rows])."""
+  ms, ids = [], []
+  for r in range(s.shape[0]):
+    m, i = tile_best(s[r:r + 1], valid[r], block_v, offset)
+    ms.append(m[0])
+    ids.append(i[0])
+  return np.stack(ms), np.stack(ids)
+
+
+def run_controls(mod, h, w, rows, ctl, *, offset, layout, vocab_size,
+                 rows_valid, cfg, bias=None, mask=None):
+  b, d = h.shape
+  w_rows = w.shape[0] if layout == "vd" else w.shape[1]
+  n_words = -(-vocab_size // 32)
+  consts = mod.controls_constexprs(cfg, ctl, batch=b, dim=d, rows=w_rows,
+                                   rows_valid=rows_valid, vocab_size=vocab_size,
+                                   layout=layout, n_words=n_words)
+  n = consts["N_TILES"]
+  args = [HostTensor(np.asarray([offset], np.int32)), HostTensor(rows),
+          HostTensor(np.asarray(h)), HostTensor(np.asarray(w)),
+          HostTensor(np.zeros(1, np.float32) if bias is None else bias),
+          HostTensor(np.zeros(1, np.uint32) if mask is None else mask),
+          HostTensor(np.zeros((b, ctl.f_rows, n), np.float32)),
+          HostTensor(np.zeros((b, ctl.i_rows, n), np.int32))]
+  mod._controls_kernel[(triton.cdiv(b, cfg.block_b), n)](*args, **consts)  # pylint: disable=protected-access
+  return mod.split_outputs(args[6].a, args[7].a, ctl)
+
+
+_CONTROL_CASES = [
+    # (layout, B, D, rows, rows_valid, vocab, offset, cfg, controls)
+    ("vd", 5, 32, 200, 200, 200, 0, C(64, 16, 32, 4, 2),
+     dict(samples=2, softcap=True, bias=True, mask=True, t_best=True, lse=True,
+          top_k=3)),
+    ("dv", 18, 48, 160, 150, 300, 64, C(32, 16, 16, 4, 2, False),
+     dict(samples=1, bias=True, lse=True, top_k=5, t_best=True)),
+    ("vd", 7, 16, 96, 96, 90, 0, C(32, 16, 16, 4, 1),
+     dict(samples=3, softcap=True, mask=True)),
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout,b,d,rows,rows_valid,vocab,offset,cfg,kw",
+                         _CONTROL_CASES)
+def test_interpreter_controls(interp, layout, b, d, rows, rows_valid, vocab,
+                              offset, cfg, kw):
+  """Every controls output of every (row, tile) against the NumPy mirror:
+  soft-cap, bias by global id, the allowed bitmask, several samples with
+  64-bit counters, the best's t, log-sum-exp pieces, the top-K list and its
+  bound; greedy rows, padding, ids past vocab_size, a vocabulary offset."""
+  tc = interp["triton_controls"]
+  ctl = tc.Controls(**kw)
+  h, w, logits = exact_problem(b, d, rows, layout=layout, seed=rows)
+  rows_arr, parts = make_control_rows(b, ctl.samples, seed=b, cap=8.0)
+  r = np.random.default_rng(b)
+  bias = r.integers(-4, 5, vocab).astype(np.float32) if ctl.bias else None
+  mask = (r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
+          .astype(np.uint32) if ctl.mask else None)
+  got = run_controls(tc, h, w, rows_arr, ctl, offset=offset, layout=layout,
+                     vocab_size=vocab, rows_valid=rows_valid, cfg=cfg,
+                     bias=bias, mask=mask)
+  want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=rows_valid,
+                         vocab_size=vocab, bias=bias, mask=mask,
+                         block_v=cfg.block_v)
+  eq = np.testing.assert_array_equal
+  for s_ in range(ctl.samples):
+    eq(got.best_index[:, s_], want["best_index"][s_])
+    eq(got.best_score[:, s_], want["best_score"][s_])
+    if ctl.t_best:
+      eq(got.best_t[:, s_], want["best_t"][s_])
+  if ctl.lse:
+    eq(got.lse_max, want["lse_max"])
+    np.testing.assert_allclose(got.lse_sum, want["lse_sum"], rtol=1e-6)
+  else:
+    assert got.lse_max is None
+  if ctl.top_k:
+    for j in range(ctl.top_k):
+      eq(got.cand_ids[:, j], want["cand_ids"][j])
+      eq(got.cand_vals[:, j], want["cand_vals"][j])
+    eq(got.bound, want["bound"])
+
+
 # ----------------------------------------------------------------------------
 # Config, heuristic, argument checking (no GPU)
 # ----------------------------------------------------------------------------
@@ -500,39 +680,133 @@ def test_candidates_argument_errors():
 # ----------------------------------------------------------------------------
 
 
+def xla_gumbel(k0, k1, c_hi, c_lo, gid):
+  """``[B, V]`` noise as ``jax.random.gumbel`` computes it (XLA's threefry,
+  log, neg), for row counters ``(c_hi, c_lo) [B, 1]`` plus global ids."""
+  lo = c_lo + gid.astype(jnp.uint32)[None, :]
+  hi = c_hi + (lo < c_lo).astype(jnp.uint32)
+  full = lambda x: jnp.broadcast_to(x, lo.shape)
+  y0, y1 = threefry2x32_p.bind(full(k0), full(k1), hi, lo)
+  u = jax.lax.bitcast_convert_type(((y0 ^ y1) >> 9) | jnp.uint32(0x3F800000),
+                                   jnp.float32) - 1.0
+  return -jnp.log(-jnp.log(jnp.maximum(jnp.float32(TINY), u)))
+
+
+def xla_tiles(a, block_v, fill):
+  """``[B, V]`` -> ``[B, n_tiles, block_v]``, padded with ``fill``."""
+  b, rows = a.shape
+  n = -(-rows // block_v)
+  return jnp.pad(a, ((0, 0), (0, n * block_v - rows)),
+                 constant_values=fill).reshape(b, n, block_v)
+
+
+def xla_best(s, valid, ids):
+  """Per (row, tile) best (score, id) of ``s``/``valid`` ``[B, T, Vt]``."""
+  m = jnp.max(s, -1)  # NaN if the tile holds one
+  hit = valid & ((s == m[..., None]) | jnp.isnan(s))
+  return m, jnp.min(jnp.where(hit, ids, INT_MAX), -1)
+
+
 def xla_tile_reference(h, w, rowdata, offset, *, layout, vocab_size, rows_valid,
                        block_v):
   """Per (row, tile) best (score, id) computed by XLA: logits from
-  ``jnp.dot``, noise from ``threefry2x32_p`` and ``-log(-log(u))`` as
-  ``jax.random.gumbel`` computes it, ``l / T`` as XLA divides."""
+  ``jnp.dot``, noise as ``jax.random.gumbel`` computes it, ``l / T`` as XLA
+  divides."""
   l = jnp.dot(h, w.T if layout == "vd" else w, preferred_element_type=jnp.float32)
   b, rows = l.shape
   k0, k1, c_hi, c_lo, tb = (rowdata[i][:, None] for i in range(5))
   t = jax.lax.bitcast_convert_type(tb, jnp.float32)
   local = jnp.arange(rows, dtype=jnp.int32)
   gid = offset + local
-  lo = c_lo + gid.astype(jnp.uint32)[None, :]
-  hi = c_hi + (lo < c_lo).astype(jnp.uint32)
-  full = lambda x: jnp.broadcast_to(x, (b, rows))
-  y0, y1 = threefry2x32_p.bind(full(k0), full(k1), hi, lo)
-  bits = y0 ^ y1
-  u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000),
-                                   jnp.float32) - 1.0
-  u = jnp.maximum(jnp.float32(TINY), u)
-  g = -jnp.log(-jnp.log(u))
+  g = xla_gumbel(k0, k1, c_hi, c_lo, gid)
   s = jnp.where(t == 0, l, l / jnp.where(t == 0, 1.0, t) + g)
-  valid = (local < rows_valid) & (gid < vocab_size)
-  s = jnp.where(valid[None, :], s, -jnp.inf)
-  n_tiles = -(-rows // block_v)
-  pad = n_tiles * block_v - rows
-  s = jnp.pad(s, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-  s = s.reshape(b, n_tiles, block_v)
-  v = jnp.pad(valid, (0, pad)).reshape(n_tiles, block_v)[None]
-  ids = (offset + jnp.arange(n_tiles * block_v, dtype=jnp.int32)).reshape(n_tiles, block_v)
-  m = jnp.max(s, -1)  # NaN if the tile holds one
-  hit = v & ((s == m[..., None]) | jnp.isnan(s))
-  idx = jnp.min(jnp.where(hit, ids[None], INT_MAX), -1)
-  return m, idx
+  valid = jnp.broadcast_to((local < rows_valid) & (gid < vocab_size), (b, rows))
+  s = jnp.where(valid, s, -jnp.inf)
+  ids = xla_tiles(jnp.broadcast_to(offset + local, (b, rows)), block_v, INT_MAX)
+  return xla_best(xla_tiles(s, block_v, -jnp.inf), xla_tiles(valid, block_v, False),
+                  ids)
+
+
+def xla_controls_reference(h, w, rows_arr, offset, ctl, *, layout, vocab_size,
+                           rows_valid, block_v, bias, mask):
+  """The controls kernel's outputs computed by XLA (jnp.tanh for the cap)."""
+  l = jnp.dot(h, w.T if layout == "vd" else w, preferred_element_type=jnp.float32)
+  b, rows = l.shape
+  f32 = lambda r: jax.lax.bitcast_convert_type(rows_arr[r][:, None], jnp.float32)
+  k0, k1, temp, cap = rows_arr[0][:, None], rows_arr[1][:, None], f32(2), f32(3)
+  local = jnp.arange(rows, dtype=jnp.int32)
+  gid = offset + local
+  valid = jnp.broadcast_to((local < rows_valid) & (gid < vocab_size), (b, rows))
+  x = l
+  if ctl.softcap:
+    x = cap * jnp.tanh(x / cap)
+  if ctl.bias:
+    x = x + jnp.where(gid < vocab_size, jnp.take(bias, gid, mode="clip"), 0.0)
+  if ctl.mask:
+    word = jnp.take(mask, gid // 32, axis=1, mode="clip")
+    valid = valid & (((word >> (gid % 32).astype(jnp.uint32)) & 1) == 1)
+  x = jnp.where(valid, x, -jnp.inf)
+  t = x / jnp.where(temp == 0, 1.0, temp)
+  ids = xla_tiles(jnp.broadcast_to(gid, (b, rows)), block_v, INT_MAX)
+  vt = xla_tiles(valid, block_v, False)
+  tt = xla_tiles(t, block_v, -jnp.inf)
+  out = {"best_score": [], "best_index": [], "best_t": []}
+  for s_ in range(ctl.samples):
+    g = xla_gumbel(k0, k1, rows_arr[4 + 2 * s_][:, None],
+                   rows_arr[5 + 2 * s_][:, None], gid)
+    sc = jnp.where(valid, jnp.where(temp == 0, x, t + g), -jnp.inf)
+    m, idx = xla_best(xla_tiles(sc, block_v, -jnp.inf), vt, ids)
+    out["best_score"].append(m)
+    out["best_index"].append(idx)
+    out["best_t"].append(jnp.max(jnp.where(ids == idx[..., None], tt, -jnp.inf), -1))
+  m = jnp.max(tt, -1)
+  out["lse_max"] = m
+  out["lse_sum"] = jnp.sum(jnp.where(tt == -jnp.inf, 0.0, jnp.exp(tt - m[..., None])), -1)
+  work = jnp.where(jnp.isnan(tt), -jnp.inf, tt)
+  out["cand_vals"], out["cand_ids"] = [], []
+  for _ in range(ctl.top_k):
+    v = jnp.max(work, -1)
+    hit = (work == v[..., None]) & (work > -jnp.inf)
+    top = jnp.min(jnp.where(hit, ids, INT_MAX), -1)
+    out["cand_vals"].append(v)
+    out["cand_ids"].append(top)
+    work = jnp.where(ids == top[..., None], -jnp.inf, work)
+  out["bound"] = jnp.max(work, -1)
+  return out
+
+
+def test_xla_references_match_mirror():
+  """The GPU tests' XLA references, run by XLA on the CPU, against the NumPy
+  mirror the interpreter tests use (ids exact; floats: CPU log vs NumPy's),
+  so that a GPU failure points at the kernel, not at the reference."""
+  b, d, rows, vocab, offset, block_v = 7, 32, 300, 280, 64, 64
+  h, w, logits = exact_problem(b, d, rows, layout="dv", seed=4)
+  rowdata, parts = make_rowdata(b, seed=2, ctr_base=2**32 - 77, ctr_step=2**31 + 3)
+  ms, mi = xla_tile_reference(h, w, jnp.asarray(rowdata), offset, layout="dv",
+                              vocab_size=vocab, rows_valid=290, block_v=block_v)
+  s_, valid = mirror_scores(logits, parts, offset=offset, rows_valid=290,
+                            vocab_size=vocab)
+  ws, wi = tile_best(s_, valid, block_v, offset)
+  np.testing.assert_array_equal(np.asarray(mi), wi)
+  np.testing.assert_allclose(np.asarray(ms), ws, rtol=1e-6)
+
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  ctl = tc.Controls(samples=2, bias=True, mask=True, t_best=True, lse=True,
+                    top_k=4)
+  rows_arr, parts = make_control_rows(b, ctl.samples, seed=9)
+  r = np.random.default_rng(0)
+  bias = r.integers(-4, 5, vocab).astype(np.float32)
+  mask = r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64).astype(np.uint32)
+  got = xla_controls_reference(h, w, jnp.asarray(rows_arr), offset, ctl,
+                               layout="dv", vocab_size=vocab, rows_valid=290,
+                               block_v=block_v, bias=jnp.asarray(bias),
+                               mask=jnp.asarray(mask))
+  want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=290,
+                         vocab_size=vocab, bias=bias, mask=mask, block_v=block_v)
+  for k in ("best_index", "cand_ids"):
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+  for k in ("best_score", "best_t", "lse_max", "lse_sum", "cand_vals", "bound"):
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
 
 
 # (layout, dtype, B, D, rows, rows_valid, vocab_size, offset, config or None)
@@ -645,6 +919,72 @@ class TestGPU:
     np.testing.assert_array_equal(
         np.asarray(g).view(np.uint32),
         np.asarray(jax.random.gumbel(key, shape)).reshape(-1).view(np.uint32))
+
+  @pytest.mark.parametrize("layout,b,d,rows,rows_valid,vocab,offset,kw", [
+      ("vd", 3, 2048, 5000, 5000, 5000, 0,
+       dict(samples=2, bias=True, mask=True, t_best=True, lse=True, top_k=8)),
+      ("dv", 70, 1024, 3072, 3000, 4000, 128,
+       dict(samples=1, bias=True, lse=True, top_k=4, t_best=True)),
+      ("vd", 33, 512, 2000, 2000, 2000, 0, dict(samples=4, mask=True)),
+      ("vd", 20, 512, 2000, 2000, 2000, 0,
+       dict(samples=1, softcap=True, lse=True, top_k=4)),
+      ("vd", 20, 512, 2000, 2000, 2000, 0,
+       dict(samples=1, softcap=True, lse=True, top_k=4, tanh=1)),
+  ])
+  def test_controls_match_xla(self, layout, b, d, rows, rows_valid, vocab,
+                              offset, kw):
+    """Bit for bit without a soft-cap (the log-sum-exp sum: ex2.approx,
+    1e-5); with one, the tanh is reported, not assumed (module docstring)."""
+    from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+    ctl = tc.Controls(**kw)
+    h, w, _ = exact_problem(b, d, rows, layout=layout, seed=b)
+    rows_np, _ = make_control_rows(b, ctl.samples, seed=rows, cap=30.0)
+    # Non-power-of-two temperatures: XLA's division must be matched.
+    t = np.random.default_rng(b).choice(np.float32([0, 0.6, 0.7, 1.3]), b)
+    rows_np[2] = t.view(np.uint32)
+    rows_arr = jnp.asarray(rows_np)
+    r = np.random.default_rng(rows)
+    bias = (jnp.asarray(r.standard_normal(vocab), jnp.float32) if ctl.bias
+            else None)
+    mask = (jnp.asarray(r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
+                        .astype(np.uint32)) if ctl.mask else None)
+    cap = ts.device_capability()
+    cfg = tc.pick_controls_config(b, d, rows, cap, ctl)
+    got = jax.jit(lambda h, w, ra, bias, mask: tc.control_candidates(
+        h, w, ra, offset, layout=layout, vocab_size=vocab, controls=ctl,
+        bias=bias, allowed_mask=mask, rows_valid=rows_valid))(
+            h, w, rows_arr, bias, mask)
+    want = jax.jit(lambda h, w, ra, bias, mask: xla_controls_reference(
+        h, w, ra, offset, ctl, layout=layout, vocab_size=vocab,
+        rows_valid=rows_valid, block_v=cfg.block_v, bias=bias, mask=mask))(
+            h, w, rows_arr, bias, mask)
+    bits = lambda x: np.asarray(x).view(np.uint32)
+    if ctl.softcap:  # tanh: report how far, demand tokens on >= 99.9%
+      idx = np.asarray(got.best_index[:, 0])
+      agree = np.mean(idx == np.asarray(want["best_index"][0]))
+      np.testing.assert_allclose(np.asarray(got.best_score[:, 0]),
+                                 np.asarray(want["best_score"][0]), rtol=1e-6)
+      assert agree >= 0.999, agree
+      return
+    for s_ in range(ctl.samples):
+      np.testing.assert_array_equal(np.asarray(got.best_index[:, s_]),
+                                    np.asarray(want["best_index"][s_]))
+      np.testing.assert_array_equal(bits(got.best_score[:, s_]),
+                                    bits(want["best_score"][s_]))
+      if ctl.t_best:
+        np.testing.assert_array_equal(bits(got.best_t[:, s_]),
+                                      bits(want["best_t"][s_]))
+    if ctl.lse:
+      np.testing.assert_array_equal(bits(got.lse_max), bits(want["lse_max"]))
+      np.testing.assert_allclose(np.asarray(got.lse_sum),
+                                 np.asarray(want["lse_sum"]), rtol=1e-5)
+    for j in range(ctl.top_k):
+      np.testing.assert_array_equal(np.asarray(got.cand_ids[:, j]),
+                                    np.asarray(want["cand_ids"][j]))
+      np.testing.assert_array_equal(bits(got.cand_vals[:, j]),
+                                    bits(want["cand_vals"][j]))
+    if ctl.top_k:
+      np.testing.assert_array_equal(bits(got.bound), bits(want["bound"]))
 
   def test_counter_carry(self):
     hi = jnp.full((4096,), 5, jnp.uint32)
