@@ -60,6 +60,9 @@ __all__ = [
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LAYOUTS = ("vd", "dv")
+# The vocabulary tiles are the grid's axis 1 (CUDA allows 65535 there): the
+# batch blocks are axis 0, the fastest in launch order (see _sampler_kernel).
+_MAX_GRID_Y = 65535
 
 
 # ----------------------------------------------------------------------------
@@ -154,8 +157,9 @@ _C = TritonConfig
 #   tl.dot's minimum N) with the vocabulary on the M side.
 # * 2-3 programs per SM (shared memory ~74 KB, registers <= 170 per thread
 #   at 4 warps), so that one program's epilogue (threefry and two logs per
-#   element, ~130 instructions) overlaps the others' loads, and the loads in
-#   flight per SM (2-3 programs x (stages - 1) x 18-24 KB) cover HBM latency.
+#   element: ~150 SASS instructions, counted in the sm90 cubin) overlaps the
+#   others' loads, and the loads in flight per SM (2-3 programs x (stages -
+#   1) x 18-24 KB) cover HBM latency.
 # * the epilogue computes all of a thread's elements at once, so its
 #   registers grow with Vt * Bt / threads: 16 elements 56 registers, 32
 #   elements ~130, 64 elements 168 (vocabulary on M) to 255 and spills
@@ -542,6 +546,11 @@ def resolve_config(config, *, batch, dim, rows, itemsize, capability):
     config = pick_config(batch, dim, rows, capability)
   elif not isinstance(config, TritonConfig):
     raise TypeError(f"config={config!r} must be a TritonConfig")
+  n_tiles = -(-rows // config.block_v)
+  if n_tiles > _MAX_GRID_Y:
+    raise ValueError(
+        f"block_v={config.block_v} makes {n_tiles} vocabulary tiles, more than "
+        f"the grid's {_MAX_GRID_Y}; use a larger block_v")
   budget = SMEM_BYTES[gpu_family(capability)]
   if config.smem_bytes(itemsize) > budget:
     raise ValueError(
