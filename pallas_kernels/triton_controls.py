@@ -265,12 +265,12 @@ def _controls_kernel(
     _store_rows(i_ptr, idx, rows_b, pid_v, s, I_ROWS, B, N_TILES)
     if T_BEST:
       own = gid == tl.expand_dims(idx, AXIS)
-      t_own = tl.reduce(tl.where(own, t, float("-inf")), AXIS, base._max_nan)  # pylint: disable=protected-access
+      t_own = tl.reduce(tl.where(own, t, float("-inf")), AXIS, base.max_nan)
       _store_rows(f_ptr, t_own, rows_b, pid_v, S + s, F_ROWS, B, N_TILES)
 
   R_LSE: tl.constexpr = S * 2 if T_BEST else S
   if LSE:
-    m = tl.reduce(t, AXIS, base._max_nan)  # pylint: disable=protected-access
+    m = tl.reduce(t, AXIS, base.max_nan)
     e = tl.where(t == float("-inf"), 0.0, tl.exp(t - tl.expand_dims(m, AXIS)))
     _store_rows(f_ptr, m, rows_b, pid_v, R_LSE, F_ROWS, B, N_TILES)
     _store_rows(f_ptr, tl.sum(e, AXIS), rows_b, pid_v, R_LSE + 1, F_ROWS, B,
@@ -345,15 +345,22 @@ def controls_constexprs(cfg: base.TritonConfig, ctl: Controls, *, batch, dim,
   return consts
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_controls(ctl: Controls):
+  """Raises TypeError/ValueError for a :class:`Controls` the kernel cannot
+  take (samples and the list are unrolled at compile time: kept small)."""
   if not isinstance(ctl, Controls):
     raise TypeError(f"controls={ctl!r} must be a Controls")
-  if isinstance(ctl.samples, bool) or not isinstance(ctl.samples, int) or not 1 <= ctl.samples <= 16:
+  if not _is_int(ctl.samples) or not 1 <= ctl.samples <= 16:
     raise ValueError(f"samples={ctl.samples!r} must be an int in [1, 16]")
-  if isinstance(ctl.top_k, bool) or not isinstance(ctl.top_k, int) or not 0 <= ctl.top_k <= 64:
+  if not _is_int(ctl.top_k) or not 0 <= ctl.top_k <= 64:
     raise ValueError(f"top_k={ctl.top_k!r} must be an int in [0, 64]")
   if ctl.tanh not in (TANH_LIBDEVICE, TANH_RATIONAL):
-    raise ValueError(f"tanh={ctl.tanh!r} must be TANH_LIBDEVICE or TANH_RATIONAL")
+    raise ValueError(
+        f"tanh={ctl.tanh!r} must be TANH_LIBDEVICE or TANH_RATIONAL")
   for name in ("softcap", "bias", "mask", "t_best", "lse"):
     if not isinstance(getattr(ctl, name), bool):
       raise TypeError(f"{name}={getattr(ctl, name)!r} must be a bool")

@@ -380,7 +380,7 @@ def tile_logits(h_ptr, w_ptr, pid_b, pid_v,
 
 
 @triton.jit
-def _max_nan(a, b):
+def max_nan(a, b):
   """max that returns NaN if either is NaN (``max.NaN``): a NaN score wins."""
   return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -394,7 +394,7 @@ def best_along(s, gid, valid, AXIS: tl.constexpr):
   index is then the lowest id holding a NaN, else the lowest id attaining
   the max. Nothing valid: ``(-inf, INT32_MAX)``.
   """
-  m = tl.reduce(s, AXIS, _max_nan)
+  m = tl.reduce(s, AXIS, max_nan)
   hit = valid & ((s == tl.expand_dims(m, AXIS)) | (s != s))
   idx = tl.min(tl.where(hit, gid, _INT_MAX), AXIS)
   return m, idx

@@ -680,6 +680,48 @@ def test_candidates_argument_errors():
     call(config=C(128, 128, 128, 8, 8, False))
 
 
+def test_pack_rows():
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  b = 3
+  k0, k1 = jnp.arange(b, dtype=jnp.uint32), jnp.arange(b, dtype=jnp.uint32) + 10
+  hi = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.uint32)
+  lo = hi + 100
+  t = jnp.asarray([0.0, 0.5, 2.0], jnp.float32)
+  rows = np.asarray(tc.pack_control_rows(k0, k1, hi, lo, t, softcap=30.0))
+  assert rows.shape == (8, b) and rows.dtype == np.uint32
+  np.testing.assert_array_equal(rows[4:], [[1, 2, 3], [101, 102, 103],
+                                           [4, 5, 6], [104, 105, 106]])
+  np.testing.assert_array_equal(rows[2].view(np.float32), t)
+  np.testing.assert_array_equal(rows[3].view(np.float32), [30.0] * 3)
+  rd = np.asarray(ts.pack_rowdata(k0, k1, hi[0], lo[0], t))
+  np.testing.assert_array_equal(rd[:4], [k0, k1, hi[0], lo[0]])
+  np.testing.assert_array_equal(rd[4].view(np.float32), t)
+
+
+def test_control_candidates_argument_errors():
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  h = jnp.zeros((4, 64), jnp.bfloat16)
+  w = jnp.zeros((100, 64), jnp.bfloat16)
+  rows = jnp.zeros((6, 4), jnp.uint32)
+  call = lambda **kw: tc.control_candidates(**{**dict(
+      hidden=h, weight=w, rows=rows, layout="vd", vocab_size=100,
+      controls=tc.Controls(), capability=(9, 0)), **kw})
+  with pytest.raises(ValueError, match=r"rowdata must be uint32 \[8, 4\]"):
+    call(controls=tc.Controls(samples=2))
+  with pytest.raises(ValueError, match="controls.bias=True but bias is None"):
+    call(controls=tc.Controls(bias=True))
+  with pytest.raises(ValueError, match="controls.mask=False but allowed_mask is given"):
+    call(allowed_mask=jnp.zeros((4, 4), jnp.uint32))
+  with pytest.raises(ValueError, match=r"bias must be f32 \[100\]"):
+    call(controls=tc.Controls(bias=True), bias=jnp.zeros((99,), jnp.float32))
+  with pytest.raises(ValueError, match=r"allowed_mask must be uint32 \[4, 4\]"):
+    call(controls=tc.Controls(mask=True), allowed_mask=jnp.zeros((4, 3), jnp.uint32))
+  with pytest.raises(ValueError, match="top_k=-1"):
+    call(controls=tc.Controls(top_k=-1))
+  with pytest.raises(TypeError, match="controls="):
+    call(controls=dict(samples=1))
+
+
 # ----------------------------------------------------------------------------
 # GPU: through jax-triton, against XLA on the same GPU, bit for bit
 # ----------------------------------------------------------------------------
