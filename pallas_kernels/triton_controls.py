@@ -67,9 +67,13 @@ __all__ = [
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 TANH_LIBDEVICE = 0
 TANH_RATIONAL = 1
-# Rows of the packed per-row data before the samples' counters.
-_ROW_K0, _ROW_K1, _ROW_TEMPERATURE, _ROW_SOFTCAP = range(4)
-_ROWS_FIXED = 4
+# Rows of the packed per-row data; sample s's counter words follow at
+# _ROWS_FIXED + 2 s (high) and + 1 (low).
+_ROW_K0 = tl.constexpr(0)
+_ROW_K1 = tl.constexpr(1)
+_ROW_TEMPERATURE = tl.constexpr(2)
+_ROW_SOFTCAP = tl.constexpr(3)
+_ROWS_FIXED = tl.constexpr(4)
 
 
 class Controls(NamedTuple):
@@ -234,14 +238,16 @@ def _controls_kernel(
   gid_u = base.along_vocab(gid_v.to(tl.uint32), VOCAB_ON_M)
   valid = base.along_vocab(in_vocab, VOCAB_ON_M)
 
-  k0 = _row_u32(rows_ptr, pid_b, B, BLOCK_B, 0, VOCAB_ON_M)
-  k1 = _row_u32(rows_ptr, pid_b, B, BLOCK_B, 1, VOCAB_ON_M)
-  temp = _row_u32(rows_ptr, pid_b, B, BLOCK_B, 2, VOCAB_ON_M).to(
+  k0 = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_K0, VOCAB_ON_M)
+  k1 = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_K1, VOCAB_ON_M)
+  temp = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_TEMPERATURE,
+                  VOCAB_ON_M).to(
       tl.float32, bitcast=True)
   greedy = temp == 0.0
 
   if HAS_SOFTCAP:
-    cap = _row_u32(rows_ptr, pid_b, B, BLOCK_B, 3, VOCAB_ON_M).to(
+    cap = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_SOFTCAP,
+                   VOCAB_ON_M).to(
         tl.float32, bitcast=True)
     x = cap * softcap_tanh(tl.fdiv(x, cap), TANH)
   if HAS_BIAS:
@@ -255,8 +261,10 @@ def _controls_kernel(
   t = base.tempered(x, temp)
 
   for s in tl.static_range(S):
-    c_hi = _row_u32(rows_ptr, pid_b, B, BLOCK_B, 4 + 2 * s, VOCAB_ON_M)
-    c_lo = _row_u32(rows_ptr, pid_b, B, BLOCK_B, 5 + 2 * s, VOCAB_ON_M)
+    c_hi = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s,
+                    VOCAB_ON_M)
+    c_lo = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s + 1,
+                    VOCAB_ON_M)
     hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
     g = noise.gumbel(k0, k1, hi, lo)
     sc = tl.where(valid, tl.where(greedy, x, t + g), float("-inf"))
@@ -407,7 +415,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     NotImplementedError: no supported GPU.
   """
   check_controls(controls)
-  n_rows = _ROWS_FIXED + 2 * controls.samples
+  n_rows = _ROWS_FIXED.value + 2 * controls.samples
   batch, dim, w_rows = base.check_arrays(hidden, weight, rows, layout=layout,
                                          rowdata_rows=n_rows)
   rows_valid = base.check_vocab(w_rows, rows_valid, vocab_size)

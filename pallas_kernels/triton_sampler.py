@@ -273,8 +273,13 @@ def pick_config(batch: int, dim: int, rows: int,
 # Per-row data
 # ----------------------------------------------------------------------------
 
-# Row order of the packed per-row array (uint32 [ROWDATA_ROWS, B]).
-ROW_K0, ROW_K1, ROW_CTR_HI, ROW_CTR_LO, ROW_TEMPERATURE = range(5)
+# Row order of the packed per-row array (uint32 [ROWDATA_ROWS, B]); constexpr
+# so that the kernel reads rows by name.
+ROW_K0 = tl.constexpr(0)
+ROW_K1 = tl.constexpr(1)
+ROW_CTR_HI = tl.constexpr(2)
+ROW_CTR_LO = tl.constexpr(3)
+ROW_TEMPERATURE = tl.constexpr(4)
 ROWDATA_ROWS = 5
 
 
@@ -292,6 +297,10 @@ class RowData(NamedTuple):
   ctr_hi: jax.Array
   ctr_lo: jax.Array
   temperature: jax.Array
+
+  def pack(self) -> jax.Array:
+    """The kernel's uint32 ``[5, B]`` (see :func:`pack_rowdata`)."""
+    return pack_rowdata(*self)
 
 
 def pack_rowdata(k0, k1, ctr_hi, ctr_lo, temperature) -> jax.Array:
@@ -471,11 +480,13 @@ def _sampler_kernel(
   gid_u = along_vocab(gid.to(tl.uint32), VOCAB_ON_M)
   gid = along_vocab(gid, VOCAB_ON_M)
 
-  k0 = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, 0), VOCAB_ON_M)
-  k1 = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, 1), VOCAB_ON_M)
-  c_hi = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, 2), VOCAB_ON_M)
-  c_lo = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, 3), VOCAB_ON_M)
-  temp = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, 4).to(
+  k0 = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_K0), VOCAB_ON_M)
+  k1 = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_K1), VOCAB_ON_M)
+  c_hi = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_CTR_HI),
+                    VOCAB_ON_M)
+  c_lo = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_CTR_LO),
+                    VOCAB_ON_M)
+  temp = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_TEMPERATURE).to(
       tl.float32, bitcast=True), VOCAB_ON_M)
 
   hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
