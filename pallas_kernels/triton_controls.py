@@ -1,0 +1,477 @@
+"""Sampling controls in the fused Triton kernel.
+
+The same (batch block, vocabulary tile) programs and logits as
+:mod:`pallas_kernels.triton_sampler`, with a longer epilogue. Per element, in
+this order (each step optional, chosen by constexpr flags)::
+
+    x  = l                                     f32 logits
+    x  = c * tanh(x / c)                       soft-cap (per-row c > 0)
+    x  = x + bias[gid]                         additive bias, per global id
+    x  = -inf unless allowed[row, gid]         bit gid % 32 of word gid // 32
+    x  = -inf for ids >= vocab_size or padding rows
+    t  = x / T                                 (greedy rows: T = 1)
+    score_s = t + gumbel(key, ctr_s + gid)     sample s (greedy rows: x)
+
+and per (row, tile) it writes:
+
+* for every sample ``s`` the best ``(score, id)`` (NaN wins, then the larger
+  score, then the lower id) and, optionally, the ``t`` of that best (for
+  log-probabilities);
+* optionally ``(max t, sum exp(t - max t))`` over the tile, an online
+  log-sum-exp piece (``exp`` is Triton's ``ex2.approx``-based one, ~2 ulp: it
+  only feeds log-probabilities and the top-p normalizer);
+* optionally the ``K`` largest ``t`` with their ids (descending, equal values
+  lower id first; NaN never listed; past the tile's valid ids: ``(-inf,
+  INT32_MAX)``) and ``bound``: the ``(K+1)``-th largest ``t``, an upper bound
+  on every value of the tile that is not listed (``-inf`` when the tile has
+  at most ``K`` valid values).
+
+Outputs keep the tile axis last (``[B, ..., n_tiles]``), so that stage 2
+reduces along the minor axis.
+
+Arithmetic follows XLA's on the GPU where known: ``x / c`` and ``x / T`` are
+``div.full.f32``, no fma contraction (``enable_fp_fusion=False``: ``c * tanh``
+and ``+ bias`` round separately). Which ``tanh`` XLA emits for f32 on the GPU
+is NOT established here (libdevice ``__nv_tanhf``, or XLA's own rational
+approximation); both are implemented (``TANH_LIBDEVICE``, ``TANH_RATIONAL``)
+and ``benchmarks/gpu_triton_check.py`` counts each one's mismatches against
+``jnp.tanh`` on the GPU. Until then soft-capped scores may differ from XLA's
+in the last ulp.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from pallas_kernels import triton_noise as noise
+from pallas_kernels import triton_sampler as base
+
+__all__ = [
+    "Controls",
+    "ControlsCandidates",
+    "pack_control_rows",
+    "control_candidates",
+    "TANH_LIBDEVICE",
+    "TANH_RATIONAL",
+    "controls_for_inspection",
+    "pick_controls_config",
+]
+
+_INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
+TANH_LIBDEVICE = 0
+TANH_RATIONAL = 1
+# Rows of the packed per-row data; sample s's counter words follow at
+# _ROWS_FIXED + 2 s (high) and + 1 (low).
+_ROW_K0 = tl.constexpr(0)
+_ROW_K1 = tl.constexpr(1)
+_ROW_TEMPERATURE = tl.constexpr(2)
+_ROW_SOFTCAP = tl.constexpr(3)
+_ROWS_FIXED = tl.constexpr(4)
+
+
+class Controls(NamedTuple):
+  """What one launch computes (all static).
+
+  Attributes:
+    samples: ``S``, samples per row in this launch (each its own counters).
+    softcap: apply ``c * tanh(x / c)`` (c per row, in the packed rows).
+    bias: add an f32 bias per global id.
+    mask: apply an allowed-id bitmask per row.
+    t_best: also write the tempered logit of each sample's best.
+    lse: also write the tile's ``(max t, sum exp(t - max t))``.
+    top_k: ``K``, the largest tempered logits listed per tile (0: none).
+    tanh: ``TANH_LIBDEVICE`` or ``TANH_RATIONAL`` (see the module docstring).
+  """
+
+  samples: int = 1
+  softcap: bool = False
+  bias: bool = False
+  mask: bool = False
+  t_best: bool = False
+  lse: bool = False
+  top_k: int = 0
+  tanh: int = TANH_LIBDEVICE
+
+  @property
+  def f_rows(self) -> int:
+    """f32 output rows per (row, tile): scores, t of the best, lse, list, bound."""
+    return (self.samples * (2 if self.t_best else 1) + (2 if self.lse else 0)
+            + (self.top_k + 1 if self.top_k else 0))
+
+  @property
+  def i_rows(self) -> int:
+    return self.samples + self.top_k
+
+
+class ControlsCandidates(NamedTuple):
+  """Per (row, tile) outputs of the controls kernel; tile axis last.
+
+  ``None`` where the :class:`Controls` did not ask for it.
+  """
+
+  best_score: jax.Array         # f32 [B, S, T]
+  best_index: jax.Array         # int32 [B, S, T]
+  best_t: jax.Array | None      # f32 [B, S, T]
+  lse_max: jax.Array | None     # f32 [B, T]
+  lse_sum: jax.Array | None     # f32 [B, T]
+  cand_vals: jax.Array | None   # f32 [B, K, T]
+  cand_ids: jax.Array | None    # int32 [B, K, T]
+  bound: jax.Array | None       # f32 [B, T]
+
+
+def pack_control_rows(k0, k1, ctr_hi, ctr_lo, temperature, softcap=None):
+  """uint32 ``[4 + 2 S, B]``: k0, k1, bits of T, bits of the soft-cap, then
+  ``(ctr_hi[s], ctr_lo[s])`` for each sample.
+
+  Args:
+    k0, k1: uint32 ``[B]`` key words of each row.
+    ctr_hi, ctr_lo: uint32 ``[S, B]`` (or ``[B]`` for one sample): the 64-bit
+      counter of each sample's vocabulary id 0 (``jax.random.categorical(k,
+      lt, shape=(S, B))`` with one key: ``(s * B + b) * vocab_size``).
+    temperature: f32 ``[B]``, 0 for greedy rows.
+    softcap: f32 scalar or ``[B]`` (> 0), or None.
+  """
+  b = jnp.shape(k0)[0]
+  f2u = lambda x: jax.lax.bitcast_convert_type(
+      jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,)), jnp.uint32)
+  hi = jnp.asarray(ctr_hi).astype(jnp.uint32).reshape(-1, b)
+  lo = jnp.asarray(ctr_lo).astype(jnp.uint32).reshape(-1, b)
+  ctr = jnp.stack([hi, lo], axis=1).reshape(-1, b)   # hi0, lo0, hi1, lo1, ...
+  fixed = jnp.stack([jnp.asarray(k0).astype(jnp.uint32),
+                     jnp.asarray(k1).astype(jnp.uint32), f2u(temperature),
+                     f2u(0.0 if softcap is None else softcap)])
+  return jnp.concatenate([fixed, ctr])
+
+
+# ----------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------
+
+# XLA's f32 tanh approximation (the rational function XLA's LLVM emitter
+# uses on CPUs and, historically, GPUs; Eigen's): clamp, then p(x) / q(x)
+# in x^2 by Horner steps, and x itself where |x| < 0.0004.
+_TANH_CLAMP = tl.constexpr(7.90531110763549805)
+_TANH_SMALL = tl.constexpr(0.0004)
+
+
+@triton.jit
+def _tanh_rational(x):
+  xc = tl.minimum(tl.maximum(x, -_TANH_CLAMP), _TANH_CLAMP)
+  x2 = xc * xc
+  p = tl.fma(x2, -2.76076847742355e-16, 2.00018790482477e-13)
+  p = tl.fma(x2, p, -8.60467152213735e-11)
+  p = tl.fma(x2, p, 5.12229709037114e-08)
+  p = tl.fma(x2, p, 1.48572235717979e-05)
+  p = tl.fma(x2, p, 6.37261928875436e-04)
+  p = tl.fma(x2, p, 4.89352455891786e-03)
+  p = xc * p
+  q = tl.fma(x2, 1.19825839466702e-06, 1.18534705686654e-04)
+  q = tl.fma(x2, q, 2.26843463243900e-03)
+  q = tl.fma(x2, q, 4.89352518554385e-03)
+  return tl.where(tl.abs(x) < _TANH_SMALL, x, tl.fdiv(p, q))
+
+
+@triton.jit
+def softcap_tanh(x, TANH: tl.constexpr):
+  """f32 tanh: libdevice ``__nv_tanhf`` or the rational approximation."""
+  if noise.INTERPRET:  # no libdevice in the CPU interpreter
+    e = tl.exp(-2.0 * tl.abs(x))
+    r = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -r, r)
+  elif TANH == 1:
+    return _tanh_rational(x)
+  else:
+    return libdevice.tanh(x)
+
+
+@triton.jit
+def _row_u32(rows_ptr, pid_b, B: tl.constexpr, BLOCK_B: tl.constexpr,
+             ROW: tl.constexpr, VOCAB_ON_M: tl.constexpr):
+  return base.along_rows(base.load_rows(rows_ptr, pid_b, B, BLOCK_B, ROW),
+                         VOCAB_ON_M)
+
+
+@triton.jit
+def _store_rows(ptr, val, rows_b, pid_v, R: tl.constexpr, NR: tl.constexpr,
+                B: tl.constexpr, N_TILES: tl.constexpr):
+  """Writes ``val [Bt]`` to ``ptr[rows_b, R, pid_v]`` of ``[B, NR, N_TILES]``."""
+  tl.store(ptr + (rows_b * NR + R) * N_TILES + pid_v, val, mask=rows_b < B)
+
+
+@triton.jit
+def _controls_kernel(
+    off_ptr,      # int32 [1]: global id of the weight's first row
+    rows_ptr,     # uint32 [4 + 2S, B]: see pack_control_rows
+    h_ptr,        # bf16/f16 [B, D]
+    w_ptr,        # bf16/f16 [V, D] ("vd") or [D, V] ("dv"), V = ROWS
+    bias_ptr,     # f32 [VOCAB_SIZE] (read only with HAS_BIAS)
+    mask_ptr,     # uint32 [B, N_WORDS] (read only with HAS_MASK)
+    f_ptr,        # f32 [B, F_ROWS, N_TILES] (output)
+    i_ptr,        # int32 [B, I_ROWS, N_TILES] (output)
+    B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    ROWS_VALID: tl.constexpr, VOCAB_SIZE: tl.constexpr, N_TILES: tl.constexpr,
+    W_VD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr,
+    S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, N_WORDS: tl.constexpr, T_BEST: tl.constexpr,
+    LSE: tl.constexpr, K: tl.constexpr, TANH: tl.constexpr,
+    F_ROWS: tl.constexpr, I_ROWS: tl.constexpr):
+  """One (batch block, vocabulary tile) of the controls kernel (module doc)."""
+  pid_b = tl.program_id(0)
+  pid_v = tl.program_id(1)
+  x = base.tile_logits(h_ptr, w_ptr, pid_b, pid_v, B, D, ROWS, W_VD, BLOCK_B,
+                       BLOCK_V, BLOCK_D, VOCAB_ON_M)
+  AXIS: tl.constexpr = 0 if VOCAB_ON_M else 1
+
+  local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+  gid_v = tl.load(off_ptr) + local
+  in_vocab = (local < ROWS_VALID) & (gid_v < VOCAB_SIZE)
+  rows_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+  gid = base.along_vocab(gid_v, VOCAB_ON_M)
+  gid_u = base.along_vocab(gid_v.to(tl.uint32), VOCAB_ON_M)
+  valid = base.along_vocab(in_vocab, VOCAB_ON_M)
+
+  k0 = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_K0, VOCAB_ON_M)
+  k1 = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_K1, VOCAB_ON_M)
+  temp = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_TEMPERATURE,
+                  VOCAB_ON_M).to(
+      tl.float32, bitcast=True)
+  greedy = temp == 0.0
+
+  if HAS_SOFTCAP:
+    cap = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_SOFTCAP,
+                   VOCAB_ON_M).to(
+        tl.float32, bitcast=True)
+    x = cap * softcap_tanh(tl.fdiv(x, cap), TANH)
+  if HAS_BIAS:
+    bias = tl.load(bias_ptr + gid_v, mask=in_vocab, other=0.0)
+    x = x + base.along_vocab(bias, VOCAB_ON_M)
+  if HAS_MASK:
+    rb = base.along_rows(tl.minimum(rows_b, B - 1), VOCAB_ON_M)
+    word = tl.load(mask_ptr + rb * N_WORDS + gid // 32, mask=valid, other=0)
+    valid = valid & (((word >> (gid_u % 32)) & 1) == 1)
+  x = tl.where(valid, x, float("-inf"))
+  t = base.tempered(x, temp)
+
+  for s in tl.static_range(S):
+    c_hi = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s,
+                    VOCAB_ON_M)
+    c_lo = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s + 1,
+                    VOCAB_ON_M)
+    hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
+    g = noise.gumbel(k0, k1, hi, lo)
+    sc = tl.where(valid, tl.where(greedy, x, t + g), float("-inf"))
+    best, idx = base.best_along(sc, gid, valid, AXIS)
+    _store_rows(f_ptr, best, rows_b, pid_v, s, F_ROWS, B, N_TILES)
+    _store_rows(i_ptr, idx, rows_b, pid_v, s, I_ROWS, B, N_TILES)
+    if T_BEST:
+      own = gid == tl.expand_dims(idx, AXIS)
+      t_own = tl.reduce(tl.where(own, t, float("-inf")), AXIS, base.max_nan)
+      _store_rows(f_ptr, t_own, rows_b, pid_v, S + s, F_ROWS, B, N_TILES)
+
+  R_LSE: tl.constexpr = S * 2 if T_BEST else S
+  if LSE:
+    m = tl.reduce(t, AXIS, base.max_nan)
+    e = tl.where(t == float("-inf"), 0.0, tl.exp(t - tl.expand_dims(m, AXIS)))
+    _store_rows(f_ptr, m, rows_b, pid_v, R_LSE, F_ROWS, B, N_TILES)
+    _store_rows(f_ptr, tl.sum(e, AXIS), rows_b, pid_v, R_LSE + 1, F_ROWS, B,
+                N_TILES)
+
+  R_TOP: tl.constexpr = R_LSE + 2 if LSE else R_LSE
+  if K > 0:
+    # K + 1 passes of (max, lowest id attaining it, remove it): the last max
+    # is the bound. NaN is never listed; -inf is "nothing left".
+    work = tl.where(t == t, t, float("-inf"))
+    for j in tl.static_range(K + 1):
+      v = tl.max(work, AXIS)
+      if j < K:
+        hit = (work == tl.expand_dims(v, AXIS)) & (work > float("-inf"))
+        top = tl.min(tl.where(hit, gid, _INT_MAX), AXIS)
+        _store_rows(f_ptr, v, rows_b, pid_v, R_TOP + j, F_ROWS, B, N_TILES)
+        _store_rows(i_ptr, top, rows_b, pid_v, S + j, I_ROWS, B, N_TILES)
+        work = tl.where(gid == tl.expand_dims(top, AXIS), float("-inf"), work)
+      else:
+        _store_rows(f_ptr, v, rows_b, pid_v, R_TOP + K, F_ROWS, B, N_TILES)
+
+
+# ----------------------------------------------------------------------------
+# Heuristic
+# ----------------------------------------------------------------------------
+
+
+def pick_controls_config(batch: int, dim: int, rows: int,
+                         capability: tuple[int, int],
+                         controls: Controls) -> base.TritonConfig:
+  """The plain sampler's config with fewer elements per thread.
+
+  The epilogue keeps every element of a thread live at once; each sample,
+  the list passes and the log-sum-exp add to it. Compiled for sm90
+  (registers per thread, no GPU needed): plain 16 elements 56, 64 elements
+  233; all controls (2 samples, K = 8) at 16 elements 188, at 64 elements
+  255 with 1.2 KB of spills. So: at most 32 elements per thread, 16 with a
+  list, several samples or the best's t; more warps first, then smaller
+  batch blocks (W's extra reads then come from L2).
+  """
+  cfg = base.pick_config(batch, dim, rows, capability)
+  heavy = controls.top_k > 0 or controls.samples > 1 or controls.t_best
+  limit = 16 if heavy else 32
+  block_b, num_warps = cfg.block_b, cfg.num_warps
+  while cfg.block_v * block_b // (32 * num_warps) > limit:
+    if num_warps < 8:
+      num_warps *= 2
+    elif block_b > 16:
+      block_b //= 2
+    else:
+      break
+  return base.TritonConfig(block_v=cfg.block_v, block_b=block_b,
+                           block_d=cfg.block_d, num_warps=num_warps,
+                           num_stages=cfg.num_stages, vocab_on_m=cfg.vocab_on_m)
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+def controls_constexprs(cfg: base.TritonConfig, ctl: Controls, *, batch, dim,
+                        rows, rows_valid, vocab_size, layout, n_words=1):
+  """The controls kernel's constexprs for one problem."""
+  consts = base.sampler_constexprs(cfg, batch=batch, dim=dim, rows=rows,
+                                   rows_valid=rows_valid, vocab_size=vocab_size,
+                                   layout=layout)
+  consts.update(S=ctl.samples, HAS_SOFTCAP=ctl.softcap, HAS_BIAS=ctl.bias,
+                HAS_MASK=ctl.mask, N_WORDS=n_words, T_BEST=ctl.t_best,
+                LSE=ctl.lse, K=ctl.top_k, TANH=ctl.tanh, F_ROWS=ctl.f_rows,
+                I_ROWS=ctl.i_rows)
+  return consts
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_controls(ctl: Controls):
+  """Raises TypeError/ValueError for a :class:`Controls` the kernel cannot
+  take (samples and the list are unrolled at compile time: kept small)."""
+  if not isinstance(ctl, Controls):
+    raise TypeError(f"controls={ctl!r} must be a Controls")
+  if not _is_int(ctl.samples) or not 1 <= ctl.samples <= 16:
+    raise ValueError(f"samples={ctl.samples!r} must be an int in [1, 16]")
+  if not _is_int(ctl.top_k) or not 0 <= ctl.top_k <= 64:
+    raise ValueError(f"top_k={ctl.top_k!r} must be an int in [0, 64]")
+  if ctl.tanh not in (TANH_LIBDEVICE, TANH_RATIONAL):
+    raise ValueError(
+        f"tanh={ctl.tanh!r} must be TANH_LIBDEVICE or TANH_RATIONAL")
+  for name in ("softcap", "bias", "mask", "t_best", "lse"):
+    if not isinstance(getattr(ctl, name), bool):
+      raise TypeError(f"{name}={getattr(ctl, name)!r} must be a bool")
+
+
+def split_outputs(fo, io, ctl: Controls) -> ControlsCandidates:
+  """Named views of the packed outputs ``fo [B, F, T]``, ``io [B, I, T]``."""
+  S, K = ctl.samples, ctl.top_k
+  r = S
+  best_t = lse_max = lse_sum = vals = ids = bound = None
+  if ctl.t_best:
+    best_t, r = fo[:, S:2 * S], 2 * S
+  if ctl.lse:
+    lse_max, lse_sum, r = fo[:, r], fo[:, r + 1], r + 2
+  if K:
+    vals, bound, ids = fo[:, r:r + K], fo[:, r + K], io[:, S:S + K]
+  return ControlsCandidates(fo[:, :S], io[:, :S], best_t, lse_max, lse_sum,
+                            vals, ids, bound)
+
+
+def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
+                       vocab_size: int, controls: Controls,
+                       bias=None, allowed_mask=None,
+                       rows_valid: int | None = None,
+                       config: base.TritonConfig | None = None,
+                       capability: tuple[int, int] | None = None
+                       ) -> ControlsCandidates:
+  """Per (row, tile) outputs of the controls kernel.
+
+  Args:
+    hidden, weight, vocab_offset, layout, vocab_size, rows_valid, config,
+      capability: as :func:`pallas_kernels.triton_sampler.candidates`.
+    rows: uint32 ``[4 + 2 S, B]`` from :func:`pack_control_rows`.
+    controls: the static :class:`Controls` (flags must match ``bias``,
+      ``allowed_mask`` and the soft-cap row).
+    bias: f32 ``[vocab_size]`` (global ids) when ``controls.bias``.
+    allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]`` when ``controls.mask``.
+
+  Returns:
+    :class:`ControlsCandidates`.
+
+  Raises:
+    TypeError, ValueError: bad arrays or arguments.
+    NotImplementedError: no supported GPU.
+  """
+  check_controls(controls)
+  n_rows = _ROWS_FIXED.value + 2 * controls.samples
+  batch, dim, w_rows = base.check_arrays(hidden, weight, rows, layout=layout,
+                                         rowdata_rows=n_rows)
+  rows_valid = base.check_vocab(w_rows, rows_valid, vocab_size)
+  if controls.bias != (bias is not None):
+    raise ValueError(f"controls.bias={controls.bias} but bias is "
+                     f"{'given' if bias is not None else 'None'}")
+  if controls.mask != (allowed_mask is not None):
+    raise ValueError(f"controls.mask={controls.mask} but allowed_mask is "
+                     f"{'given' if allowed_mask is not None else 'None'}")
+  n_words = -(-vocab_size // 32)
+  if bias is not None and (bias.dtype != jnp.float32 or bias.shape != (vocab_size,)):
+    raise ValueError(f"bias must be f32 [{vocab_size}], got {bias.dtype} "
+                     f"{tuple(bias.shape)}")
+  if allowed_mask is not None and (allowed_mask.dtype != jnp.uint32
+                                   or allowed_mask.shape != (batch, n_words)):
+    raise ValueError(f"allowed_mask must be uint32 [{batch}, {n_words}], got "
+                     f"{allowed_mask.dtype} {tuple(allowed_mask.shape)}")
+  if capability is None:
+    capability = base.device_capability()
+  if config is None:
+    config = pick_controls_config(batch, dim, w_rows, capability, controls)
+  cfg = base.resolve_config(config, batch=batch, dim=dim, rows=w_rows,
+                            itemsize=jnp.dtype(weight.dtype).itemsize,
+                            capability=capability)
+  consts = controls_constexprs(cfg, controls, batch=batch, dim=dim, rows=w_rows,
+                               rows_valid=rows_valid, vocab_size=vocab_size,
+                               layout=layout, n_words=n_words)
+  n_tiles = consts["N_TILES"]
+  offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
+  # Absent optional inputs: a 1-element placeholder the kernel never reads.
+  bias = jnp.zeros((1,), jnp.float32) if bias is None else bias
+  allowed_mask = (jnp.zeros((1,), jnp.uint32) if allowed_mask is None
+                  else allowed_mask)
+  fo, io = noise._jax_triton().triton_call(  # pylint: disable=protected-access
+      offset, rows, hidden, weight, bias, allowed_mask,
+      kernel=_controls_kernel,
+      out_shape=(jax.ShapeDtypeStruct((batch, controls.f_rows, n_tiles), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, controls.i_rows, n_tiles), jnp.int32)),
+      grid=(triton.cdiv(batch, cfg.block_b), n_tiles),
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      enable_fp_fusion=False, name="flashsample_triton_controls", **consts)
+  return split_outputs(fo, io, controls)
+
+
+def controls_for_inspection(cfg: base.TritonConfig, ctl: Controls, *, layout: str,
+                            dtype, batch: int, dim: int, rows: int,
+                            capability: tuple[int, int] = (9, 0)):
+  """Compiles the controls kernel without a GPU (tests, register report)."""
+  t = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}[jnp.dtype(dtype)]
+  pointers = {"off_ptr": "*i32", "rows_ptr": "*u32", "h_ptr": f"*{t}",
+              "w_ptr": f"*{t}", "bias_ptr": "*fp32", "mask_ptr": "*u32",
+              "f_ptr": "*fp32", "i_ptr": "*i32"}
+  consts = controls_constexprs(cfg, ctl, batch=batch, dim=dim, rows=rows,
+                               rows_valid=rows, vocab_size=rows, layout=layout,
+                               n_words=-(-rows // 32))
+  return base.compile_for_inspection(_controls_kernel, pointers, consts,
+                                     capability=capability,
+                                     num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)

@@ -1,0 +1,674 @@
+"""The fused LM-head sampler as a Triton kernel, launched through jax-triton.
+
+For CUDA GPUs from sm80 (A100, L40S, H100/H200, B200). One program owns one
+vocabulary tile (``Vt`` weight rows) and one block of ``Bt`` batch rows; it
+accumulates the logits of the tile on chip and keeps, per batch row, one
+candidate::
+
+    l     = f32(W_tile @ H_block.T)                (tl.dot over D in f32)
+    s     = l / T + gumbel(key, ctr + gid)         (rows with T > 0)
+    s     = l                                      (greedy rows, T == 0)
+    s     = -inf                                   (ids >= vocab_size, padding)
+    cand  = (max s, lowest gid attaining it; a NaN wins over any number)
+
+so the ``[B, V]`` logits never reach HBM; the caller reduces the
+``[B, n_tiles]`` candidates (plain JAX). ``gid`` is the element's global
+vocabulary id (``vocab_offset`` + weight row), so the noise never depends on
+tile sizes, configs, or how the vocabulary is sharded. ``l / T`` is
+``div.full.f32``, the division XLA emits for f32 on NVIDIA GPUs, and the noise
+is :mod:`pallas_kernels.triton_noise`'s, so scores are bit-identical to XLA's
+``l / T + jax.random.gumbel(...)`` when the logits are.
+
+The module has the four parts of a kernel module: the frozen
+:class:`TritonConfig`, the kernel body (:func:`_sampler_kernel` and the
+pieces :mod:`pallas_kernels.triton_controls` shares), the launcher
+(:func:`candidates`), and the heuristic (:func:`pick_config` over the per-GPU
+table :data:`CONFIGS`).
+
+Per-row inputs travel packed in one uint32 array ``rowdata [5, B]`` (one
+small load per row instead of five arrays); :func:`pack_rowdata` builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from pallas_kernels import triton_noise as noise
+
+__all__ = [
+    "TritonConfig",
+    "CONFIGS",
+    "SMEM_BYTES",
+    "ROWDATA_ROWS",
+    "RowData",
+    "pack_rowdata",
+    "gpu_family",
+    "device_capability",
+    "pick_config",
+    "candidates",
+    "compile_for_inspection",
+    "sampler_for_inspection",
+]
+
+_INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_LAYOUTS = ("vd", "dv")
+# The vocabulary tiles are the grid's axis 1 (CUDA allows 65535 there): the
+# batch blocks are axis 0, the fastest in launch order (see _sampler_kernel).
+_MAX_GRID_Y = 65535
+
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+  """Static tiling of one launch; validated on construction.
+
+  Attributes:
+    block_v: ``Vt``, weight rows (vocabulary ids) per program.
+    block_b: ``Bt``, batch rows per program. ``tl.dot`` needs every side >= 16,
+      so a batch of 1 still computes 16 rows (the extra rows repeat the last
+      real row and are never written).
+    block_d: ``Dt``, hidden elements per pipeline step.
+    num_warps: warps per program.
+    num_stages: software-pipeline depth of the loads over D.
+    vocab_on_m: True: ``acc[Vt, Bt] = W_tile @ H.T``, the vocabulary on the
+      MMA's M side ("swap AB"); Hopper's wgmma needs M >= 64 per warpgroup,
+      which a decode batch of 1-32 rows cannot fill, while N may be 16. The
+      per-row reduction then runs over M, across warps. False: ``acc[Bt, Vt]
+      = H @ W_tile.T``; the reduction runs over N, inside each warp (cheaper),
+      for batches that fill M.
+  """
+
+  block_v: int = 128
+  block_b: int = 16
+  block_d: int = 64
+  num_warps: int = 4
+  num_stages: int = 4
+  vocab_on_m: bool = True
+
+  def __post_init__(self):
+    for name in ("block_v", "block_b", "block_d", "num_warps", "num_stages"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}={v!r} must be an int")
+    if not isinstance(self.vocab_on_m, bool):
+      raise TypeError(f"vocab_on_m={self.vocab_on_m!r} must be a bool")
+    block_v, block_b, block_d = self.block_v, self.block_b, self.block_d
+    # tl.dot: every side a power of two >= 16.
+    if not _is_pow2(block_v) or block_v < 16:
+      raise ValueError(f"{block_v=} must be a power of two >= 16")
+    if not _is_pow2(block_b) or block_b < 16:
+      raise ValueError(f"{block_b=} must be a power of two >= 16")
+    if not _is_pow2(block_d) or block_d < 16:
+      raise ValueError(f"{block_d=} must be a power of two >= 16")
+    num_warps, num_stages = self.num_warps, self.num_stages
+    if not _is_pow2(num_warps) or num_warps > 16:
+      raise ValueError(f"{num_warps=} must be a power of two <= 16")
+    if num_stages < 1:
+      raise ValueError(f"{num_stages=} must be >= 1")
+    # The f32 accumulator lives in registers: above 128 per thread the
+    # epilogue (threefry needs ~10 live words per element) spills.
+    regs = block_v * block_b // (32 * num_warps)
+    if regs > 128:
+      raise ValueError(
+          f"{block_v=} x {block_b=} needs {regs} accumulator registers per "
+          f"thread with {num_warps=}; at most 128 leave room for the epilogue")
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    """Shared memory of the load pipeline (an upper estimate: one buffer of
+    the W tile and one of the H block per stage)."""
+    return self.num_stages * (self.block_v + self.block_b) * self.block_d * itemsize
+
+
+# ----------------------------------------------------------------------------
+# Heuristic: a table per GPU family (no autotuning at call time)
+# ----------------------------------------------------------------------------
+
+# Dynamic shared memory one program may use, per family.
+SMEM_BYTES: dict[str, int] = {
+    "sm80": 163 * 1024,   # A100
+    "sm89": 99 * 1024,    # L40S, RTX 4090 (and sm86, sm120: ~100 KB)
+    "sm90": 227 * 1024,   # H100, H200
+    "sm100": 227 * 1024,  # B200
+}
+
+_C = TritonConfig
+# (largest batch, config) rows per family, first match wins; the last row
+# takes every larger batch (several batch blocks, see candidates()).
+# Why these shapes (a cost model checked only by compiling for registers on
+# a CPU; to be replaced by H100 measurements):
+# * decode is a stream of W (V * D * 2 bytes); a W tile is read from HBM once
+#   per batch block, so batches up to 64 use ONE batch block (16 or 32 rows:
+#   tl.dot's minimum N) with the vocabulary on the M side.
+# * 2-3 programs per SM (shared memory ~74 KB, registers <= 170 per thread
+#   at 4 warps), so that one program's epilogue (threefry and two logs per
+#   element: ~150 SASS instructions, counted in the sm90 cubin) overlaps the
+#   others' loads, and the loads in flight per SM (2-3 programs x (stages -
+#   1) x 18-24 KB) cover HBM latency.
+# * the epilogue computes all of a thread's elements at once, so its
+#   registers grow with Vt * Bt / threads: 16 elements 56 registers, 32
+#   elements ~130, 64 elements 168 (vocabulary on M) to 255 and spills
+#   (batch on M, or 8 warps). Tiles of 128 x 64 on 4 warps are the largest
+#   that keep 2-3 programs per SM.
+# * more rows: batch blocks of 64; the grid runs the blocks of one
+#   vocabulary tile next to each other, so all but the first read the W
+#   tile from L2 (HBM reads W once); each block re-reads H from L2.
+CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
+    "sm90": (
+        (16, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=4)),
+        (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
+        (2**31, _C(block_v=128, block_b=64, block_d=64, num_warps=4,
+                   num_stages=3)),
+    ),
+    # B200: the same shapes until measured (tcgen05 takes M = 128).
+    "sm100": (
+        (16, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=4)),
+        (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
+        (2**31, _C(block_v=128, block_b=64, block_d=64, num_warps=4,
+                   num_stages=3)),
+    ),
+    # A100: 164 KB of SMEM per SM, mma.sync (any M >= 16), cp.async loads.
+    "sm80": (
+        (16, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=4)),
+        (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=3)),
+        (2**31, _C(block_v=128, block_b=64, block_d=64, num_warps=4,
+                   num_stages=2)),
+    ),
+    # L40S / RTX 4090: ~100 KB of SMEM per SM and ~0.9 TB/s: smaller tiles
+    # still cover the latency.
+    "sm89": (
+        (16, _C(block_v=64, block_b=16, block_d=64, num_warps=4, num_stages=4)),
+        (32, _C(block_v=64, block_b=32, block_d=64, num_warps=4, num_stages=3)),
+        (2**31, _C(block_v=64, block_b=64, block_d=64, num_warps=4,
+                   num_stages=2)),
+    ),
+}
+del _C
+
+
+def gpu_family(capability: tuple[int, int]) -> str:
+  """The :data:`CONFIGS` family of a CUDA compute capability ``(major, minor)``.
+
+  Raises:
+    NotImplementedError: before sm80 (Triton's bf16 ``tl.dot`` needs sm80).
+  """
+  major, minor = capability
+  if major == 8 and minor == 0:
+    return "sm80"
+  if major == 8 or major == 12:  # sm86/sm87/sm89, consumer Blackwell: ~100 KB SMEM
+    return "sm89"
+  if major == 9:
+    return "sm90"
+  if major == 10:
+    return "sm100"
+  raise NotImplementedError(
+      f"the triton backend needs a CUDA GPU from sm80 (A100); got sm{major}{minor}")
+
+
+def device_capability(device=None) -> tuple[int, int]:
+  """``(major, minor)`` of a CUDA device (default: the first GPU).
+
+  Raises:
+    NotImplementedError: no CUDA device.
+  """
+  if device is None:
+    try:
+      device = jax.devices("gpu")[0]
+    except RuntimeError as e:
+      raise NotImplementedError(f"the triton backend needs a CUDA GPU: {e}") from e
+  cc = getattr(device, "compute_capability", None)
+  if not cc:
+    raise NotImplementedError(f"{device} has no CUDA compute capability")
+  major, minor = str(cc).split(".")
+  return int(major), int(minor)
+
+
+def _fit_block_d(block_d: int, dim: int) -> int:
+  """The largest power of two <= ``block_d`` (and >= 16) dividing ``dim``:
+  whole steps need no mask on D. If none divides, ``block_d`` (masked)."""
+  b = block_d
+  while b > 16 and dim % b:
+    b //= 2
+  return b if dim % b == 0 else block_d
+
+
+def pick_config(batch: int, dim: int, rows: int,
+                capability: tuple[int, int]) -> TritonConfig:
+  """The heuristic config for ``batch`` rows, hidden ``D = dim``, ``V = rows``.
+
+  The row of :data:`CONFIGS` for the GPU family and batch, with ``block_d``
+  fitted to divide ``D`` and ``block_v`` shrunk for tiny vocabularies. No
+  autotuning at call time. Extend the table (``CONFIGS["sm90"] = ...`` or a
+  new family) to change it.
+  """
+  family = gpu_family(capability)
+  cfg = None
+  for max_batch, c in CONFIGS[family]:
+    cfg = c
+    if batch <= max_batch:
+      break
+  block_v = cfg.block_v
+  while block_v > 16 and block_v // 2 >= rows:
+    block_v //= 2
+  return dataclasses.replace(cfg, block_v=block_v,
+                             block_d=_fit_block_d(cfg.block_d, dim))
+
+
+# ----------------------------------------------------------------------------
+# Per-row data
+# ----------------------------------------------------------------------------
+
+# Row order of the packed per-row array (uint32 [ROWDATA_ROWS, B]); constexpr
+# so that the kernel reads rows by name.
+ROW_K0 = tl.constexpr(0)
+ROW_K1 = tl.constexpr(1)
+ROW_CTR_HI = tl.constexpr(2)
+ROW_CTR_LO = tl.constexpr(3)
+ROW_TEMPERATURE = tl.constexpr(4)
+ROWDATA_ROWS = 5
+
+
+class RowData(NamedTuple):
+  """Per-row inputs of the sampler, all ``[B]``.
+
+  ``(k0, k1)`` are the row's threefry key words (``jax.random.key_data``);
+  ``(ctr_hi, ctr_lo)`` the 64-bit counter of its vocabulary id 0 (one key for
+  the batch: ``b * vocab_size``; a key per row: 0); ``temperature`` f32,
+  0 means greedy.
+  """
+
+  k0: jax.Array
+  k1: jax.Array
+  ctr_hi: jax.Array
+  ctr_lo: jax.Array
+  temperature: jax.Array
+
+  def pack(self) -> jax.Array:
+    """The kernel's uint32 ``[5, B]`` (see :func:`pack_rowdata`)."""
+    return pack_rowdata(*self)
+
+
+def pack_rowdata(k0, k1, ctr_hi, ctr_lo, temperature) -> jax.Array:
+  """uint32 ``[5, B]``: rows k0, k1, ctr_hi, ctr_lo, bits of the f32
+  temperature (see :class:`RowData`)."""
+  t = jax.lax.bitcast_convert_type(jnp.asarray(temperature, jnp.float32),
+                                   jnp.uint32)
+  words = [jnp.asarray(x).astype(jnp.uint32) for x in (k0, k1, ctr_hi, ctr_lo)]
+  return jnp.stack(words + [t])
+
+
+# ----------------------------------------------------------------------------
+# Kernel body (shared with triton_controls)
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, acc):
+  """``acc + a @ b`` in f32. The CPU interpreter multiplies bf16 storage as
+  integers, so there the operands go to f32 first (exact for test inputs)."""
+  if noise.INTERPRET:
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+  else:
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def tile_logits(h_ptr, w_ptr, pid_b, pid_v,
+                B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                W_VD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr):
+  """f32 logits of batch block ``pid_b`` and vocabulary tile ``pid_v``.
+
+  Returns ``acc`` ``[BLOCK_V, BLOCK_B]`` (``VOCAB_ON_M``) or ``[BLOCK_B,
+  BLOCK_V]``. Rows past ``B`` repeat row ``B - 1`` and weight rows past
+  ``ROWS`` repeat row ``ROWS - 1`` ("vd") or read 0 ("dv"); the epilogue
+  masks both.
+  """
+  rows_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+  rows_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+  ks = tl.arange(0, BLOCK_D)
+  # Clamped row indices instead of masks: the contiguous axis (D) keeps its
+  # 16-byte vector loads, and the loop has no predicates.
+  hb = tl.minimum(rows_b, B - 1).to(tl.int64)
+  h_ptrs = h_ptr + hb[:, None] * D + ks[None, :]                   # [Bt, Dt]
+  if W_VD:  # W [V, D]: rows contiguous along D
+    wv = tl.minimum(rows_v, ROWS - 1).to(tl.int64)
+    w_ptrs = w_ptr + wv[:, None] * D + ks[None, :]                 # [Vt, Dt]
+  else:  # W [D, V]: the vocabulary is the contiguous axis, so mask it
+    w_ptrs = w_ptr + ks[:, None].to(tl.int64) * ROWS + rows_v[None, :]  # [Dt, Vt]
+    v_in = rows_v[None, :] < ROWS
+  if VOCAB_ON_M:
+    acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
+  else:
+    acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+  EVEN_D: tl.constexpr = D % BLOCK_D == 0
+  for k in range(0, D, BLOCK_D):
+    if EVEN_D:
+      h = tl.load(h_ptrs)
+    else:
+      h = tl.load(h_ptrs, mask=(k + ks)[None, :] < D, other=0.0)
+    if W_VD:
+      if EVEN_D:
+        w = tl.load(w_ptrs)
+      else:
+        w = tl.load(w_ptrs, mask=(k + ks)[None, :] < D, other=0.0)
+      if VOCAB_ON_M:
+        acc = _dot(w, tl.trans(h), acc)
+      else:
+        acc = _dot(h, tl.trans(w), acc)
+    else:
+      if EVEN_D:
+        w = tl.load(w_ptrs, mask=v_in, other=0.0)
+      else:
+        w = tl.load(w_ptrs, mask=v_in & ((k + ks)[:, None] < D), other=0.0)
+      if VOCAB_ON_M:
+        acc = _dot(tl.trans(w), tl.trans(h), acc)
+      else:
+        acc = _dot(h, w, acc)
+    h_ptrs += BLOCK_D
+    if W_VD:
+      w_ptrs += BLOCK_D
+    else:
+      w_ptrs += BLOCK_D * ROWS
+  return acc
+
+
+@triton.jit
+def max_nan(a, b):
+  """max that returns NaN if either is NaN (``max.NaN``): a NaN score wins."""
+  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def best_along(s, gid, valid, AXIS: tl.constexpr):
+  """Per row, the best ``(score, gid)`` along ``AXIS`` (the vocabulary axis).
+
+  The combine rule of every backend: a NaN wins, then the larger score, then
+  the lower id. ``max.NaN`` makes the max NaN iff the row holds a NaN; the
+  index is then the lowest id holding a NaN, else the lowest id attaining
+  the max. Nothing valid: ``(-inf, INT32_MAX)``.
+  """
+  m = tl.reduce(s, AXIS, max_nan)
+  hit = valid & ((s == tl.expand_dims(m, AXIS)) | (s != s))
+  idx = tl.min(tl.where(hit, gid, _INT_MAX), AXIS)
+  return m, idx
+
+
+@triton.jit
+def tempered(l, temperature):
+  """``l / T`` with XLA's f32 GPU division (``div.full.f32``); rows with
+  ``T == 0`` (greedy) divide by 1.
+
+  Triton 3.6 lowers every f32 ``fdiv`` (``/`` too; ``ieee_rounding`` is
+  ignored) to ``div.full.f32``, the division XLA emits (its NVPTX backend runs
+  with ``-nvptx-prec-divf32=1``); IEEE ``div.rn`` is ``tl.div_rn``. The PTX
+  test pins this down.
+  """
+  t = tl.where(temperature == 0.0, 1.0, temperature)
+  return tl.fdiv(l, t)
+
+
+@triton.jit
+def load_rows(rowdata_ptr, pid_b, B: tl.constexpr, BLOCK_B: tl.constexpr,
+              ROW: tl.constexpr):
+  """Row ``ROW`` of the packed per-row data for batch block ``pid_b``
+  (``[BLOCK_B]`` uint32; rows past ``B`` repeat row ``B - 1``)."""
+  rows_b = tl.minimum(pid_b * BLOCK_B + tl.arange(0, BLOCK_B), B - 1)
+  return tl.load(rowdata_ptr + ROW * B + rows_b)
+
+
+@triton.jit
+def along_rows(x, VOCAB_ON_M: tl.constexpr):
+  """A per-row vector ``[Bt]`` broadcastable against the accumulator."""
+  if VOCAB_ON_M:
+    return x[None, :]
+  else:
+    return x[:, None]
+
+
+@triton.jit
+def along_vocab(x, VOCAB_ON_M: tl.constexpr):
+  """A per-id vector ``[Vt]`` broadcastable against the accumulator."""
+  if VOCAB_ON_M:
+    return x[:, None]
+  else:
+    return x[None, :]
+
+
+@triton.jit
+def _sampler_kernel(
+    off_ptr,      # int32 [1]: global id of the weight's first row
+    rowdata_ptr,  # uint32 [5, B]: k0, k1, ctr_hi, ctr_lo, bits of T
+    h_ptr,        # bf16/f16 [B, D]
+    w_ptr,        # bf16/f16 [V, D] ("vd") or [D, V] ("dv"), V = ROWS
+    score_ptr,    # f32 [B, N_TILES] (output)
+    index_ptr,    # int32 [B, N_TILES] (output)
+    B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    ROWS_VALID: tl.constexpr, VOCAB_SIZE: tl.constexpr, N_TILES: tl.constexpr,
+    W_VD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr):
+  """One (batch block, vocabulary tile): its best candidate per batch row.
+
+  Grid ``(cdiv(B, BLOCK_B), N_TILES)``: axis 0 (the fastest in launch order)
+  walks the batch blocks, so the blocks sharing a W tile run together and
+  all but the first read it from L2.
+  """
+  pid_b = tl.program_id(0)
+  pid_v = tl.program_id(1)
+  l = tile_logits(h_ptr, w_ptr, pid_b, pid_v, B, D, ROWS, W_VD, BLOCK_B,
+                  BLOCK_V, BLOCK_D, VOCAB_ON_M)
+  AXIS: tl.constexpr = 0 if VOCAB_ON_M else 1
+
+  local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)      # weight row
+  gid = tl.load(off_ptr) + local                       # global vocabulary id
+  valid = along_vocab((local < ROWS_VALID) & (gid < VOCAB_SIZE), VOCAB_ON_M)
+  gid_u = along_vocab(gid.to(tl.uint32), VOCAB_ON_M)
+  gid = along_vocab(gid, VOCAB_ON_M)
+
+  k0 = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_K0), VOCAB_ON_M)
+  k1 = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_K1), VOCAB_ON_M)
+  c_hi = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_CTR_HI),
+                    VOCAB_ON_M)
+  c_lo = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_CTR_LO),
+                    VOCAB_ON_M)
+  temp = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_TEMPERATURE).to(
+      tl.float32, bitcast=True), VOCAB_ON_M)
+
+  hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
+  g = noise.gumbel(k0, k1, hi, lo)
+  s = tl.where(temp == 0.0, l, tempered(l, temp) + g)
+  s = tl.where(valid, s, float("-inf"))
+  best, idx = best_along(s, gid, valid, AXIS)
+
+  rows_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+  out = rows_b * N_TILES + pid_v
+  tl.store(score_ptr + out, best, mask=rows_b < B)
+  tl.store(index_ptr + out, idx, mask=rows_b < B)
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+def check_arrays(hidden, weight, rowdata, *, layout: str, rowdata_rows: int):
+  """Raises TypeError/ValueError for arrays the kernels cannot take.
+
+  Returns:
+    ``(B, D, rows)``.
+  """
+  if layout not in _LAYOUTS:
+    raise ValueError(f"{layout=} must be one of {_LAYOUTS}")
+  for name, x in (("hidden", hidden), ("weight", weight)):
+    if getattr(x, "ndim", None) != 2:
+      raise ValueError(f"{name} must be 2-D, got shape {getattr(x, 'shape', None)}")
+  if jnp.dtype(weight.dtype) not in _SUPPORTED_DTYPES:
+    raise TypeError(f"weight.dtype={weight.dtype} must be bfloat16 or float16")
+  if hidden.dtype != weight.dtype:
+    raise TypeError(
+        f"hidden.dtype={hidden.dtype} must equal weight.dtype={weight.dtype} "
+        "(cast hidden first)")
+  batch, dim = hidden.shape
+  w_dim, rows = weight.shape if layout == "dv" else weight.shape[::-1]
+  if w_dim != dim:
+    raise ValueError(
+        f"weight {tuple(weight.shape)} ({layout}) does not match hidden "
+        f"{tuple(hidden.shape)}: D differs")
+  if rowdata.dtype != jnp.uint32 or rowdata.shape != (rowdata_rows, batch):
+    raise ValueError(
+        f"rowdata must be uint32 [{rowdata_rows}, {batch}], got "
+        f"{rowdata.dtype} {tuple(rowdata.shape)}")
+  return batch, dim, rows
+
+
+def check_vocab(rows: int, rows_valid, vocab_size) -> int:
+  """Validates ``rows_valid`` / ``vocab_size``; returns ``rows_valid``."""
+  rows_valid = rows if rows_valid is None else rows_valid
+  for name, v in (("rows_valid", rows_valid), ("vocab_size", vocab_size)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+      raise TypeError(f"{name}={v!r} must be a static int")
+  if not 0 <= rows_valid <= rows:
+    raise ValueError(f"{rows_valid=} must be in [0, {rows}] (the weight's rows)")
+  if not 0 < vocab_size < 2**31:
+    raise ValueError(f"{vocab_size=} must be in [1, 2**31)")
+  return int(rows_valid)
+
+
+def resolve_config(config, *, batch, dim, rows, itemsize, capability):
+  """``config`` or the heuristic's, checked against the family's SMEM."""
+  if capability is None:
+    capability = device_capability()
+  if config is None:
+    config = pick_config(batch, dim, rows, capability)
+  elif not isinstance(config, TritonConfig):
+    raise TypeError(f"config={config!r} must be a TritonConfig")
+  n_tiles = -(-rows // config.block_v)
+  if n_tiles > _MAX_GRID_Y:
+    raise ValueError(
+        f"block_v={config.block_v} makes {n_tiles} vocabulary tiles, more than "
+        f"the grid's {_MAX_GRID_Y}; use a larger block_v")
+  budget = SMEM_BYTES[gpu_family(capability)]
+  if config.smem_bytes(itemsize) > budget:
+    raise ValueError(
+        f"{config} needs ~{config.smem_bytes(itemsize)} bytes of shared memory, "
+        f"more than the {budget} of sm{capability[0]}{capability[1]}")
+  return config
+
+
+def sampler_constexprs(cfg: TritonConfig, *, batch, dim, rows, rows_valid, vocab_size,
+                layout):
+  return dict(B=batch, D=dim, ROWS=rows, ROWS_VALID=rows_valid,
+              VOCAB_SIZE=int(vocab_size), N_TILES=triton.cdiv(rows, cfg.block_v),
+              W_VD=layout == "vd", BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v,
+              BLOCK_D=cfg.block_d, VOCAB_ON_M=cfg.vocab_on_m)
+
+
+def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
+               vocab_size: int, rows_valid: int | None = None,
+               config: TritonConfig | None = None,
+               capability: tuple[int, int] | None = None):
+  """Per (row, vocabulary tile) best ``(score, global id)`` of the fused sampler.
+
+  Args:
+    hidden: ``H [B, D]``, bf16 or f16 (the weight's dtype).
+    weight: ``W [V, D]`` (``layout="vd"``) or ``[D, V]`` (``"dv"``); ``V``
+      rows of which the first ``rows_valid`` are real (padding after).
+    rowdata: uint32 ``[5, B]`` from :func:`pack_rowdata`.
+    vocab_offset: global id of the weight's row 0: an int or a traced int32
+      scalar (e.g. ``shard_map``'s shard offset); passed as a 1-element array,
+      so changing it does not recompile.
+    layout: ``"vd"`` or ``"dv"``.
+    vocab_size: ids ``>= vocab_size`` are masked to ``-inf``.
+    rows_valid: rows of ``weight`` that are real (default all).
+    config: override the heuristic (tests, benchmarks).
+    capability: ``(major, minor)`` of the target GPU (default: the first
+      GPU's), for the heuristic and the SMEM check.
+
+  Returns:
+    ``(score f32 [B, n_tiles], index int32 [B, n_tiles])`` with ``n_tiles =
+    cdiv(V, config.block_v)``; a tile without valid ids gives ``(-inf,
+    INT32_MAX)``. Reduce over the last axis with the combine rule.
+
+  Raises:
+    TypeError, ValueError: bad arrays or arguments.
+    NotImplementedError: no supported GPU.
+  """
+  batch, dim, rows = check_arrays(hidden, weight, rowdata, layout=layout,
+                                  rowdata_rows=ROWDATA_ROWS)
+  rows_valid = check_vocab(rows, rows_valid, vocab_size)
+  cfg = resolve_config(config, batch=batch, dim=dim, rows=rows,
+                       itemsize=jnp.dtype(weight.dtype).itemsize,
+                       capability=capability)
+  consts = sampler_constexprs(cfg, batch=batch, dim=dim, rows=rows,
+                       rows_valid=rows_valid, vocab_size=vocab_size, layout=layout)
+  n_tiles = consts["N_TILES"]
+  offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
+  shape = (batch, n_tiles)
+  return noise._jax_triton().triton_call(  # pylint: disable=protected-access
+      offset, rowdata, hidden, weight, kernel=_sampler_kernel,
+      out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32),
+                 jax.ShapeDtypeStruct(shape, jnp.int32)),
+      grid=(triton.cdiv(batch, cfg.block_b), n_tiles),
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      # No fma contraction: XLA's reference adds and multiplies round apart.
+      enable_fp_fusion=False, name="flashsample_triton", **consts)
+
+
+# ----------------------------------------------------------------------------
+# Compilation without a GPU (tests, the benchmark's register report)
+# ----------------------------------------------------------------------------
+
+_TRITON_TYPES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
+
+
+def compile_for_inspection(kernel, pointer_types: dict[str, str],
+                           constexprs: dict, *, capability: tuple[int, int],
+                           num_warps: int, num_stages: int):
+  """Compiles ``kernel`` for ``capability`` as jax-triton would, without a GPU.
+
+  Same options as ``jax_triton.triton_call`` (16-byte aligned pointers, no fp
+  fusion). Returns Triton's compiled kernel: ``.asm["ptx"]``,
+  ``.asm["cubin"]``, ``.metadata.shared``. Needs Triton's bundled ``ptxas``.
+  """
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
+  signature = dict(pointer_types)
+  signature.update({k: "constexpr" for k in constexprs})
+  attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]]
+           for k in pointer_types}
+  src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs),
+                  attrs=attrs)
+  major, minor = capability
+  return triton.compile(
+      src, target=GPUTarget("cuda", major * 10 + minor, 32),
+      options=dict(num_warps=num_warps, num_stages=num_stages,
+                   enable_fp_fusion=False))
+
+
+def sampler_for_inspection(cfg: TritonConfig, *, layout: str, dtype, batch: int,
+                           dim: int, rows: int, vocab_size: int | None = None,
+                           capability: tuple[int, int] = (9, 0)):
+  """:func:`compile_for_inspection` of the sampler kernel for one problem."""
+  t = _TRITON_TYPES[jnp.dtype(dtype)]
+  pointers = {"off_ptr": "*i32", "rowdata_ptr": "*u32", "h_ptr": f"*{t}",
+              "w_ptr": f"*{t}", "score_ptr": "*fp32", "index_ptr": "*i32"}
+  consts = sampler_constexprs(cfg, batch=batch, dim=dim, rows=rows, rows_valid=rows,
+                       vocab_size=vocab_size or rows, layout=layout)
+  return compile_for_inspection(_sampler_kernel, pointers, consts,
+                                capability=capability, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)
