@@ -11,7 +11,7 @@
 # runs on a GPU: the xla backend's suite natively, controls, noise, API).
 # N sets the pytest-xdist workers (default 14 of the 16 cores: compiling is
 # the bottleneck). Limits in seconds: T_MOSAIC, T_REST.
-export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 N=${N:-14}

@@ -29,8 +29,8 @@ from pallas_kernels import rules
 from pallas_kernels.state import ControlsState
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
-           "perturbed", "state_combine", "topm_merge", "finish",
-           "samples_as_rows"]
+           "perturbed", "state_combine", "state_from_parts", "topm_merge",
+           "finish", "samples_as_rows"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
 # largest tempered logits. Rows whose kept set the candidates cannot certify
@@ -116,6 +116,46 @@ def state_combine(c: controls.Controls, m: int):
       out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
     return out
   return combine
+
+
+def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
+                     lse_sum=None, cand_vals=None, cand_ids=None,
+                     cand_bound=None, *, m: int) -> ControlsState:
+  """One :class:`ControlsState` per row from a kernel's per-part outputs.
+
+  A part is whatever the kernel reduced on its own (a vocabulary tile, a
+  warpgroup's tiles), on the LAST axis: ``best_score``/``best_id``/``best_t``
+  ``[B, S, P]``, ``lse_max``/``lse_sum`` ``[B, P]`` (None: not asked for),
+  candidate lists ``cand_vals``/``cand_ids`` ``[B, K, P]`` with
+  ``cand_bound`` ``[B, P]`` (no value of the part that is not listed is
+  larger). Lists keep the ``m`` largest values over the parts.
+  """
+  if best_t is None:
+    score, tok = rules.argbest(best_score, best_id, axis=2)
+    t = jnp.zeros_like(score)
+  else:
+    score, tok, t = rules.argbest(best_score, best_id, axis=2, carry=best_t)
+  b = score.shape[0]
+  if lse_max is None:
+    mx, total = jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32)
+  else:
+    mx = jnp.max(lse_max, axis=1)
+    scale = jnp.where(lse_max == -jnp.inf, 0.0, jnp.exp(lse_max - mx[:, None]))
+    total = jnp.sum(lse_sum * scale, axis=1)
+  st = ControlsState(best_score=score, best_id=tok, best_t=t, lse_max=mx,
+                     lse_sum=total)
+  if cand_vals is None:
+    return st
+  bound = jnp.max(cand_bound, axis=1)
+  vals = jnp.where(cand_vals > bound[:, None, None], cand_vals, -jnp.inf).reshape(b, -1)
+  ids = cand_ids.reshape(b, -1)
+  if vals.shape[1] < m:
+    pad = ((0, 0), (0, m - vals.shape[1]))
+    vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+    ids = jnp.pad(ids, pad, constant_values=rules.INT_MAX)
+  vals, j = lax.top_k(vals, m)
+  return st._replace(cand_vals=vals, cand_ids=jnp.take_along_axis(ids, j, axis=1),
+                     cand_bound=bound)
 
 
 def samples_as_rows(p: Problem, samples: int) -> Problem:

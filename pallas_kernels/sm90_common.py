@@ -6,8 +6,6 @@ The public pieces here are the building blocks of both Mosaic GPU kernels
 * :class:`Target`: where a launch runs (the GPU, or Pallas' GPU interpret
   mode on the CPU), passed to every launcher; nothing here reads global
   state.
-* :class:`RowLayout` and :func:`pack_rows`: the per-row data block (key
-  words, temperature, soft-cap, noise counters of each sample) by field name.
 * :func:`pingpong_frame`: the SMEM ring of ``W``/``H`` slots and its
   barriers, the memory warpgroup that streams a CTA's tiles through it
   (:func:`stream_steps`), and each compute warpgroup's loop over its tiles
@@ -104,58 +102,6 @@ def h100_abstract_mesh(num_cores: int = DEFAULT_NUM_SMS):
 
 
 # ----------------------------------------------------------------------------
-# Per-row data
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RowLayout:
-  """The rows of the per-row data block (uint32 ``[rows, N]``), by name.
-
-  ``k0``/``k1``: the row's threefry key words; ``temperature``: the bits of
-  its f32 temperature (0: greedy); ``softcap``: the bits of the f32 soft-cap
-  (controls kernel only); then the 64-bit base counter ``(hi, lo)`` of each
-  of ``samples`` samples (element ``v`` of sample ``s`` draws its noise at
-  counter ``ctr(s) + v``). Padded to a multiple of 8 rows, so a block of N
-  rows is a multiple of 128 bytes (Lane-semantics copies need that).
-  """
-
-  samples: int = 1
-
-  K0 = 0
-  K1 = 1
-  TEMPERATURE = 2
-  SOFTCAP = 3
-
-  def ctr(self, sample: int = 0) -> tuple[int, int]:
-    """Rows of sample ``sample``'s counter words ``(hi, lo)``."""
-    return 4 + 2 * sample, 5 + 2 * sample
-
-  @property
-  def rows(self) -> int:
-    return round_up(4 + 2 * self.samples, 8)
-
-
-def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None):
-  """The per-row block ``uint32 [RowLayout(S).rows, B]``.
-
-  Args:
-    k0, k1: uint32 ``[B]`` key words.
-    temperature: f32 ``[B]``.
-    ctr_hi, ctr_lo: uint32 ``[S, B]``: each sample's base counter.
-    softcap: f32 scalar or ``[B]``, or None (the row holds 0).
-  """
-  b = k0.shape[0]
-  bits = lambda x: lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
-  cap = (jnp.zeros((b,), jnp.uint32) if softcap is None
-         else jnp.broadcast_to(bits(softcap), (b,)))
-  counters = jnp.stack([ctr_hi, ctr_lo], axis=1).reshape(-1, b)   # hi0, lo0, hi1, ..
-  block = jnp.concatenate([jnp.stack([k0, k1, bits(temperature), cap]), counters])
-  layout = RowLayout(samples=ctr_hi.shape[0])
-  return jnp.pad(block, [(0, layout.rows - block.shape[0]), (0, 0)])
-
-
-# ----------------------------------------------------------------------------
 # Shapes the TMA needs
 # ----------------------------------------------------------------------------
 
@@ -244,14 +190,24 @@ def approx_exp(x, *, interpret: bool):
   return fast(x)
 
 
-def div_rn(x, y):
-  """f32 ``x / y`` as the kernels compute it: a plain (IEEE) division.
+def tempered(x, t_safe, inv_t, zero, *, interpret: bool):
+  """``x / T`` as XLA computes it in the same program.
 
-  XLA divides differently on the GPU (docs/design.md, "Division"), so for
-  temperatures that are not powers of two the kernels' tempered scores can
-  differ from XLA's in the last bit; tokens agreed in every test.
+  On a GPU: ``x`` times the reciprocal XLA computed (``RowLayout``'s
+  ``INV_TEMPERATURE``): XLA's own ``x / T`` is ``div.full.f32``, equal to
+  ``x * rcp.approx(T)``, and a ``T`` that is a constant of the program has
+  its reciprocal folded at compile time, in XLA's ``x / T`` and in the row
+  alike (docs/design.md, "Division"). XLA rounds the quotient before the
+  noise is added; Mosaic GPU marks multiplies contractible and ptxas would
+  fuse the multiply and that add into one fma, so the product's bits pass
+  an OR with ``zero`` (uint32 0 read from the per-row data, opaque to the
+  compiler), which costs one integer op and keeps the two roundings. In
+  interpret mode, where the reference runs on XLA:CPU, an IEEE division.
   """
-  return x / y
+  if interpret:
+    return x / t_safe
+  bits = lax.bitcast_convert_type(x * inv_t, jnp.uint32) | zero
+  return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def tma_transforms(dtype):

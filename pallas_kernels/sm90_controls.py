@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rules, sm90_common as common, threefry
+from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.state import ControlsState
 from pallas_kernels.sm90_config import SMEM_BUDGET, Schedule, TuningConfig
 
@@ -108,8 +109,8 @@ class Spec:
     return self.samples + (_WG_CANDIDATES if self.truncates else 0)
 
   @property
-  def rows(self) -> common.RowLayout:
-    return common.RowLayout(samples=self.samples)
+  def rows(self) -> RowLayout:
+    return RowLayout(samples=self.samples)
 
 
 def config(dim: int, rows: int, itemsize: int = 2,
@@ -170,6 +171,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     f32 = lambda x: lax.bitcast_convert_type(x, jnp.float32)
     k0, k1 = row(rl.K0), row(rl.K1)
     greedy, t_safe = rules.split_temperature(f32(row(rl.TEMPERATURE)))
+    inv_t, zero = f32(row(rl.INV_TEMPERATURE)), row(rl.zero)
     cap = f32(row(rl.SOFTCAP)) if spec.softcap else None
     ctr = [tuple(row(i) for i in rl.ctr(s)) for s in range(S)]
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
@@ -203,7 +205,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         shift = (col + (c * epi) % 32).astype(jnp.uint32)
         valid = valid & (((word >> shift) & jnp.uint32(1)) == 1)
       x = jnp.where(valid, x, -jnp.inf)
-      t = common.div_rn(x, t_safe)
+      t = common.tempered(x, t_safe, inv_t, zero, interpret=interpret)
       idx = jnp.where(valid, gid, rules.INT_MAX)
       gid_u = gid.astype(jnp.uint32)
       new_best = []
@@ -454,7 +456,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     hidden: ``[B, D]`` in the weight's dtype (bf16/f16).
     weight: ``[V, D]`` ("vd") or ``[D, V]`` ("dv"): this shard's rows.
     rows: uint32 ``[RowLayout(S).rows, B]`` from
-      :func:`~pallas_kernels.sm90_common.pack_rows` (S samples).
+      :func:`~pallas_kernels.rowdata.pack_rows` (S samples).
     vocab_offset: global id of the weight's first row (int or traced).
     samples: S, the samples per row.
     layout: "vd" or "dv".
@@ -500,7 +502,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                   lse=first and need_lse, truncates=first and truncates,
                   t_best=return_logprobs)
       # This group's counters after the shared fields (RowLayout order).
-      ctr0 = common.RowLayout(1).ctr(0)[0]
+      ctr0 = RowLayout.FIXED
       rowdata = jnp.concatenate([rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]])
       rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
       rowdata = pad_rows(rowdata.T).T

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rules, sm90_common as common, threefry
+from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.sm90_config import (
     ROWDATA_ROWS, Schedule, TuningConfig, batch_chunks, batch_side, pick_config,
     wg_scratch_elems)
@@ -47,7 +48,7 @@ from pallas_kernels.sm90_config import (
 __all__ = ["candidates"]
 
 # The plain kernels draw one sample per row.
-_ROWS = common.RowLayout(samples=1)
+_ROWS = RowLayout(samples=1)
 assert _ROWS.rows == ROWDATA_ROWS  # the SMEM budget counts this block
 
 
@@ -88,9 +89,11 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     l = plgpu.load(acc_smem.at[slot], layout=plgpu.Layout.WGMMA)
     hi, lo = threefry.add_u32(*(load(i) for i in rl.ctr(0)), gid_u)
     g = threefry.gumbel(load(rl.K0), load(rl.K1), hi, lo)
-    greedy, t_safe = rules.split_temperature(
-        lax.bitcast_convert_type(load(rl.TEMPERATURE), jnp.float32))
-    s = rules.perturb(l, common.div_rn(l, t_safe), g, greedy)
+    f32 = lambda i: lax.bitcast_convert_type(load(i), jnp.float32)
+    greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
+    t = common.tempered(l, t_safe, f32(rl.INV_TEMPERATURE), load(rl.zero),
+                        interpret=interpret)
+    s = rules.perturb(l, t, g, greedy)
     s = jnp.where(valid, s, -jnp.inf)
     # max.NaN: the max is NaN iff the column holds a NaN; NaN rows then win.
     m, idx = rules.first_best(s, gid, 0, mask=valid,
@@ -317,8 +320,9 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
     k0, k1 = row(rl.K0), row(rl.K1)
     c_hi, c_lo = (row(i) for i in rl.ctr(0))
-    greedy, t_safe = rules.split_temperature(
-        lax.bitcast_convert_type(row(rl.TEMPERATURE), jnp.float32))
+    f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
+    greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
+    inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
     off = off_ref[0]
 
@@ -330,7 +334,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
                & (gid < vocab_size))
       hi, lo = threefry.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
       g = threefry.gumbel(k0, k1, hi, lo)
-      sc = rules.perturb(l, common.div_rn(l, t_safe), g, greedy)
+      t = common.tempered(l, t_safe, inv_t, zero, interpret=interpret)
+      sc = rules.perturb(l, t, g, greedy)
       sc = jnp.where(valid, sc, -jnp.inf)
       idx = jnp.where(valid, gid, rules.INT_MAX)
       return rules.combine(best, (sc, idx))
@@ -431,7 +436,7 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
       (padded here for TMA where needed, see
       :func:`~pallas_kernels.sm90_common.pad_vocab`), D a multiple of 64.
     rows: uint32 ``[8, B]``, the per-row block of
-      :func:`~pallas_kernels.sm90_common.pack_rows` with one sample.
+      :func:`~pallas_kernels.rowdata.pack_rows` with one sample.
     vocab_offset: global id of the weight's first row (an int or a traced
       int32 scalar, e.g. a shard's offset inside ``shard_map``).
     layout: ``"vd"`` or ``"dv"``.

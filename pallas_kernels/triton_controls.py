@@ -31,12 +31,11 @@ reduces along the minor axis.
 
 Arithmetic follows XLA's on the GPU where known: ``x / c`` and ``x / T`` are
 ``div.full.f32``, no fma contraction (``enable_fp_fusion=False``: ``c * tanh``
-and ``+ bias`` round separately). Which ``tanh`` XLA emits for f32 on the GPU
-is NOT established here (libdevice ``__nv_tanhf``, or XLA's own rational
-approximation); both are implemented (``TANH_LIBDEVICE``, ``TANH_RATIONAL``)
-and ``benchmarks/gpu_triton_check.py`` counts each one's mismatches against
-``jnp.tanh`` on the GPU. Until then soft-capped scores may differ from XLA's
-in the last ulp.
+and ``+ bias`` round separately), and ``tanh`` is XLA's own rational
+approximation (``TANH_RATIONAL``, the default): on an H200 it matched
+``jnp.tanh``, ``c * tanh(x / c)`` and ``+ bias`` on all of 9.4M inputs, where
+libdevice's ``__nv_tanhf`` (``TANH_LIBDEVICE``, kept for comparison) differed
+on 38% of them (``benchmarks/gpu_triton_check.py``, PERF_LOG "Triton").
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from triton.language.extra import libdevice
 
 from pallas_kernels import triton_noise as noise
 from pallas_kernels import triton_sampler as base
+from pallas_kernels.rowdata import RowLayout, pack_rows
 
 __all__ = [
     "Controls",
@@ -67,13 +67,14 @@ __all__ = [
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 TANH_LIBDEVICE = 0
 TANH_RATIONAL = 1
-# Rows of the packed per-row data; sample s's counter words follow at
-# _ROWS_FIXED + 2 s (high) and + 1 (low).
-_ROW_K0 = tl.constexpr(0)
-_ROW_K1 = tl.constexpr(1)
-_ROW_TEMPERATURE = tl.constexpr(2)
-_ROW_SOFTCAP = tl.constexpr(3)
-_ROWS_FIXED = tl.constexpr(4)
+# Rows of the packed per-row data (pallas_kernels.rowdata.RowLayout); sample
+# s's counter words follow at _ROWS_FIXED + 2 s (high) and + 1 (low).
+_ROW_K0 = tl.constexpr(RowLayout.K0)
+_ROW_K1 = tl.constexpr(RowLayout.K1)
+_ROW_TEMPERATURE = tl.constexpr(RowLayout.TEMPERATURE)
+_ROW_SOFTCAP = tl.constexpr(RowLayout.SOFTCAP)
+_ROW_INV_TEMPERATURE = tl.constexpr(RowLayout.INV_TEMPERATURE)
+_ROWS_FIXED = tl.constexpr(RowLayout(1).ctr(0)[0])
 
 
 class Controls(NamedTuple):
@@ -97,7 +98,7 @@ class Controls(NamedTuple):
   t_best: bool = False
   lse: bool = False
   top_k: int = 0
-  tanh: int = TANH_LIBDEVICE
+  tanh: int = TANH_RATIONAL
 
   @property
   def f_rows(self) -> int:
@@ -127,8 +128,9 @@ class ControlsCandidates(NamedTuple):
 
 
 def pack_control_rows(k0, k1, ctr_hi, ctr_lo, temperature, softcap=None):
-  """uint32 ``[4 + 2 S, B]``: k0, k1, bits of T, bits of the soft-cap, then
-  ``(ctr_hi[s], ctr_lo[s])`` for each sample.
+  """uint32 ``[RowLayout(S).rows, B]``: k0, k1, bits of T, bits of the
+  soft-cap, then ``(ctr_hi[s], ctr_lo[s])`` for each sample
+  (:func:`pallas_kernels.rowdata.pack_rows`).
 
   Args:
     k0, k1: uint32 ``[B]`` key words of each row.
@@ -138,16 +140,9 @@ def pack_control_rows(k0, k1, ctr_hi, ctr_lo, temperature, softcap=None):
     temperature: f32 ``[B]``, 0 for greedy rows.
     softcap: f32 scalar or ``[B]`` (> 0), or None.
   """
-  b = jnp.shape(k0)[0]
-  f2u = lambda x: jax.lax.bitcast_convert_type(
-      jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,)), jnp.uint32)
-  hi = jnp.asarray(ctr_hi).astype(jnp.uint32).reshape(-1, b)
-  lo = jnp.asarray(ctr_lo).astype(jnp.uint32).reshape(-1, b)
-  ctr = jnp.stack([hi, lo], axis=1).reshape(-1, b)   # hi0, lo0, hi1, lo1, ...
-  fixed = jnp.stack([jnp.asarray(k0).astype(jnp.uint32),
-                     jnp.asarray(k1).astype(jnp.uint32), f2u(temperature),
-                     f2u(0.0 if softcap is None else softcap)])
-  return jnp.concatenate([fixed, ctr])
+  as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+  return pack_rows(k0=as_u32(k0), k1=as_u32(k1), temperature=temperature,
+                   ctr_hi=as_u32(ctr_hi), ctr_lo=as_u32(ctr_lo), softcap=softcap)
 
 
 # ----------------------------------------------------------------------------
@@ -208,7 +203,7 @@ def _store_rows(ptr, val, rows_b, pid_v, R: tl.constexpr, NR: tl.constexpr,
 @triton.jit
 def _controls_kernel(
     off_ptr,      # int32 [1]: global id of the weight's first row
-    rows_ptr,     # uint32 [4 + 2S, B]: see pack_control_rows
+    rows_ptr,     # uint32 [RowLayout(S).rows, B]: see pack_control_rows
     h_ptr,        # bf16/f16 [B, D]
     w_ptr,        # bf16/f16 [V, D] ("vd") or [D, V] ("dv"), V = ROWS
     bias_ptr,     # f32 [VOCAB_SIZE] (read only with HAS_BIAS)
@@ -258,7 +253,9 @@ def _controls_kernel(
     word = tl.load(mask_ptr + rb * N_WORDS + gid // 32, mask=valid, other=0)
     valid = valid & (((word >> (gid_u % 32)) & 1) == 1)
   x = tl.where(valid, x, float("-inf"))
-  t = base.tempered(x, temp)
+  inv = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_INV_TEMPERATURE,
+                 VOCAB_ON_M).to(tl.float32, bitcast=True)
+  t = base.tempered(x, inv)
 
   for s in tl.static_range(S):
     c_hi = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s,
@@ -401,7 +398,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   Args:
     hidden, weight, vocab_offset, layout, vocab_size, rows_valid, config,
       capability: as :func:`pallas_kernels.triton_sampler.candidates`.
-    rows: uint32 ``[4 + 2 S, B]`` from :func:`pack_control_rows`.
+    rows: uint32 ``[RowLayout(S).rows, B]`` from :func:`pack_control_rows`.
     controls: the static :class:`Controls` (flags must match ``bias``,
       ``allowed_mask`` and the soft-cap row).
     bias: f32 ``[vocab_size]`` (global ids) when ``controls.bias``.
@@ -415,7 +412,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     NotImplementedError: no supported GPU.
   """
   check_controls(controls)
-  n_rows = _ROWS_FIXED.value + 2 * controls.samples
+  n_rows = RowLayout(controls.samples).rows
   batch, dim, w_rows = base.check_arrays(hidden, weight, rows, layout=layout,
                                          rowdata_rows=n_rows)
   rows_valid = base.check_vocab(w_rows, rows_valid, vocab_size)

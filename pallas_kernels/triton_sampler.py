@@ -25,8 +25,9 @@ pieces :mod:`pallas_kernels.triton_controls` shares), the launcher
 (:func:`candidates`), and the heuristic (:func:`pick_config` over the per-GPU
 table :data:`CONFIGS`).
 
-Per-row inputs travel packed in one uint32 array ``rowdata [5, B]`` (one
-small load per row instead of five arrays); :func:`pack_rowdata` builds it.
+Per-row inputs travel packed in one uint32 array ``rowdata [8, B]`` in the
+row order of :class:`pallas_kernels.rowdata.RowLayout` (the Mosaic GPU
+kernels' too); :func:`pack_rowdata` builds it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import triton_noise as noise
+from pallas_kernels.rowdata import RowLayout, pack_rows
 
 __all__ = [
     "TritonConfig",
@@ -169,33 +171,42 @@ _C = TritonConfig
 #   vocabulary tile next to each other, so all but the first read the W
 #   tile from L2 (HBM reads W once); each block re-reads H from L2.
 CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
+    # Measured on an H200 (shape D 4096 x V 151936, PERF_LOG "Triton"): the
+    # fastest of the configs tried at B = 1, 16, 64 (B = 128 and 256 were
+    # slower than XLA's dot + categorical with every config tried; auto
+    # takes the dense route there).
     "sm90": (
-        (16, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=4)),
+        (1, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=6)),
+        (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),
         (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
-        (2**31, _C(block_v=128, block_b=64, block_d=64, num_warps=4,
-                   num_stages=3)),
+        (64, _C(block_v=64, block_b=64, block_d=64, num_warps=4, num_stages=4,
+                vocab_on_m=False)),
+        (2**31, _C(block_v=128, block_b=128, block_d=64, num_warps=16,
+                   num_stages=3, vocab_on_m=False)),
     ),
-    # B200: the same shapes until measured (tcgen05 takes M = 128).
+    # B200: the H100/H200 shapes until measured (tcgen05 takes M = 128).
     "sm100": (
-        (16, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=4)),
+        (1, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=6)),
+        (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),
         (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
-        (2**31, _C(block_v=128, block_b=64, block_d=64, num_warps=4,
-                   num_stages=3)),
+        (2**31, _C(block_v=64, block_b=64, block_d=64, num_warps=4, num_stages=4,
+                   vocab_on_m=False)),
     ),
     # A100: 164 KB of SMEM per SM, mma.sync (any M >= 16), cp.async loads.
+    # Not measured: the H100's shapes with fewer stages.
     "sm80": (
         (16, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=4)),
         (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=3)),
-        (2**31, _C(block_v=128, block_b=64, block_d=64, num_warps=4,
-                   num_stages=2)),
+        (2**31, _C(block_v=64, block_b=64, block_d=64, num_warps=4, num_stages=3,
+                   vocab_on_m=False)),
     ),
     # L40S / RTX 4090: ~100 KB of SMEM per SM and ~0.9 TB/s: smaller tiles
-    # still cover the latency.
+    # still cover the latency. Not measured.
     "sm89": (
         (16, _C(block_v=64, block_b=16, block_d=64, num_warps=4, num_stages=4)),
         (32, _C(block_v=64, block_b=32, block_d=64, num_warps=4, num_stages=3)),
-        (2**31, _C(block_v=64, block_b=64, block_d=64, num_warps=4,
-                   num_stages=2)),
+        (2**31, _C(block_v=64, block_b=64, block_d=64, num_warps=4, num_stages=2,
+                   vocab_on_m=False)),
     ),
 }
 del _C
@@ -273,14 +284,16 @@ def pick_config(batch: int, dim: int, rows: int,
 # Per-row data
 # ----------------------------------------------------------------------------
 
-# Row order of the packed per-row array (uint32 [ROWDATA_ROWS, B]); constexpr
+# Rows of the packed per-row array (RowLayout with one sample), as constexprs
 # so that the kernel reads rows by name.
-ROW_K0 = tl.constexpr(0)
-ROW_K1 = tl.constexpr(1)
-ROW_CTR_HI = tl.constexpr(2)
-ROW_CTR_LO = tl.constexpr(3)
-ROW_TEMPERATURE = tl.constexpr(4)
-ROWDATA_ROWS = 5
+_LAYOUT = RowLayout(samples=1)
+ROW_K0 = tl.constexpr(RowLayout.K0)
+ROW_K1 = tl.constexpr(RowLayout.K1)
+ROW_TEMPERATURE = tl.constexpr(RowLayout.TEMPERATURE)
+ROW_INV_TEMPERATURE = tl.constexpr(RowLayout.INV_TEMPERATURE)
+ROW_CTR_HI = tl.constexpr(_LAYOUT.ctr(0)[0])
+ROW_CTR_LO = tl.constexpr(_LAYOUT.ctr(0)[1])
+ROWDATA_ROWS = _LAYOUT.rows
 
 
 class RowData(NamedTuple):
@@ -299,17 +312,16 @@ class RowData(NamedTuple):
   temperature: jax.Array
 
   def pack(self) -> jax.Array:
-    """The kernel's uint32 ``[5, B]`` (see :func:`pack_rowdata`)."""
+    """The kernel's uint32 ``[8, B]`` (see :func:`pack_rowdata`)."""
     return pack_rowdata(*self)
 
 
 def pack_rowdata(k0, k1, ctr_hi, ctr_lo, temperature) -> jax.Array:
-  """uint32 ``[5, B]``: rows k0, k1, ctr_hi, ctr_lo, bits of the f32
-  temperature (see :class:`RowData`)."""
-  t = jax.lax.bitcast_convert_type(jnp.asarray(temperature, jnp.float32),
-                                   jnp.uint32)
-  words = [jnp.asarray(x).astype(jnp.uint32) for x in (k0, k1, ctr_hi, ctr_lo)]
-  return jnp.stack(words + [t])
+  """uint32 ``[8, B]``: :func:`pallas_kernels.rowdata.pack_rows` with one
+  sample (see :class:`RowData`)."""
+  as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+  return pack_rows(k0=as_u32(k0), k1=as_u32(k1), temperature=temperature,
+                   ctr_hi=as_u32(ctr_hi), ctr_lo=as_u32(ctr_lo))
 
 
 # ----------------------------------------------------------------------------
@@ -410,17 +422,16 @@ def best_along(s, gid, valid, AXIS: tl.constexpr):
 
 
 @triton.jit
-def tempered(l, temperature):
-  """``l / T`` with XLA's f32 GPU division (``div.full.f32``); rows with
-  ``T == 0`` (greedy) divide by 1.
-
-  Triton 3.6 lowers every f32 ``fdiv`` (``/`` too; ``ieee_rounding`` is
-  ignored) to ``div.full.f32``, the division XLA emits (its NVPTX backend runs
-  with ``-nvptx-prec-divf32=1``); IEEE ``div.rn`` is ``tl.div_rn``. The PTX
-  test pins this down.
-  """
-  t = tl.where(temperature == 0.0, 1.0, temperature)
-  return tl.fdiv(l, t)
+def tempered(l, inv_temperature):
+  """``l / T`` as XLA computes it in the same program: ``l`` times the
+  reciprocal XLA computed (``RowLayout``'s ``INV_TEMPERATURE`` row; 1 for
+  greedy rows). XLA's own ``l / T`` is ``div.full.f32``, which equals ``l *
+  rcp.approx(T)`` bit for bit, and a ``T`` that is a constant of the program
+  has its reciprocal folded at compile time in XLA's quotient and in the
+  row alike (docs/design.md, "Division"). The kernels compile without fma
+  contraction, so the product is rounded before the noise is added, as XLA
+  rounds it."""
+  return l * inv_temperature
 
 
 @triton.jit
@@ -453,7 +464,7 @@ def along_vocab(x, VOCAB_ON_M: tl.constexpr):
 @triton.jit
 def _sampler_kernel(
     off_ptr,      # int32 [1]: global id of the weight's first row
-    rowdata_ptr,  # uint32 [5, B]: k0, k1, ctr_hi, ctr_lo, bits of T
+    rowdata_ptr,  # uint32 [8, B]: RowLayout(samples=1)
     h_ptr,        # bf16/f16 [B, D]
     w_ptr,        # bf16/f16 [V, D] ("vd") or [D, V] ("dv"), V = ROWS
     score_ptr,    # f32 [B, N_TILES] (output)
@@ -488,10 +499,12 @@ def _sampler_kernel(
                     VOCAB_ON_M)
   temp = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_TEMPERATURE).to(
       tl.float32, bitcast=True), VOCAB_ON_M)
+  inv = along_rows(load_rows(rowdata_ptr, pid_b, B, BLOCK_B, ROW_INV_TEMPERATURE).to(
+      tl.float32, bitcast=True), VOCAB_ON_M)
 
   hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
   g = noise.gumbel(k0, k1, hi, lo)
-  s = tl.where(temp == 0.0, l, tempered(l, temp) + g)
+  s = tl.where(temp == 0.0, l, tempered(l, inv) + g)
   s = tl.where(valid, s, float("-inf"))
   best, idx = best_along(s, gid, valid, AXIS)
 

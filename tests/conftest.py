@@ -13,6 +13,14 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
+# One Triton cache per pytest-xdist worker (an empty TRITON_CACHE_DIR, as one
+# GPU image sets, makes Triton fail with "Could not create or locate cache
+# dir").
+if not os.environ.get("TRITON_CACHE_DIR"):
+  import tempfile
+  os.environ["TRITON_CACHE_DIR"] = os.path.join(
+      tempfile.gettempdir(), "fsj-triton-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

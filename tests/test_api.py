@@ -69,8 +69,10 @@ def test_auto_picks_mosaic_only_on_hopper():
   assert fs.which_backend(h, w, jax.random.key(0)) == ("mosaic" if is_sm90() else "xla")
 
 
-def test_d_not_multiple_of_64_falls_back_to_xla():
+def test_d_not_multiple_of_64_is_not_mosaic():
+  # The Hopper kernel needs D % 64 == 0: auto moves on (to the Triton kernel
+  # on a CUDA GPU with jax-triton, else to the streaming backend).
   h, w = inputs.exact_inputs(5, 40, 300)
-  assert fs.which_backend(h, w, jax.random.key(0)) == "xla"
+  assert fs.which_backend(h, w, jax.random.key(0)) in ("triton", "xla")
   np.testing.assert_array_equal(fs.sample(h, w, jax.random.key(0)),
                                 fs.reference.sample(h, w, jax.random.key(0)))

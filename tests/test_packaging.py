@@ -33,7 +33,7 @@ def test_license_is_an_spdx_string_with_its_file():
 def test_extras():
   extras = _pyproject()["project"]["optional-dependencies"]
   assert extras["flax"] == ["flax>=0.12"]
-  assert extras["triton"] == ["jax-triton==0.3.1", "triton>=3.6"]
+  assert extras["triton"] == ["jax-triton==0.3.1", "triton>=3.6,<3.7"]
   assert any(d.startswith("hypothesis") for d in extras["test"])
 
 

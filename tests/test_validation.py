@@ -39,7 +39,7 @@ SAMPLERS = [fs.sample, fs.reference.sample]
     (dict(key=jax.random.split(KEY, 3)), ValueError, r"key has 3 keys, hidden has B=4"),
     (dict(key=jax.random.split(KEY, (2, 2))), ValueError, r"key.shape=\(2, 2\)"),
     (dict(key=jax.random.key(0, impl="rbg")), ValueError, r"'rbg'"),
-    (dict(backend="triton"), ValueError, r"backend='triton'"),
+    (dict(backend="cuda"), ValueError, r"backend='cuda'"),
 ])
 def test_bad_input(sampler, kwargs, exc, match):
   args = dict(hidden=H, weight=W, key=KEY)

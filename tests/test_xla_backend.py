@@ -117,3 +117,8 @@ def test_all_minus_inf_row_returns_id_0():
   want = fs.reference.sample(h, w, jax.random.key(0))
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got, 0)
+
+
+class TestDenseBackend(BackendSuite):
+  # The xla backend with one chunk: XLA's dot writes the logits.
+  backend = "dense"

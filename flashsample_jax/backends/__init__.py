@@ -4,8 +4,11 @@ A backend turns a checked :class:`~flashsample_jax.problem.Problem` into
 per-row results for the shared stage 2 (:mod:`flashsample_jax.stage2`):
 
 * :meth:`SamplerBackend.check` raises ``NotImplementedError`` (with the
-  reason) where it cannot run a call here; ``backend="auto"`` then moves on
-  to the next backend of :data:`BACKENDS`;
+  reason) where it cannot run a call here;
+* :meth:`SamplerBackend.prefers` says whether it is the one to pick for the
+  call among those that can run it: ``backend="auto"`` takes the first of
+  :data:`BACKENDS` that can run the call and prefers it, else the first
+  that can run it (the measured routes are in each adapter);
 * :meth:`SamplerBackend.candidates`: plain sampling, the best ``(score,
   id)`` of each row over the weight's rows;
 * :meth:`SamplerBackend.controls_state`: sampling controls, a
@@ -31,13 +34,15 @@ from pallas_kernels.state import ControlsState
 __all__ = ["Backend", "BACKENDS", "SamplerBackend", "get", "resolve", "check_name"]
 
 # Every backend name, in the order ``backend="auto"`` tries them.
-Backend = Literal["mosaic", "xla"]
+Backend = Literal["mosaic", "triton", "dense", "xla"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
 # name -> "module:class" of its adapter (imported on first use, so a machine
 # without a backend's toolchain never imports it).
 _REGISTRY = {
     "mosaic": "flashsample_jax.backends.mosaic:MosaicBackend",
+    "triton": "flashsample_jax.backends.triton:TritonBackend",
+    "dense": "flashsample_jax.backends.xla:DenseBackend",
     "xla": "flashsample_jax.backends.xla:XlaBackend",
 }
 assert tuple(_REGISTRY) == BACKENDS
@@ -69,6 +74,12 @@ class SamplerBackend(abc.ABC):
     """The :class:`~pallas_kernels.state.ControlsState` of ``p``'s rows over
     ``p.weight``'s rows, with ``c``'s transforms applied and with candidate
     lists when ``c`` truncates."""
+
+  def prefers(self, p: Problem, c: Controls) -> bool:
+    """Whether ``auto`` should pick this backend for a call it can run
+    (False where another backend measured faster)."""
+    del p, c
+    return True
 
   def samples_as_rows(self, p: Problem, c: Controls) -> bool:
     """Whether to draw ``c.samples`` samples as rows of one plain pass
@@ -103,14 +114,15 @@ def check_name(backend) -> None:
 
 def resolve(backend, p: Problem, c: Controls) -> SamplerBackend:
   """The backend that will run ``p``: ``backend`` itself (a name or an
-  instance; ``NotImplementedError`` if it cannot), or ``"auto"``'s pick,
-  the first of :data:`BACKENDS` that can."""
+  instance; ``NotImplementedError`` if it cannot), or ``"auto"``'s pick:
+  the first of :data:`BACKENDS` that can run the call and prefers it, else
+  the first that can run it."""
   check_name(backend)
   if backend != "auto":
     impl = backend if isinstance(backend, SamplerBackend) else get(backend)
     impl.check(p, c)
     return impl
-  reasons = []
+  reasons, able = [], []
   for name in BACKENDS:
     impl = get(name)
     try:
@@ -118,5 +130,9 @@ def resolve(backend, p: Problem, c: Controls) -> SamplerBackend:
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
-    return impl
+    if impl.prefers(p, c):
+      return impl
+    able.append(impl)
+  if able:
+    return able[0]
   raise NotImplementedError("no backend can run this call: " + "; ".join(reasons))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from flashsample_jax import stage2
 from flashsample_jax.backends import SamplerBackend
+from pallas_kernels import rowdata
 
 # Several samples alone (no transform, truncation or log-probabilities) are
 # drawn as S * B rows of one plain launch while those fit the fast plain
@@ -31,6 +32,9 @@ from flashsample_jax.backends import SamplerBackend
 # 64 rows and evaluates every sample's noise for each (PERF_LOG: S = 4 at
 # B = 1 took twice XLA's time that way).
 SAMPLES_AS_ROWS_MAX = 128
+# Rows (batch x samples) up to which auto prefers the kernels to the dense
+# route without truncation (see MosaicBackend.prefers).
+ROUTE_MAX_ROWS = 192
 
 
 def _kernels():
@@ -91,17 +95,17 @@ class MosaicBackend(SamplerBackend):
           f"the mosaic backend needs D a multiple of 64, got D={p.hidden_dim}")
 
   def candidates(self, p, *, vocab_offset=0):
-    common, _, sampler, _ = _kernels()
-    rows = common.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+    _, _, sampler, _ = _kernels()
+    rows = rowdata.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
                             ctr_hi=p.ctr_hi[None], ctr_lo=p.ctr_lo[None])
     return sampler.candidates(p.hidden, p.weight, rows, vocab_offset,
                               layout=p.layout, vocab_size=p.vocab_size,
                               config=self.config, target=self._target())
 
   def controls_state(self, p, c, *, vocab_offset=0):
-    common, _, _, controls_kernel = _kernels()
+    _, _, _, controls_kernel = _kernels()
     ctr_hi, ctr_lo = p.counters(c.samples)
-    rows = common.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+    rows = rowdata.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
                             ctr_hi=ctr_hi, ctr_lo=ctr_lo, softcap=c.softcap)
     return controls_kernel.controls_state(
         p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
@@ -110,6 +114,16 @@ class MosaicBackend(SamplerBackend):
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
         logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
         target=self._target())
+
+  def prefers(self, p, c):
+    # Measured against the dense route (XLA's GEMM writing the logits, then
+    # one fused noise pass) on the H100: with a truncation rule the kernel
+    # is faster at every batch (the dense route sorts [B, V]); otherwise up
+    # to ROUTE_MAX_ROWS rows per pass over W (PERF_LOG "Routes").
+    if c.truncates:
+      return True
+    rows = p.batch * (1 if c.samples_only and self.samples_as_rows(p, c) else c.samples)
+    return rows <= ROUTE_MAX_ROWS
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX

@@ -180,3 +180,24 @@ class XlaBackend(SamplerBackend):
     return controls_state(p, c, vocab_offset=vocab_offset, chunk=self.chunk)
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseBackend(XlaBackend):
+  """XLA's dot writes the f32 logits of the whole vocabulary, then one fused
+  pass adds the noise and takes the argmax (the xla backend with a single
+  chunk). It holds ``B x V x 4`` bytes of logits, which the fused kernels
+  never write: where the kernels lose to XLA (large batches on a GPU) it is
+  the fastest exact route, and ``auto`` takes it there.
+  """
+
+  name: ClassVar[str] = "dense"
+  chunk: int | None = 2**31 - 1
+
+  def prefers(self, p, c):
+    # On a GPU, after the fused kernels (which come first in the registry
+    # and prefer the calls where they measured faster): XLA's GEMM and one
+    # fused pass beat the streaming backend's chunked GEMMs there. Elsewhere
+    # the bounded-memory streaming backend is the fallback.
+    del p, c
+    return jax.default_backend() == "gpu"

@@ -1,0 +1,139 @@
+"""The ``triton`` backend: the fused Triton kernels, for CUDA GPUs from sm80.
+
+This adapter turns a checked problem into the array arguments of
+:mod:`pallas_kernels.triton_sampler` (plain sampling) and
+:mod:`pallas_kernels.triton_controls` (sampling controls), launched through
+``jax_triton.triton_call``, and merges their per-tile outputs for stage 2.
+Triton and jax-triton are an optional extra
+(``pip install "flashsample-jax[triton]"``) imported only where a CUDA GPU is
+present: a machine without them never imports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from flashsample_jax import stage2
+from flashsample_jax.backends import SamplerBackend
+from pallas_kernels import rules
+from pallas_kernels.rowdata import pack_rows
+
+# Largest tempered logits each vocabulary tile lists for truncation. A tile
+# holds 64-128 ids, so a row's kept set (top-k 50 of ~150k ids, say) rarely
+# has more than a few in one tile; a tile that does raises the bound, and a
+# row whose kept set reaches below it takes stage 2's exact path.
+TILE_CANDIDATES = 4
+# Samples per controls launch (each re-reads W); more take further launches.
+MAX_KERNEL_SAMPLES = 4
+# Several samples alone are drawn as S * B rows of one plain launch while
+# those fit one batch block of the plain kernel's widest config.
+SAMPLES_AS_ROWS_MAX = 64
+# Rows (batch x samples) up to which auto prefers the kernels to the dense
+# route without truncation (see TritonBackend.prefers): at B = 128 the
+# kernel measured 0.87x XLA's time on an H200 (PERF_LOG "Triton").
+ROUTE_MAX_ROWS = 64
+
+
+def _kernels():
+  from pallas_kernels import triton_controls, triton_sampler
+  return triton_sampler, triton_controls
+
+
+def _cuda_capability() -> tuple[int, int]:
+  """The default device's CUDA compute capability; NotImplementedError if
+  it is not a CUDA GPU."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError as e:
+    raise NotImplementedError(f"the triton backend needs a CUDA GPU: {e}") from None
+  cc = getattr(dev, "compute_capability", None)
+  if dev.platform != "gpu" or not cc:
+    raise NotImplementedError(
+        f"the triton backend needs a CUDA GPU; the default device is a "
+        f"{dev.platform} device {getattr(dev, 'device_kind', dev)}")
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBackend(SamplerBackend):
+  """The fused Triton kernels (CUDA GPUs from sm80: A100, L40S, H100, B200).
+
+  Attributes:
+    config: a ``pallas_kernels.triton_sampler.TritonConfig`` for every plain
+      launch instead of the per-GPU table's (tests, benchmarks).
+  """
+
+  name: ClassVar[str] = "triton"
+  config: Any = None
+
+  def check(self, p, c):
+    del c  # every control is implemented
+    major, minor = _cuda_capability()
+    if major < 8:
+      raise NotImplementedError(
+          f"the triton backend needs a CUDA GPU from sm80 (bf16 tl.dot); this "
+          f"is sm{major}{minor}")
+    for module in ("triton", "jax_triton"):
+      if importlib.util.find_spec(module) is None:
+        raise NotImplementedError(
+            f"the triton backend needs {module}: pip install "
+            "'flashsample-jax[triton]' (jax-triton 0.3.1, triton 3.6)")
+    dtype = jnp.dtype(p.weight.dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise NotImplementedError(
+          f"the triton backend supports bfloat16 and float16 weights, got "
+          f"weight.dtype={dtype}")
+
+  def candidates(self, p, *, vocab_offset=0):
+    sampler, _ = _kernels()
+    rows = pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+                     ctr_hi=p.ctr_hi, ctr_lo=p.ctr_lo)
+    score, index = sampler.candidates(
+        p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
+        vocab_size=p.vocab_size, config=self.config)
+    return rules.argbest(score, index, axis=1)
+
+  def controls_state(self, p, c, *, vocab_offset=0):
+    _, kernel = _kernels()
+    ctr_hi, ctr_lo = p.counters(c.samples)
+    need_lse = c.return_logprobs or c.truncates
+    parts = []
+    for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
+      g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
+      first = g0 == 0
+      spec = kernel.Controls(
+          samples=g1 - g0, softcap=c.softcap is not None,
+          bias=c.logit_bias is not None, mask=c.allowed_mask is not None,
+          t_best=c.return_logprobs, lse=first and need_lse,
+          top_k=TILE_CANDIDATES if first and c.truncates else 0)
+      rows = pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+                       ctr_hi=ctr_hi[g0:g1], ctr_lo=ctr_lo[g0:g1],
+                       softcap=c.softcap)
+      parts.append(kernel.control_candidates(
+          p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
+          vocab_size=p.vocab_size, controls=spec, bias=c.logit_bias,
+          allowed_mask=c.allowed_mask))
+    first = parts[0]
+    cat = lambda name: jnp.concatenate([getattr(q, name) for q in parts], axis=1)
+    return stage2.state_from_parts(
+        cat("best_score"), cat("best_index"),
+        cat("best_t") if c.return_logprobs else None,
+        first.lse_max, first.lse_sum, first.cand_vals, first.cand_ids,
+        first.bound, m=stage2.candidate_count(p))
+
+  def prefers(self, p, c):
+    # As the mosaic backend's (PERF_LOG "Routes"): with truncation always,
+    # otherwise up to ROUTE_MAX_ROWS rows per pass over W.
+    if c.truncates:
+      return True
+    rows = p.batch * (1 if c.samples_only and self.samples_as_rows(p, c) else c.samples)
+    return rows <= ROUTE_MAX_ROWS
+
+  def samples_as_rows(self, p, c):
+    return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
