@@ -2,8 +2,8 @@
 
 Run on the GPU (one process, one run)::
 
-    PYTHONPATH=. python3 benchmarks/bench_controls.py [--out DIR] [--smoke]
-    PYTHONPATH=. python3 benchmarks/bench_controls.py --report RESULTS.json  # table + plot again
+    python3 -m benchmarks.bench_controls [--out DIR] [--smoke] [--backend NAME]
+    python3 -m benchmarks.bench_controls --report RESULTS.json  # table + plot again
 
 Shape S (D 4096, V 151936, bf16), logits with std ~3, B in {1, 16, 64, 128,
 256}. Each control is timed fused (``fs.sample``, backend auto: the mosaic
@@ -30,18 +30,18 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import flashsample_jax as fs  # noqa: E402
-from benchmarks import _timing  # noqa: E402
+import flashsample_jax as fs
+from benchmarks import _timing
 
 TOP_K, TOP_P, SOFTCAP = 50, 0.9, 30.0
+# The backend of the fused columns (--backend): "auto" by default. A list so
+# that main() can set it before the providers are traced.
+_BACKEND = ["auto"]
 
 
 def _logits(h, w):
@@ -80,22 +80,22 @@ def _xla_bias_mask(k, h, w, bias, mask):
 
 # name -> (fused sampler, XLA baseline or None)
 PROVIDERS = {
-    "plain": (lambda k, h, w, **_: fs.sample(h, w, k),
+    "plain": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0]),
               lambda k, h, w, **_: jax.random.categorical(k, _logits(h, w))),
-    "topk_topp": (lambda k, h, w, **_: fs.sample(h, w, k, top_k=TOP_K, top_p=TOP_P),
+    "topk_topp": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], top_k=TOP_K, top_p=TOP_P),
                   _xla_topk_topp),
     "topk_topp_xlabackend": (
         lambda k, h, w, **_: fs.sample(h, w, k, top_k=TOP_K, top_p=TOP_P, backend="xla"),
         _xla_sort_topp),
-    "logprobs": (lambda k, h, w, **_: fs.sample(h, w, k, return_logprobs=True),
+    "logprobs": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], return_logprobs=True),
                  _xla_logprobs),
-    "bias_mask": (lambda k, h, w, bias, mask: fs.sample(h, w, k, logit_bias=bias,
+    "bias_mask": (lambda k, h, w, bias, mask: fs.sample(h, w, k, backend=_BACKEND[0], logit_bias=bias,
                                                          allowed_mask=mask),
                   _xla_bias_mask),
-    "softcap": (lambda k, h, w, **_: fs.sample(h, w, k, softcap=SOFTCAP),
+    "softcap": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], softcap=SOFTCAP),
                 lambda k, h, w, **_: jax.random.categorical(
                     k, SOFTCAP * jnp.tanh(_logits(h, w) / SOFTCAP))),
-    "samples4": (lambda k, h, w, **_: fs.sample(h, w, k, num_samples=4),
+    "samples4": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], num_samples=4),
                  lambda k, h, w, **_: jax.random.categorical(
                      k, _logits(h, w), shape=(4, h.shape[0]))),
 }
@@ -103,20 +103,19 @@ PROVIDERS = {
 
 def _fallback_rows(key, h, w):
   """Rows of a top-k + top-p call that take the materialized path."""
-  from flashsample_jax import _validate, api, controls, xla_backend
-  p = _validate.prepare(h, w, key)
+  from flashsample_jax import backends, controls, problem, stage2
+  p = problem.prepare(h, w, key)
   c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
                                 rows=p.weight_rows, top_k=TOP_K, top_p=TOP_P)
-  if api.resolve_backend("auto", p, c) == "mosaic":
-    st = api._mosaic_controls_module().controls_state(p, c)
-    return int(np.asarray(xla_backend.finish_controls(p, c, st)[2]).sum())
-  return int(np.asarray(xla_backend.sample_with_controls(p, c)[2]).sum())
+  st = backends.resolve("auto", p, c).controls_state(p, c)
+  return int(np.asarray(stage2.finish(p, c, st)[2]).sum())
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--smoke", action="store_true", help="tiny shape, for a CPU")
+  ap.add_argument("--backend", default="auto", help="backend of the fused columns")
   ap.add_argument("--inner", type=int, default=None,
                   help="calls per timed block (default 50; 10 before 2026-11-26's "
                        "fourth session): long blocks measure a decode loop's "
@@ -130,6 +129,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.report:
     return report_from_json(args.report)
+  _BACKEND[0] = args.backend
   inner = args.inner or (3 if args.smoke else 50)
   providers = {k: v for k, v in PROVIDERS.items()
                if not args.providers or k in args.providers or k in ("plain", "topk_topp")}
@@ -147,8 +147,10 @@ def main(argv=None):
     mask = (jax.random.bits(km, (b, -(-v // 32)), jnp.uint32)
             | jax.random.bits(jax.random.fold_in(km, 1), (b, -(-v // 32)), jnp.uint32))
     key = jax.random.key(1)
-    row = dict(B=b, D=d, V=v, backend_plain=fs.which_backend(h, w, key),
-               backend_controls=fs.which_backend(h, w, key, top_k=TOP_K, top_p=TOP_P),
+    pick = lambda **kw: (args.backend if args.backend != "auto"
+                         else fs.which_backend(h, w, key, **kw))
+    row = dict(B=b, D=d, V=v, backend_plain=pick(),
+               backend_controls=pick(top_k=TOP_K, top_p=TOP_P),
                fallback_rows=_fallback_rows(key, h, w))
     extra = dict(bias=bias, mask=mask)
     for name, (fused, xla) in providers.items():
@@ -165,9 +167,11 @@ def main(argv=None):
     print(json.dumps(row), flush=True)
   meta = dict(gpu=_timing.device_name(), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              top_k=TOP_K, top_p=TOP_P, softcap=SOFTCAP, inner=inner, reps=reps)
+              top_k=TOP_K, top_p=TOP_P, softcap=SOFTCAP, inner=inner, reps=reps,
+              backend=args.backend)
   os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, "controls_" + _timing.slug(meta["gpu"]))
+  suffix = "" if args.backend == "auto" else "_" + args.backend
+  stem = os.path.join(args.out, "controls_" + _timing.slug(meta["gpu"]) + suffix)
   with open(stem + ".json", "w") as fh:
     json.dump(dict(meta, rows=rows), fh, indent=1)
   _report(stem, meta, rows)

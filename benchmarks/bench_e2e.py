@@ -16,8 +16,8 @@ whether both samplers drew the same token sequences (same keys).
 Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` with the GPU name, jax
 version and date.
 
-  python benchmarks/bench_e2e.py                 # GPU: qwen3-1.7b, qwen3-8b
-  python benchmarks/bench_e2e.py --smoke         # CPU: tiny config, seconds
+  python3 -m benchmarks.bench_e2e                 # GPU: qwen3-1.7b, qwen3-8b
+  python3 -m benchmarks.bench_e2e --smoke         # CPU: tiny config, seconds
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,21 +1,23 @@
-"""Fused sampler vs the XLA baseline vs the weight-read floor (DESIGN.md 4).
+"""Every backend vs the XLA baseline, the cuBLAS dot alone and the weight-read floor.
 
-Run on the GPU (one process, everything measured in the same run)::
+Run on the GPU from the repository root (one process, everything measured in
+the same run)::
 
-    PYTHONPATH=. python3 benchmarks/bench_sampler.py [--out benchmarks/results]
-        [--shapes S L] [--batches 1 2 4 ...] [--inner 50]
+    python3 -m benchmarks.bench_sampler [--out benchmarks/results]
+        [--shapes S L qwen3-1.7b gpt-oss] [--batches 1 16 ...] [--inner 50]
 
-Providers (names shared with the tests through ``flashsample_jax.BACKENDS``):
+Columns (provider names: ``flashsample_jax.BACKENDS`` plus these):
 
-* ``mosaic``: ``fs.sample(..., backend="mosaic")``, the fused Hopper kernel;
-* ``xla``: ``fs.sample(..., backend="xla")``, the streaming pure-JAX backend;
+* each backend ``fs.sample(..., backend=name)`` that can run here, and
+  ``auto`` (with the backend it picked);
 * ``xla_baseline``: ``jax.random.categorical(k, jnp.dot(h, w.T, f32))``,
-  which writes the ``[B, V]`` logits;
+  which writes the ``[B, V]`` f32 logits;
+* ``dot``: the cuBLAS dot alone (what writing the logits costs);
 * ``floor``: W bytes over the read bandwidth of a large ``jnp.sum`` measured
   in the same process.
 
-Writes ``sampler_<gpu>.json``, ``sampler_<gpu>.md`` and ``sampler_<gpu>.png``
-under ``--out``, recording the GPU, jax version and date.
+Writes ``sampler_<gpu>.json``, ``.md`` and ``.png`` under ``--out`` with the
+GPU, jax version and date.
 """
 
 from __future__ import annotations
@@ -26,20 +28,17 @@ import json
 import os
 import platform
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flashsample_jax as fs
+from benchmarks import _timing
+from benchmarks.shapes import HEADS
 
-import flashsample_jax as fs  # noqa: E402
-from benchmarks import _timing  # noqa: E402
-
-SHAPES = {"S": (4096, 151936), "L": (8192, 128256)}  # (D, V): Qwen3-8B, Llama-3-70B
-BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PROVIDERS = ("mosaic", "xla", "xla_baseline")
+BATCHES = (1, 16, 64, 128, 256, 512, 1024)
+EXTRA = ("auto", "xla_baseline", "dot")
 
 
 def _baseline(k, h, w):
@@ -47,9 +46,16 @@ def _baseline(k, h, w):
       k, jnp.dot(h, w.T, preferred_element_type=jnp.float32))
 
 
+def _dot(k, h, w):
+  del k
+  return jnp.dot(h, w.T, preferred_element_type=jnp.float32)
+
+
 def _make(provider):
   if provider == "xla_baseline":
     return jax.jit(_baseline)
+  if provider == "dot":
+    return jax.jit(_dot)
   return jax.jit(lambda k, h, w: fs.sample(h, w, k, backend=provider))
 
 
@@ -67,9 +73,9 @@ def run(shapes, batches, providers, *, reps=15, inner=50):
   print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
   rows = []
   for name in shapes:
-    d, v = SHAPES[name]
+    d, v = HEADS[name]
     kw = jax.random.key(1)
-    w = (jax.random.normal(kw, (v, d), jnp.float32) / np.sqrt(d)).astype(
+    w = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / np.sqrt(d))).astype(
         jnp.bfloat16)
     floor_us = w.size * 2 / bw * 1e6
     print(f"shape {name}: D={d} V={v} W={w.size * 2 / 1e9:.3f} GB "
@@ -77,22 +83,25 @@ def run(shapes, batches, providers, *, reps=15, inner=50):
     for b in batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
       key = jax.random.key(7)
-      row = dict(shape=name, D=d, V=v, B=b, floor_us=floor_us)
+      row = dict(shape=name, D=d, V=v, B=b, floor_us=floor_us,
+                 auto_backend=fs.which_backend(h, w, key))
       for prov in providers:
         f = _make(prov)
         try:
           row[f"{prov}_compile_s"] = _timing.first_call_seconds(f, key, h, w)
-          row[f"{prov}_us"], row[f"{prov}_samples"] = _timing.median_us(
-              f, key, h, w, reps=reps, inner=inner)
+          row[f"{prov}_us"], _ = _timing.median_us(f, key, h, w, reps=reps,
+                                                   inner=inner)
+        except NotImplementedError as e:
+          row[f"{prov}_us"] = None
+          row[f"{prov}_why"] = str(e)[:200]
         except Exception as e:  # noqa: BLE001 - report and keep going
           print(f"  {prov} B={b}: {type(e).__name__}: {e}"[:500], flush=True)
           row[f"{prov}_us"] = None
-      if row.get("mosaic_us"):
-        row["ratio_to_floor"] = row["mosaic_us"] / floor_us
-        if row.get("xla_baseline_us"):
-          row["speedup_vs_xla"] = row["xla_baseline_us"] / row["mosaic_us"]
+      if row.get("auto_us") and row.get("xla_baseline_us"):
+        row["auto_speedup_vs_xla"] = row["xla_baseline_us"] / row["auto_us"]
+        row["auto_to_floor"] = row["auto_us"] / floor_us
       rows.append(row)
-      print(_fmt_row(row), flush=True)
+      print(_fmt_row(row, providers), flush=True)
   return bw, rows
 
 
@@ -100,22 +109,25 @@ def _f(x, spec=".1f"):
   return "-" if x is None else format(x, spec)
 
 
-def _fmt_row(r):
-  return (f"| {r['shape']} | {r['B']} | {_f(r['floor_us'])} | "
-          f"{_f(r.get('mosaic_us'))} | {_f(r.get('ratio_to_floor'), '.3f')} | "
-          f"{_f(r.get('xla_baseline_us'))} | {_f(r.get('speedup_vs_xla'), '.2f')} | "
-          f"{_f(r.get('xla_us'))} | {_f(r.get('mosaic_compile_s'), '.2f')} |")
+def _fmt_row(r, providers):
+  cells = [r["shape"], str(r["B"]), _f(r["floor_us"]), _f(r.get("dot_us")),
+           _f(r.get("xla_baseline_us"))]
+  cells += [_f(r.get(f"{p}_us")) for p in providers if p not in EXTRA]
+  cells += [f"{_f(r.get('auto_us'))} ({r['auto_backend']})",
+            _f(r.get("auto_speedup_vs_xla"), ".2f"), _f(r.get("auto_to_floor"), ".3f")]
+  return "| " + " | ".join(cells) + " |"
 
 
-_HEADER = ("| shape | B | floor us | mosaic us | mosaic/floor | XLA baseline us "
-           "| speedup vs XLA | xla streaming us | mosaic first call s |\n"
-           "|---|---|---|---|---|---|---|---|---|")
+def _header(providers):
+  cols = ["shape", "B", "floor", "cuBLAS dot alone", "XLA dot + categorical"]
+  cols += [p for p in providers if p not in EXTRA]
+  cols += ["auto (backend)", "auto speedup vs XLA", "auto / floor"]
+  return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
-def write(out, bw, rows, meta):
+def write(out, bw, rows, meta, providers):
   os.makedirs(out, exist_ok=True)
-  slug = _slug(meta["gpu"])
-  base = os.path.join(out, f"sampler_{slug}")
+  base = os.path.join(out, f"sampler_{_slug(meta['gpu'])}")
   with open(base + ".json", "w") as fh:
     json.dump(dict(meta, read_bandwidth_Bps=bw, rows=rows), fh, indent=1)
   with open(base + ".md", "w") as fh:
@@ -123,8 +135,11 @@ def write(out, bw, rows, meta):
              f"jax {meta['jax']}, {meta['date']}; read bandwidth "
              f"{bw / 1e12:.3f} TB/s (jnp.sum over 4 GiB); median us per call "
              f"(blocks of {meta['inner']} async calls between host syncs, "
-             f"{meta['reps']} blocks, after warm-up); bf16.\n\n")
-    fh.write(_HEADER + "\n" + "\n".join(_fmt_row(r) for r in rows) + "\n")
+             f"{meta['reps']} blocks, after warm-up); bf16; '-': the backend "
+             "does not run here or for this call. Command: `python3 -m "
+             "benchmarks.bench_sampler`.\n\n")
+    fh.write(_header(providers) + "\n" + "\n".join(_fmt_row(r, providers) for r in rows)
+             + "\n")
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -132,25 +147,24 @@ def write(out, bw, rows, meta):
   except ImportError:
     print("matplotlib missing: no plot")
     return
-  shapes = sorted({r["shape"] for r in rows})
-  fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4),
+  shapes = list(dict.fromkeys(r["shape"] for r in rows))
+  fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4),
                            squeeze=False)
   for ax, name in zip(axes[0], shapes):
     rs = [r for r in rows if r["shape"] == name]
     bs = [r["B"] for r in rs]
-    for key, label in (("mosaic_us", "mosaic (fused)"),
-                       ("xla_baseline_us", "XLA dot + categorical"),
-                       ("xla_us", "xla streaming backend"),
-                       ("floor_us", "weight-read floor")):
+    for key in [f"{p}_us" for p in providers] + ["floor_us"]:
       ys = [r.get(key) for r in rs]
       if any(y is not None for y in ys):
-        ax.plot(bs, [np.nan if y is None else y for y in ys], "o-", label=label)
+        ax.plot(bs, [np.nan if y is None else y for y in ys], "o-",
+                label=key[:-3].replace("xla_baseline", "XLA dot + categorical"))
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("B")
     ax.set_ylabel("us")
     ax.set_title(f"{name}: D={rs[0]['D']} V={rs[0]['V']}")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
   fig.suptitle(f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}")
   fig.tight_layout()
   fig.savefig(base + ".png", dpi=110)
@@ -159,28 +173,26 @@ def write(out, bw, rows, meta):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="benchmarks/results")
-  ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+  ap.add_argument("--shapes", nargs="+", default=list(HEADS))
   ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-  ap.add_argument("--providers", nargs="+", default=list(PROVIDERS))
+  ap.add_argument("--providers", nargs="+", default=[*fs.BACKENDS, *EXTRA])
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--inner", type=int, default=50,
-                  help="calls per timed block: the first call of a block pays "
-                       "the host's dispatch latency, so long blocks measure "
-                       "the steady state of a decode loop that does not sync "
-                       "every step (10 before 2026-11-26's fourth session)")
+                  help="calls per timed block: long blocks measure the steady "
+                       "state of a decode loop that does not sync every step")
   args = ap.parse_args(argv)
   meta = dict(gpu=_gpu_name(), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"),
-              host=platform.node(), shapes={k: SHAPES[k] for k in args.shapes},
+              host=platform.node(), shapes={k: HEADS[k] for k in args.shapes},
               inner=args.inner, reps=args.reps)
   print(meta, flush=True)
   bw, rows = run(args.shapes, args.batches, args.providers, reps=args.reps,
                  inner=args.inner)
-  print(_HEADER)
+  print(_header(args.providers))
   for r in rows:
-    print(_fmt_row(r))
-  write(args.out, bw, rows, meta)
+    print(_fmt_row(r, args.providers))
+  write(args.out, bw, rows, meta, args.providers)
 
 
 if __name__ == "__main__":

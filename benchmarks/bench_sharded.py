@@ -24,8 +24,8 @@ near-ties) and the backend that ran on each shard.
 Writes ``benchmarks/results/sharded_<gpu>_tp<list>.{json,md,png}`` with the
 GPU, jax version and date.
 
-  python benchmarks/bench_sharded.py            # GPUs: shape L, TP 1,2,4
-  python benchmarks/bench_sharded.py --smoke    # CPU, 8 host devices, tiny
+  python3 -m benchmarks.bench_sharded            # GPUs: shape L, TP 1,2,4
+  python3 -m benchmarks.bench_sharded --smoke    # CPU, 8 host devices, tiny
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 
 SHAPES = {"L": (8192, 128256), "S": (4096, 151936), "smoke": (256, 4096)}
 BATCHES = (16, 64, 256)

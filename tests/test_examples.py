@@ -83,7 +83,7 @@ def test_decode_example_runs():
 
 def test_bench_e2e_smoke(tmp_path):
   out = subprocess.run(
-      [sys.executable, "benchmarks/bench_e2e.py", "--smoke", "--batches", "2",
+      [sys.executable, "-m", "benchmarks.bench_e2e", "--smoke", "--batches", "2",
        "--tokens", "2", "--repeats", "1", "--out", str(tmp_path), "--name", "test"],
       cwd=ROOT, env=_cpu_env(), capture_output=True, text=True, timeout=150)
   assert out.returncode == 0, out.stderr[-3000:]

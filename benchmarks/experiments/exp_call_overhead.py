@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import flashsample_jax as fs  # noqa: E402
-from benchmarks import _timing  # noqa: E402
+import flashsample_jax as fs
+from benchmarks import _timing
 
 D, V = 4096, 151936
 

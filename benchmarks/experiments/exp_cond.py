@@ -34,10 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import flashsample_jax as fs  # noqa: E402
-from benchmarks import _timing  # noqa: E402
+import flashsample_jax as fs
+from benchmarks import _timing
 
 
 def _barrier_cond(pred, true_fun, false_fun, *operands):

@@ -3,7 +3,7 @@
 Run from the repository root on the GPU machine (jax 0.11.2 with the CUDA
 plugin, triton 3.6.0, jax-triton 0.3.1 importable, e.g. from /tmp/site)::
 
-    PYTHONPATH=.:/tmp/site python3 benchmarks/gpu_triton_check.py
+    PYTHONPATH=.:/tmp/site python3 -m benchmarks.experiments.triton_check
 
 In order, each step failing soft (its error is recorded, the next runs):
 
@@ -46,8 +46,7 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if os.path.isdir("/tmp/site") and "/tmp/site" not in sys.path:
   sys.path.append("/tmp/site")  # where the carried jax-triton wheel lives
 
