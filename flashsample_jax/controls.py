@@ -32,7 +32,6 @@ noise counters as without truncation: the result equals
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax

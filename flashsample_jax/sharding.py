@@ -18,7 +18,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 

@@ -26,7 +26,7 @@ from jax import lax
 from flashsample_jax import controls, mesh, noise, problem
 from flashsample_jax.problem import Problem
 from pallas_kernels import rules
-from pallas_kernels.state import ControlsState
+from pallas_kernels.state import ControlsState, top_m
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "state_combine", "state_from_parts", "topm_merge",
@@ -147,15 +147,8 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
   if cand_vals is None:
     return st
   bound = jnp.max(cand_bound, axis=1)
-  vals = jnp.where(cand_vals > bound[:, None, None], cand_vals, -jnp.inf).reshape(b, -1)
-  ids = cand_ids.reshape(b, -1)
-  if vals.shape[1] < m:
-    pad = ((0, 0), (0, m - vals.shape[1]))
-    vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
-    ids = jnp.pad(ids, pad, constant_values=rules.INT_MAX)
-  vals, j = lax.top_k(vals, m)
-  return st._replace(cand_vals=vals, cand_ids=jnp.take_along_axis(ids, j, axis=1),
-                     cand_bound=bound)
+  vals, ids = top_m(cand_vals, cand_ids, bound, m)
+  return st._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
 
 
 def samples_as_rows(p: Problem, samples: int) -> Problem:

@@ -53,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rules, sm90_common as common, threefry
 from pallas_kernels.rowdata import RowLayout
-from pallas_kernels.state import ControlsState
+from pallas_kernels.state import ControlsState, top_m
 from pallas_kernels.sm90_config import SMEM_BUDGET, Schedule, TuningConfig
 
 __all__ = ["controls_state", "config", "BATCH", "BATCH_WIDE",
@@ -403,15 +403,8 @@ def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
     # Listed values at or below the bound leave before the sort (the lists'
     # invariant, see ControlsState): the masking joins the pairing's
     # fusion instead of a kernel of its own after the sort.
-    vals = jnp.where(vals > bound[:, None, None], vals, -jnp.inf).reshape(n, -1)
-    ids = c_ids.reshape(n, -1)
-    if vals.shape[1] < m:
-      pad = ((0, 0), (0, m - vals.shape[1]))
-      vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
-      ids = jnp.pad(ids, pad, constant_values=rules.INT_MAX)
-    vals, j = lax.top_k(vals, m)
-    out = out._replace(cand_vals=vals, cand_ids=jnp.take_along_axis(ids, j, axis=1),
-                       cand_bound=bound)
+    vals, ids = top_m(vals, c_ids, bound, m)
+    out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
   return out
 
 

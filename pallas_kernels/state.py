@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.rules import INT_MAX
+
 
 class ControlsState(NamedTuple):
   """Per row, what a pass saw of its vocabulary rows (``[B, ...]`` arrays).
@@ -39,3 +44,26 @@ class ControlsState(NamedTuple):
   cand_vals: Any = None
   cand_ids: Any = None
   cand_bound: Any = None
+
+
+def top_m(vals, ids, bound, m: int):
+  """The ``m`` largest listed values of each row, with their ids.
+
+  ``vals``/``ids`` ``[B, ...]`` (any number of lists of any length,
+  flattened per row), ``bound`` ``[B]``: values at or below it leave first
+  (the lists' invariant, see :class:`ControlsState`); rows with fewer than
+  ``m`` values are padded with ``-inf``.
+
+  Returns:
+    ``(vals [B, m] descending, ids [B, m])``.
+  """
+  b = vals.shape[0]
+  vals = jnp.where(vals > bound.reshape((b,) + (1,) * (vals.ndim - 1)), vals,
+                   -jnp.inf).reshape(b, -1)
+  ids = ids.reshape(b, -1)
+  if vals.shape[1] < m:
+    pad = ((0, 0), (0, m - vals.shape[1]))
+    vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+    ids = jnp.pad(ids, pad, constant_values=INT_MAX)
+  vals, j = lax.top_k(vals, m)
+  return vals, jnp.take_along_axis(ids, j, axis=1)

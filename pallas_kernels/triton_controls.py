@@ -446,7 +446,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   bias = jnp.zeros((1,), jnp.float32) if bias is None else bias
   allowed_mask = (jnp.zeros((1,), jnp.uint32) if allowed_mask is None
                   else allowed_mask)
-  fo, io = noise._jax_triton().triton_call(  # pylint: disable=protected-access
+  fo, io = noise.jax_triton_module().triton_call(
       offset, rows, hidden, weight, bias, allowed_mask,
       kernel=_controls_kernel,
       out_shape=(jax.ShapeDtypeStruct((batch, controls.f_rows, n_tiles), jnp.float32),

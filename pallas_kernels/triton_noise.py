@@ -205,7 +205,7 @@ def _gumbel_probe_kernel(bits_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr
   tl.store(out_ptr + offs, gumbel_from_bits_f32(bits), mask=mask)
 
 
-def _jax_triton():
+def jax_triton_module():
   """jax_triton, imported on first use: it raises ImportError at import on a
   machine without a CUDA jaxlib, and these modules must import anywhere."""
   try:
@@ -228,7 +228,7 @@ def random_bits(key_words, ctr_hi, ctr_lo, add):
     uint32 ``[N]``, equal to ``jax.random.bits``' words for those counters.
   """
   n = ctr_lo.shape[0]
-  return _jax_triton().triton_call(
+  return jax_triton_module().triton_call(
       key_words, ctr_hi, ctr_lo, add, kernel=_bits_probe_kernel,
       out_shape=jax.ShapeDtypeStruct((n,), jnp.uint32),
       grid=(triton.cdiv(n, _PROBE_BLOCK),), enable_fp_fusion=False,
@@ -238,7 +238,7 @@ def random_bits(key_words, ctr_hi, ctr_lo, add):
 def gumbel_from_bits(bits):
   """float32 ``-log(-log(u(bits)))`` for uint32 ``bits [N]``, on the GPU."""
   n = bits.shape[0]
-  return _jax_triton().triton_call(
+  return jax_triton_module().triton_call(
       bits, kernel=_gumbel_probe_kernel,
       out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
       grid=(triton.cdiv(n, _PROBE_BLOCK),), enable_fp_fusion=False,

@@ -632,7 +632,7 @@ def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
   n_tiles = consts["N_TILES"]
   offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
   shape = (batch, n_tiles)
-  return noise._jax_triton().triton_call(  # pylint: disable=protected-access
+  return noise.jax_triton_module().triton_call(
       offset, rowdata, hidden, weight, kernel=_sampler_kernel,
       out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32),
                  jax.ShapeDtypeStruct(shape, jnp.int32)),

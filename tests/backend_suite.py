@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flashsample_jax as fs
+from benchmarks.shapes import HEADS
 from tests import cases, inputs
 
 
@@ -214,3 +215,80 @@ class BackendSuite:
         h, w, key, temperature=t, top_k=k, top_p=p, min_p=m, softcap=c))
     args = (jnp.int32(25), jnp.float32(0.7), jnp.float32(0.03), jnp.float32(6.0))
     np.testing.assert_array_equal(f(*args), g(*args))
+
+
+def device_random_inputs(b, d, v, seed, logit_std=3.0):
+  """Gaussian ``hidden [B, D]`` and ``weight [V, D]`` bf16, drawn on the
+  device (NumPy would need gigabytes of float64 for real heads)."""
+  kh, kw = jax.random.split(jax.random.key(seed))
+  h = jax.random.normal(kh, (b, d), jnp.bfloat16)
+  w = (jax.random.normal(kw, (v, d), jnp.float32) * (logit_std / np.sqrt(d))
+       ).astype(jnp.bfloat16)
+  return h, w
+
+
+class GpuSuite:
+  """The benchmarks' heads as correctness tests, for the GPU subclasses of
+  :class:`BackendSuite` (random inputs: >= 99.9% identical tokens)."""
+
+  backend = ""
+
+  @pytest.mark.parametrize("head", ["S", "L"])
+  def test_benchmark_heads_random(self, head):
+    d, v = HEADS[head]
+    agree = total = 0
+    _, w = device_random_inputs(1, d, v, seed=d)
+    for b in (1, 64, 256):
+      h, _ = device_random_inputs(b, d, 64, seed=b)
+      t = jnp.asarray(np.random.default_rng(b).uniform(0.5, 1.5, b), jnp.float32)
+      for key in (jax.random.key(b), inputs.row_keys(b, seed=b)):
+        got = np.asarray(fs.sample(h, w, key, temperature=t, backend=self.backend))
+        want = np.asarray(fs.reference.sample(h, w, key, temperature=t))
+        agree += int((got == want).sum())
+        total += got.size
+    assert agree / total >= 0.999, f"{agree}/{total} rows agree"
+
+  def test_controls_benchmark_head_random(self):
+    # Qwen3-8B's head with LLM-like logits (std 3): every control the
+    # benchmark times, B = 100. Tokens >= 99.9% identical to the reference
+    # (the soft-cap's tanh may differ in the last bit); log-probabilities
+    # close where the tokens agree.
+    d, v = HEADS["S"]
+    b = 100
+    h, w = device_random_inputs(b, d, v, seed=5)
+    key = jax.random.key(5)
+    r = np.random.default_rng(5)
+    bias = jnp.asarray(r.normal(size=v), jnp.float32)
+    mask = jnp.asarray(r.integers(0, 2**32, (b, -(-v // 32)), dtype=np.uint32)
+                       | r.integers(0, 2**32, (b, -(-v // 32)), dtype=np.uint32))
+    t = jnp.asarray(r.uniform(0.5, 1.5, b), jnp.float32).at[::9].set(0.0)
+    kws = [dict(top_k=50, top_p=0.9), dict(min_p=0.05), dict(top_p=0.95),
+           dict(logit_bias=bias, allowed_mask=mask), dict(softcap=30.0),
+           dict(top_k=20, softcap=30.0, logit_bias=bias, allowed_mask=mask)]
+    agree = total = 0
+    for kw in kws:
+      got = fs.sample(h, w, key, temperature=t, backend=self.backend,
+                      return_logprobs=True, num_samples=2, **kw)
+      want = fs.reference.sample(h, w, key, temperature=t, return_logprobs=True,
+                                 num_samples=2, **kw)
+      same = np.asarray(got.tokens) == np.asarray(want.tokens)
+      agree += int(same.sum())
+      total += same.size
+      for name in ("logprob", "logprob_truncated", "logsumexp"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name))[same],
+                                   np.asarray(getattr(want, name))[same],
+                                   rtol=1e-4, atol=1e-4, err_msg=f"{kw} {name}")
+    assert agree / total >= 0.999, f"{agree}/{total} tokens agree"
+
+  def test_controls_are_certified_on_llm_like_rows(self):
+    # Top-k 50 + top-p 0.9 on logits of std 3: no row needs the
+    # materialized pass.
+    from flashsample_jax import controls, problem, stage2
+    d, v = HEADS["S"]
+    b = 64
+    h, w = device_random_inputs(b, d, v, seed=6)
+    p = problem.prepare(h, w, jax.random.key(6), temperature=1.0)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=50, top_p=0.9)
+    impl = fs.backends.resolve(self.backend, p, c)
+    _, _, fallback = stage2.finish(p, c, impl.controls_state(p, c))
+    assert int(np.asarray(fallback).sum()) == 0

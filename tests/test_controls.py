@@ -7,7 +7,6 @@ the certification of candidates and its exact fallback, and the
 distribution of truncated samples.
 """
 
-import dataclasses
 import types
 
 import jax
@@ -160,7 +159,7 @@ def test_keep_mask_matches_the_argsort_formulation():
 
   r = np.random.default_rng(11)
   checked = 0
-  for _ in range(60):
+  for _ in range(24):
     b, v = int(r.integers(1, 6)), int(r.integers(1, 200))
     x = np.round(r.normal(size=(b, v)) * r.choice([0.1, 1, 5]), int(r.integers(0, 3)))
     u = r.random((b, v))
@@ -177,7 +176,7 @@ def test_keep_mask_matches_the_argsort_formulation():
       c = types.SimpleNamespace(**{"top_k": None, "top_p": None, "min_p": None, **kw})
       np.testing.assert_array_equal(controls.keep_mask(t, c), textbook(t, c))
       checked += 1
-  assert checked == 180
+  assert checked == 72
 
 
 def test_perturbed_ties_among_candidates_go_to_the_lowest_id():

@@ -119,6 +119,17 @@ def test_all_minus_inf_row_returns_id_0():
   np.testing.assert_array_equal(got, 0)
 
 
-class TestDenseBackend(BackendSuite):
-  # The xla backend with one chunk: XLA's dot writes the logits.
-  backend = "dense"
+@pytest.mark.parametrize("kw", [{}, dict(top_k=20, top_p=0.9, return_logprobs=True),
+                                dict(num_samples=3, min_p=0.05)])
+def test_dense_route_equals_reference(kw):
+  # The dense route is the streaming backend with one chunk (whose chunk
+  # sizes test_chunk_size_does_not_change_tokens covers, a chunk above V
+  # included): the same tokens, plain and with controls.
+  h, w = inputs.exact_inputs(9, 64, 3001, scale=1, seed=7)
+  t = inputs.pow2_temperatures(9, greedy_every=4, seed=7) * 4
+  for key in (jax.random.key(7), inputs.row_keys(9, seed=7)):
+    got = fs.sample(h, w, key, temperature=t, backend="dense", **kw)
+    want = fs.reference.sample(h, w, key, temperature=t, **kw)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+  assert fs.which_backend(h, w, jax.random.key(7)) != "dense"  # not on a CPU

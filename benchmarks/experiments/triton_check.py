@@ -95,19 +95,10 @@ def soft(name: str, fn, *, need_s: float = 0.0):
 # ----------------------------------------------------------------------------
 
 
-def median_us(f, *args, warmup=3, reps=11, inner=10) -> float:
-  """Median microseconds per call over ``reps`` blocks of ``inner`` calls."""
-  for _ in range(warmup):
-    out = f(*args)
-  jax.block_until_ready(out)
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = f(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner * 1e6)
-  return statistics.median(samples)
+def median_us(f, *args, reps=11, inner=10) -> float:
+  """Median microseconds per call (the benchmarks' timing)."""
+  from benchmarks import _timing
+  return _timing.median_us(f, *args, warmup=3, reps=reps, inner=inner)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -243,7 +234,7 @@ def tanh_match():
   if _tanh_probe is None:
     raise _PROBE_ERROR
   from pallas_kernels import triton_noise  # pylint: disable=import-outside-toplevel
-  jt = triton_noise._jax_triton()  # pylint: disable=protected-access
+  jt = triton_noise.jax_triton_module()
   tc = _tc
 
   # Inputs: a dense sweep of [-40, 40] plus every 64th bit pattern of

@@ -31,7 +31,8 @@ from flashsample_jax.controls import Controls
 from flashsample_jax.problem import Problem
 from pallas_kernels.state import ControlsState
 
-__all__ = ["Backend", "BACKENDS", "SamplerBackend", "get", "resolve", "check_name"]
+__all__ = ["Backend", "BACKENDS", "SamplerBackend", "get", "resolve", "check_name",
+           "rows_per_pass"]
 
 # Every backend name, in the order ``backend="auto"`` tries them.
 Backend = Literal["mosaic", "triton", "dense", "xla"]
@@ -87,6 +88,13 @@ class SamplerBackend(abc.ABC):
     ``c.samples_only``."""
     del p, c
     return False
+
+
+def rows_per_pass(backend: SamplerBackend, p: Problem, c: Controls) -> int:
+  """Rows one pass of ``backend``'s kernel serves for this call: B, or S x B
+  when several samples are not drawn as rows of one plain pass."""
+  as_rows = c.samples_only and backend.samples_as_rows(p, c)
+  return p.batch * (1 if as_rows else c.samples)
 
 
 def _load(name: str) -> type[SamplerBackend]:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from flashsample_jax import stage2
-from flashsample_jax.backends import SamplerBackend
+from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from pallas_kernels import rowdata
 
 # Several samples alone (no transform, truncation or log-probabilities) are
@@ -120,10 +120,7 @@ class MosaicBackend(SamplerBackend):
     # one fused noise pass) on the H100: with a truncation rule the kernel
     # is faster at every batch (the dense route sorts [B, V]); otherwise up
     # to ROUTE_MAX_ROWS rows per pass over W (PERF_LOG "Routes").
-    if c.truncates:
-      return True
-    rows = p.batch * (1 if c.samples_only and self.samples_as_rows(p, c) else c.samples)
-    return rows <= ROUTE_MAX_ROWS
+    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from flashsample_jax import stage2
-from flashsample_jax.backends import SamplerBackend
+from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from pallas_kernels import rules
 from pallas_kernels.rowdata import pack_rows
 
@@ -130,10 +130,7 @@ class TritonBackend(SamplerBackend):
   def prefers(self, p, c):
     # As the mosaic backend's (PERF_LOG "Routes"): with truncation always,
     # otherwise up to ROUTE_MAX_ROWS rows per pass over W.
-    if c.truncates:
-      return True
-    rows = p.batch * (1 if c.samples_only and self.samples_as_rows(p, c) else c.samples)
-    return rows <= ROUTE_MAX_ROWS
+    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashsample_jax import controls, noise, problem, stage2
+from flashsample_jax import controls, problem, stage2
 from flashsample_jax.backends import SamplerBackend
 from flashsample_jax.problem import Problem
 from pallas_kernels import rules
