@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks (DESIGN.md section 4, METHOD.md).
+"""Timing helpers shared by the benchmarks (docs/design.md, "Performance").
 
 JAX exposes no device events, so a timed sample is a block of ``inner``
 back-to-back asynchronous calls between two host clock reads, synchronized
@@ -71,7 +71,7 @@ def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
   """Device read bandwidth in bytes/s: a large ``jnp.sum`` over ``gib`` GiB.
 
   The sum reads every byte once and writes a scalar; its time is the
-  weight-read floor's denominator (DESIGN.md section 4).
+  weight-read floor's denominator (docs/design.md).
   """
   import jax.numpy as jnp
   n = int(gib * 2**30) // 2

@@ -7,7 +7,7 @@ per repeat, once per sampler, in the same process:
 * ``fused``: ``flashsample_jax.sample`` (backend "auto") from the LM head as
   stored, no ``[B, V]`` logits;
 * ``xla``: f32 logits ``hidden @ W.T`` then ``jax.random.categorical``
-  (DESIGN.md section 4's baseline).
+  (the baseline of docs/design.md, "Performance").
 
 TPOT = wall time of N back-to-back decode steps / N (the whole batch gets one
 token per step), median over repeats, samplers interleaved. Also records

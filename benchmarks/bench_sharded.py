@@ -10,7 +10,7 @@ present). For every (TP, B), in one process and one run:
 * ``gather``: the baseline users run today: per-GPU f32 logits of the local
   shard, ``all_gather`` to ``[B, V]`` on every GPU, ``jax.random.categorical``;
 * ``matmul``: the per-GPU local matmul ``[B, D] x [D, V/TP]`` alone (bf16 out,
-  stays sharded): what a fused sharded sampler can approach (DESIGN.md 4);
+  stays sharded): what a fused sharded sampler can approach (docs/design.md);
 * ``exchange``: the candidate exchange alone: ``combine_over_axis`` of a
   ``[B]`` (score, id) per GPU, no matmul: the collective's latency.
 

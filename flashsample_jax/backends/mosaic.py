@@ -85,8 +85,10 @@ class MosaicBackend(SamplerBackend):
       raise NotImplementedError(
           f"the mosaic backend needs an sm90 (Hopper) GPU; the default device "
           f"is a {where}")
+    # sm90_config imports only jax.numpy: cheap where the kernels never run.
+    from pallas_kernels import sm90_config
     dtype = jnp.dtype(p.weight.dtype)
-    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if not sm90_config.supported_dtype(dtype):
       raise NotImplementedError(
           f"the mosaic backend supports bfloat16 and float16 weights, got "
           f"weight.dtype={dtype}")
