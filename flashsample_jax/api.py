@@ -23,7 +23,7 @@ __all__ = ["sample", "which_backend", "run", "BACKENDS", "Backend", "STATIC_ARGN
 # The options of :func:`sample` that must be static under ``jax.jit``:
 # ``jax.jit(fs.sample, static_argnames=fs.STATIC_ARGNAMES)``.
 STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
-                   "batch_axis", "num_samples", "return_logprobs")
+                   "batch_axis", "num_samples", "return_logprobs", "top_logprobs")
 
 
 def _prepare(hidden, weight, key, *, temperature, weight_layout, vocab_size,
@@ -43,7 +43,7 @@ def _prepare(hidden, weight, key, *, temperature, weight_layout, vocab_size,
 def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
                   weight_layout="vd", vocab_size=None, vocab_axis=None,
                   batch_axis=None, num_samples=None, return_logprobs=False,
-                  **controls):
+                  top_logprobs=0, **controls):
   """The name of the backend :func:`sample` would run these arguments on.
 
   Args: as :func:`sample` (controls and mesh axes included).
@@ -57,8 +57,8 @@ def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   p, c = _prepare(hidden, weight, key, temperature=temperature,
                   weight_layout=weight_layout, vocab_size=vocab_size, axes=axes,
-                  controls=controls, num_samples=num_samples,
-                  return_logprobs=return_logprobs)
+                  controls=dict(controls, top_logprobs=top_logprobs),
+                  num_samples=num_samples, return_logprobs=return_logprobs)
   return backends.resolve(backend, p, c).name
 
 
@@ -84,18 +84,29 @@ def run(p: problem.Problem, c: _controls.Controls, *,
     if axes.vocab:
       score, token = mesh.combine_over_axis(score, token, axes.vocab)
     return token.reshape(c.samples, p.batch)
-  st = backend.controls_state(p, c, vocab_offset=offset)
+  if c.penalizes:
+    # The fused pass skips the history ids (their logits change); their
+    # penalized scores come from their own weight rows, then one merge.
+    hist = stage2.history(c)
+    st = stage2.state_combine(c, stage2.candidate_count(p))(
+        backend.controls_state(p, stage2.pass_controls(c, hist, p.vocab_size),
+                               vocab_offset=offset),
+        stage2.history_state(p, c, hist, vocab_offset=offset))
+  else:
+    st = backend.controls_state(p, c, vocab_offset=offset)
   tokens, out, _ = stage2.finish(p, c, st, axis=axes.vocab)
   if out is not None:
-    return out if c.num_samples is not None else jax.tree.map(lambda a: a[0], out)
+    return out if c.num_samples is not None else out.first_sample()
   return tokens if c.num_samples is not None else tokens[0]
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
            vocab_size=None, backend="auto", vocab_axis=None, batch_axis=None,
            top_k=None, top_p=None, min_p=None, logit_bias=None,
-           allowed_mask=None, softcap=None, num_samples=None,
-           return_logprobs=False):
+           allowed_mask=None, softcap=None, repetition_penalty=None,
+           presence_penalty=None, frequency_penalty=None, prompt_ids=None,
+           output_ids=None, num_samples=None, return_logprobs=False,
+           top_logprobs=0):
   """Samples one token per row from ``softmax(hidden @ W.T / T)``.
 
   Never writes the ``[B, V]`` logits to device memory. Returns exactly the
@@ -144,14 +155,30 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       ``v % 32`` of word ``v // 32`` allows id ``v`` (grammar-constrained
       decoding). A row that allows no id returns ``-1``.
     softcap: ``c`` for logit soft-capping ``c * tanh(l / c)`` (Gemma 2).
+    repetition_penalty: float or ``[B]`` > 0 (1 = off): the logit ``x`` of
+      an id in ``prompt_ids`` or ``output_ids`` becomes ``x / r`` if
+      ``x > 0``, else ``x * r`` (vLLM's semantics; after soft-cap and bias,
+      before the mask and the temperature).
+    presence_penalty: float or ``[B]`` (0 = off): subtracted from the logit
+      of every id that occurs in ``output_ids``.
+    frequency_penalty: float or ``[B]`` (0 = off): times the number of
+      occurrences in ``output_ids``, subtracted from the logit.
+    prompt_ids, output_ids: int ``[B, P]`` / ``[B, O]``: each row's prompt
+      and generated ids, padded with ``-1`` (ids may repeat). The fused pass
+      skips these ids and scores them from their own weight rows (``B x
+      (P + O)`` rows read on top of the pass).
     num_samples: S samples per row from one pass over W: tokens ``[S, B]``
       equal to ``jax.random.categorical(key, l, shape=(S, B))``.
     return_logprobs: also return log-probabilities (see Returns).
+    top_logprobs: N (a Python int, 0 = off, at most 128): also return each
+      row's N most likely ids before truncation and their log-probabilities
+      (the OpenAI API's ``top_logprobs``), from the same pass over W.
 
   Returns:
     int32 token ids ``[B]`` (``[S, B]`` with ``num_samples``). With
-    ``return_logprobs=True``, a :class:`flashsample_jax.SampleOutput`
-    ``(tokens, logprob, logprob_truncated, logsumexp)``.
+    ``return_logprobs=True`` or ``top_logprobs > 0``, a
+    :class:`flashsample_jax.SampleOutput` ``(tokens, logprob,
+    logprob_truncated, logsumexp, top_ids, top_logprobs)``.
 
   Raises:
     TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).
@@ -164,22 +191,29 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   """
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
-             allowed_mask=allowed_mask, softcap=softcap)
+             allowed_mask=allowed_mask, softcap=softcap,
+             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+             frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
+             output_ids=output_ids, top_logprobs=top_logprobs)
   p, c = _prepare(hidden, weight, key, temperature=temperature,
                   weight_layout=weight_layout, vocab_size=vocab_size, axes=axes,
                   controls=ctl, num_samples=num_samples,
                   return_logprobs=return_logprobs)
   impl = backends.resolve(backend, p, c)
   if p.batch == 0:
-    return empty_result(num_samples, return_logprobs)
+    return empty_result(c)
   return run(p, c, backend=impl, axes=axes)
 
 
-def empty_result(num_samples, return_logprobs):
+def empty_result(c: _controls.Controls):
   """What :func:`sample` returns for a batch of 0 rows."""
-  shape = (0,) if num_samples is None else (num_samples, 0)
+  shape = (0,) if c.num_samples is None else (c.num_samples, 0)
   tokens = jnp.zeros(shape, jnp.int32)
-  if return_logprobs:
+  if c.return_logprobs:
     empty = jnp.zeros(shape, jnp.float32)
-    return _controls.SampleOutput(tokens, empty, empty, empty)
+    out = _controls.SampleOutput(tokens, empty, empty, empty)
+    if c.top_logprobs:
+      out = out._replace(top_ids=jnp.zeros((0, c.top_logprobs), jnp.int32),
+                         top_logprobs=jnp.zeros((0, c.top_logprobs), jnp.float32))
+    return out
   return tokens

@@ -6,8 +6,12 @@ Order of the transforms (docs/design.md, "The exactness contract"), for row
 1. ``x = l``                                  f32 logits ``hidden @ W.T``
 2. ``x = c * tanh(x / c)``                     ``softcap=c`` (Gemma 2)
 3. ``x = x + logit_bias[v]``                   ``logit_bias [V]``
-4. ``x = -inf`` where ``v`` is not allowed     ``allowed_mask``, and ids >= vocab_size
-5. ``t = x / T[b]``                            temperature (greedy rows: argmax of ``x``)
+4. penalties, for ids in the row's history    ``prompt_ids``, ``output_ids`` (vLLM's)
+   (``n`` = count of ``v`` in ``output_ids[b]``):
+   ``x = x / r if x > 0 else x * r``          ``repetition_penalty=r``, ids in either
+   ``x = x - f * n - p * (n > 0)``            ``frequency_penalty=f``, ``presence_penalty=p``
+5. ``x = -inf`` where ``v`` is not allowed     ``allowed_mask``, and ids >= vocab_size
+6. ``t = x / T[b]``                            temperature (greedy rows: argmax of ``x``)
 
 Truncation of sampled rows, on the tempered ``t``:
 
@@ -27,6 +31,13 @@ Truncation of sampled rows, on the tempered ``t``:
 The token is then ``argmax(t + gumbel)`` over the kept ids, with the same
 noise counters as without truncation: the result equals
 ``jax.random.categorical(key, where(kept, t, -inf))``.
+
+``top_logprobs=N`` reports, per row, the N ids with the largest ``t`` before
+truncation (greedy rows: ``T = 1``), ties by lower id (``lax.top_k``'s
+order), and ``t - logsumexp(t)`` for each: what ``lax.top_k(log_softmax(t),
+N)`` returns, except where two logits round to one log-probability (the
+order is by ``t``). Entries of probability 0 (fewer than N allowed ids) have
+id ``-1`` and log-probability ``-inf``.
 """
 
 from __future__ import annotations
@@ -54,8 +65,14 @@ class Controls:
     allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]``; bit ``v % 32`` of word
       ``v // 32`` set means id ``v`` is allowed. None: all allowed.
     softcap: f32 scalar or None.
+    repetition_penalty, presence_penalty, frequency_penalty: f32 ``[B]`` or
+      None (1 / 0 / 0 = off for a row).
+    prompt_ids, output_ids: int32 ``[B, P]`` / ``[B, O]`` histories padded
+      with ``-1`` (ids may repeat), or None. Both None, or every penalty
+      None: no penalty (:attr:`penalizes`).
     num_samples: static int or None (None: tokens ``[B]``; S: ``[S, B]``).
-    return_logprobs: static bool.
+    return_logprobs: static bool (True whenever ``top_logprobs > 0``).
+    top_logprobs: static int N, 0 = off: the N most likely ids per row.
   """
 
   top_k: Any = None
@@ -64,12 +81,29 @@ class Controls:
   logit_bias: Any = None
   allowed_mask: Any = None
   softcap: Any = None
+  repetition_penalty: Any = None
+  presence_penalty: Any = None
+  frequency_penalty: Any = None
+  prompt_ids: Any = None
+  output_ids: Any = None
   num_samples: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
     return any(x is not None for x in (self.top_k, self.top_p, self.min_p))
+
+  @property
+  def penalizes(self) -> bool:
+    """Penalties apply: a history and a penalty were both given (otherwise
+    :func:`prepare_controls` drops them)."""
+    return self.prompt_ids is not None or self.output_ids is not None
+
+  @property
+  def lists(self) -> bool:
+    """A pass must keep the top-M candidate lists (truncation, top-N)."""
+    return self.truncates or self.top_logprobs > 0
 
   @property
   def transforms(self) -> bool:
@@ -77,8 +111,8 @@ class Controls:
 
   @property
   def active(self) -> bool:
-    return (self.truncates or self.transforms or self.num_samples is not None
-            or self.return_logprobs)
+    return (self.truncates or self.transforms or self.penalizes
+            or self.num_samples is not None or self.return_logprobs)
 
   @property
   def samples(self) -> int:
@@ -88,7 +122,8 @@ class Controls:
   def samples_only(self) -> bool:
     """Only several samples are asked for: no transform, truncation or
     log-probabilities (a backend may then draw them as rows)."""
-    return not (self.truncates or self.transforms or self.return_logprobs)
+    return not (self.truncates or self.transforms or self.penalizes
+                or self.return_logprobs)
 
 
 def _concrete(x) -> bool:
@@ -137,9 +172,40 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
   return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
 
+# The largest ``top_logprobs``: the candidate lists every pass keeps hold
+# this many ids per row (stage2.CANDIDATES).
+TOP_LOGPROBS_MAX = 128
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _history(name, ids, batch, vocab_size):
+  """``prompt_ids``/``output_ids``: int32 ``[B, n]``, ids in [-1, vocab_size)."""
+  if ids is None:
+    return None
+  if not hasattr(ids, "dtype") or not hasattr(ids, "shape"):
+    raise TypeError(f"{name} must be an int array [B, n] padded with -1, got "
+                    f"{type(ids).__name__}")
+  if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.dtype == jnp.bool_:
+    raise TypeError(f"{name}.dtype={ids.dtype} must be an integer dtype")
+  if ids.ndim != 2 or ids.shape[0] != batch:
+    raise ValueError(f"{name}.shape={tuple(ids.shape)} must be [B, n] with "
+                     f"B={batch} (pad rows with -1)")
+  if _concrete(ids) and ids.size:
+    raw = np.asarray(ids)
+    bad = (raw < -1) | (raw >= vocab_size)
+    if bad.any():
+      b, j = np.argwhere(bad)[0]
+      raise ValueError(f"{name}[{b}, {j}]={raw[b, j]} must be an id in [0, "
+                       f"{vocab_size}) or -1 (padding)")
+  return jnp.asarray(ids, jnp.int32)
+
+
 def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      top_p=None, min_p=None, logit_bias=None, allowed_mask=None,
-                     softcap=None, num_samples=None, return_logprobs=False) -> Controls:
+                     softcap=None, repetition_penalty=None, presence_penalty=None,
+                     frequency_penalty=None, prompt_ids=None, output_ids=None,
+                     num_samples=None, return_logprobs=False,
+                     top_logprobs=0) -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
   top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
                    off="0 turns top-k off")
@@ -183,24 +249,101 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     num_samples = int(num_samples)
   if not isinstance(return_logprobs, bool):
     raise TypeError(f"return_logprobs={return_logprobs!r} must be a bool")
+  if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)):
+    raise TypeError(f"top_logprobs={top_logprobs!r} must be a Python int (0 = off)")
+  top_max = min(TOP_LOGPROBS_MAX, vocab_size)
+  if not 0 <= top_logprobs <= top_max:
+    raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {top_max}] "
+                     f"(at most {TOP_LOGPROBS_MAX} and the vocabulary size)")
+  top_logprobs = int(top_logprobs)
+  repetition_penalty = _per_row("repetition_penalty", repetition_penalty, batch,
+                                integer=False, lo=0.0, hi=_F32_MAX, lo_open=True,
+                                off="1 turns it off")
+  presence_penalty = _per_row("presence_penalty", presence_penalty, batch,
+                              integer=False, lo=-_F32_MAX, hi=_F32_MAX,
+                              off="a finite float; 0 turns it off")
+  frequency_penalty = _per_row("frequency_penalty", frequency_penalty, batch,
+                               integer=False, lo=-_F32_MAX, hi=_F32_MAX,
+                               off="a finite float; 0 turns it off")
+  prompt_ids = _history("prompt_ids", prompt_ids, batch, vocab_size)
+  output_ids = _history("output_ids", output_ids, batch, vocab_size)
+  penalties = (repetition_penalty, presence_penalty, frequency_penalty)
+  if all(x is None for x in penalties) or (prompt_ids is None and output_ids is None):
+    # Penalties without a history, or a history without penalties, change
+    # nothing: drop them so the call keeps its fast path.
+    repetition_penalty = presence_penalty = frequency_penalty = None
+    prompt_ids = output_ids = None
   return Controls(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
                   allowed_mask=allowed_mask, softcap=softcap,
-                  num_samples=num_samples, return_logprobs=return_logprobs)
+                  repetition_penalty=repetition_penalty,
+                  presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
+                  output_ids=output_ids, num_samples=num_samples,
+                  return_logprobs=return_logprobs or top_logprobs > 0,
+                  top_logprobs=top_logprobs)
 
 
 def allowed_bits(allowed_mask, gid):
-  """Whether ids ``gid`` (int32, ``[Vc]``) are allowed: bool ``[B, Vc]``."""
-  word = jnp.take(allowed_mask, gid // 32, axis=1, mode="clip")
+  """Whether ids ``gid`` (int32, ``[Vc]`` or per row ``[B, Vc]``) are
+  allowed: bool ``[B, Vc]``."""
+  if gid.ndim == 1:
+    word = jnp.take(allowed_mask, gid // 32, axis=1, mode="clip")
+  else:
+    word = jnp.take_along_axis(allowed_mask, jnp.clip(gid // 32, 0, allowed_mask.shape[1] - 1),
+                               axis=1)
   return ((word >> (gid % 32).astype(jnp.uint32)) & jnp.uint32(1)) == 1
 
 
-def transform(l, gid, c: Controls, vocab_size):
-  """Steps 1-4 of the module docstring on a block: ``x [B, Vc]``."""
+def penalize(x, c: Controls, seen, count):
+  """Step 4 of the module docstring: ``x [B, W]`` of ids that are in the
+  row's history where ``seen`` (bool ``[B, W]``), ``count`` (int32 ``[B, W]``)
+  times in its output. The one definition: the reference, the exact path
+  and the fused path's history scoring all call it."""
+  if c.repetition_penalty is not None:
+    r = c.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+  n = count.astype(jnp.float32)
+  sub = None
+  if c.frequency_penalty is not None:
+    sub = c.frequency_penalty[:, None] * n
+  if c.presence_penalty is not None:
+    pres = c.presence_penalty[:, None] * (count > 0).astype(jnp.float32)
+    sub = pres if sub is None else sub + pres
+  if sub is not None:
+    x = jnp.where(count > 0, x - sub, x)
+  return x
+
+
+def dense_history(c: Controls, batch: int, width: int):
+  """``(seen, count)`` of :func:`penalize` for every id ``[0, width)``:
+  bool / int32 ``[B, width]`` (materialized; the reference and the exact
+  path use it)."""
+  rows = jnp.arange(batch)[:, None]
+  scatter = lambda ids: jnp.zeros((batch, width), jnp.int32).at[
+      rows, jnp.where(ids >= 0, ids, width)].add(1, mode="drop")
+  count = (scatter(c.output_ids) if c.output_ids is not None
+           else jnp.zeros((batch, width), jnp.int32))
+  seen = count > 0
+  if c.prompt_ids is not None:
+    seen |= scatter(c.prompt_ids) > 0
+  return seen, count
+
+
+def transform(l, gid, c: Controls, vocab_size, history=None):
+  """Steps 1-5 of the module docstring on a block: ``x [B, Vc]``.
+
+  ``gid``: the block's ids, ``[Vc]`` or per row ``[B, Vc]``. ``history``:
+  ``(seen, count)`` of :func:`penalize` for the block (required when
+  ``c.penalizes``).
+  """
   x = l
   if c.softcap is not None:
     x = c.softcap * jnp.tanh(x / c.softcap)
   if c.logit_bias is not None:
-    x = x + jnp.take(c.logit_bias, gid, mode="clip")[None, :]
+    bias = jnp.take(c.logit_bias, gid, mode="clip")
+    x = x + (bias[None, :] if gid.ndim == 1 else bias)
+  if c.penalizes:
+    x = penalize(x, c, *history)
   valid = gid < vocab_size
   if c.allowed_mask is not None:
     valid = valid & allowed_bits(c.allowed_mask, gid)
@@ -279,20 +422,36 @@ def keep_mask(t, c: Controls):
 
 
 class SampleOutput(NamedTuple):
-  """What :func:`flashsample_jax.sample` returns with ``return_logprobs=True``.
+  """What :func:`flashsample_jax.sample` returns with ``return_logprobs=True``
+  or ``top_logprobs=N``.
 
-  Shapes are ``[B]`` (or ``[S, B]`` with ``num_samples=S``). Log-probabilities
-  are of the tempered distribution (greedy rows: temperature 1), ``NaN`` for
-  rows with no allowed token.
+  Shapes are ``[B]`` (or ``[S, B]`` with ``num_samples=S``), the top-N fields
+  ``[B, N]`` (per row, not per sample). Log-probabilities are of the tempered
+  distribution (greedy rows: temperature 1) after penalties, ``NaN`` for rows
+  with no allowed token.
 
   Attributes:
     tokens: int32 sampled ids (``-1`` where ``allowed_mask`` allows nothing).
     logprob: ``log softmax(t)[token]`` before truncation.
     logprob_truncated: the same after top-k/top-p/min-p (renormalized).
     logsumexp: ``logsumexp(t)`` of the row, before truncation.
+    top_ids: int32 ``[B, N]``: the N most likely ids before truncation, most
+      likely first, ties by lower id; ``-1`` past the allowed ids. None
+      unless ``top_logprobs=N``.
+    top_logprobs: f32 ``[B, N]``: their log-probabilities (``-inf`` where
+      ``top_ids`` is ``-1``). None unless ``top_logprobs=N``.
   """
 
   tokens: Any
   logprob: Any
   logprob_truncated: Any
   logsumexp: Any
+  top_ids: Any = None
+  top_logprobs: Any = None
+
+  def first_sample(self) -> "SampleOutput":
+    """The output of sample 0 (``[S, B]`` fields to ``[B]``; top-N as is)."""
+    first = lambda a: a[0]
+    return self._replace(tokens=first(self.tokens), logprob=first(self.logprob),
+                         logprob_truncated=first(self.logprob_truncated),
+                         logsumexp=first(self.logsumexp))

@@ -19,8 +19,8 @@ from flashsample_jax import backends, controls as _controls, problem
 def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   """Transformed, untempered f32 logits ``[B, vocab_size]``.
 
-  ``l = hidden @ W.T`` in f32, then soft-cap, bias and the allowed mask in
-  the order of :mod:`flashsample_jax.controls`.
+  ``l = hidden @ W.T`` in f32, then soft-cap, bias, penalties and the
+  allowed mask in the order of :mod:`flashsample_jax.controls`.
   """
   contract = 1 if p.layout == "vd" else 0
   l = jax.lax.dot_general(p.hidden, p.weight, (((1,), (contract,)), ((), ())),
@@ -32,6 +32,8 @@ def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
     x = c.softcap * jnp.tanh(x / c.softcap)
   if c.logit_bias is not None:
     x = x + c.logit_bias[None, :]
+  if c.penalizes:
+    x = _controls.penalize(x, c, *_controls.dense_history(c, p.batch, p.vocab_size))
   if c.allowed_mask is not None:
     ids = jnp.arange(p.vocab_size)
     words = c.allowed_mask[:, ids // 32]
@@ -73,15 +75,25 @@ def _sample(p: problem.Problem, c: _controls.Controls):
   lp = _controls.SampleOutput(tokens=tokens, logprob=t_tok - lse,
                               logprob_truncated=t_tok - lse_kept,
                               logsumexp=jnp.broadcast_to(lse, tokens.shape))
+  if c.top_logprobs:
+    top_t, top_ids = jax.lax.top_k(t, c.top_logprobs)     # ties: lower id first
+    top_ids = jnp.where(top_t == -jnp.inf, -1, top_ids)
+    top_lp = top_t - lse[:, None]
+    if c.allowed_mask is not None:
+      empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[:, None]
+      top_lp = jnp.where(empty, jnp.nan, top_lp)
+    lp = lp._replace(top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
   if num_samples is None:
-    lp = jax.tree.map(lambda a: a[0], lp)
+    lp = lp.first_sample()
   return lp
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
            vocab_size=None, backend="auto", top_k=None, top_p=None, min_p=None,
-           logit_bias=None, allowed_mask=None, softcap=None, num_samples=None,
-           return_logprobs=False):
+           logit_bias=None, allowed_mask=None, softcap=None,
+           repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+           prompt_ids=None, output_ids=None, num_samples=None,
+           return_logprobs=False, top_logprobs=0):
   """Reference sampler: :func:`flashsample_jax.sample`'s arguments, on one device.
 
   (The mesh arguments ``vocab_axis``/``batch_axis`` are not taken: compare a
@@ -105,5 +117,7 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
       num_samples=num_samples, return_logprobs=return_logprobs, top_k=top_k,
       top_p=top_p, min_p=min_p, logit_bias=logit_bias, allowed_mask=allowed_mask,
-      softcap=softcap)
+      softcap=softcap, repetition_penalty=repetition_penalty,
+      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+      prompt_ids=prompt_ids, output_ids=output_ids, top_logprobs=top_logprobs)
   return _sample(p, c)

@@ -86,7 +86,12 @@ def _controls_specs(c: _controls.Controls, axes: _mesh.MeshAxes) -> _controls.Co
       c, top_k=row(c.top_k), top_p=row(c.top_p), min_p=row(c.min_p),
       logit_bias=None if c.logit_bias is None else P(),
       allowed_mask=None if c.allowed_mask is None else P(bspec, None),
-      softcap=None if c.softcap is None else P())
+      softcap=None if c.softcap is None else P(),
+      repetition_penalty=row(c.repetition_penalty),
+      presence_penalty=row(c.presence_penalty),
+      frequency_penalty=row(c.frequency_penalty),
+      prompt_ids=None if c.prompt_ids is None else P(bspec, None),
+      output_ids=None if c.output_ids is None else P(bspec, None))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "backend", "axes"))
@@ -99,7 +104,9 @@ def _sample_sharded(p, c, *, mesh, backend, axes: _mesh.MeshAxes):
   tok_spec = P(bspec) if c.num_samples is None else P(None, bspec)
   out_spec = tok_spec
   if c.return_logprobs:
-    out_spec = _controls.SampleOutput(tok_spec, tok_spec, tok_spec, tok_spec)
+    top_spec = P(bspec, None) if c.top_logprobs else None
+    out_spec = _controls.SampleOutput(tok_spec, tok_spec, tok_spec, tok_spec,
+                                      top_spec, top_spec)
   n_vocab = _mesh_axes_size(mesh, "vocab_axis", axes.vocab)
 
   def per_shard(p, c):
@@ -153,7 +160,8 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
       backend instance; runs on each shard.
     **controls: the sampling controls of :func:`flashsample_jax.sample`
       (``top_k``, ``top_p``, ``min_p``, ``logit_bias``, ``allowed_mask``,
-      ``softcap``, ``num_samples``, ``return_logprobs``); per-row ones are
+      ``softcap``, the penalties and histories, ``num_samples``,
+      ``return_logprobs``, ``top_logprobs``); per-row ones are
       split with the batch.
 
   Returns:
@@ -196,5 +204,5 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
         f"hidden.shape={tuple(hidden.shape)}: B={p.batch} must be divisible by "
         f"the size {n_batch} of batch_axis={batch_axis!r}")
   if p.batch == 0:
-    return api.empty_result(num_samples, return_logprobs)
+    return api.empty_result(c)
   return _sample_sharded(p, c, mesh=mesh, backend=impl, axes=axes)

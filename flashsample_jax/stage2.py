@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +31,14 @@ from pallas_kernels.state import ControlsState, top_m
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "state_combine", "state_from_parts", "topm_merge",
-           "finish", "samples_as_rows"]
+           "History", "history", "pass_controls", "excluded_mask", "history_state", "finish",
+           "samples_as_rows"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
 # largest tempered logits. Rows whose kept set the candidates cannot certify
 # take the exact materialized path (see finish).
 CANDIDATES = 128
+assert CANDIDATES >= controls.TOP_LOGPROBS_MAX
 # Relative distance of the mass before an id from top_p below which a row is
 # not certified from the candidates (f32 sums over ~1e5 terms differ by far
 # less); such rows are rare and take the exact path.
@@ -110,7 +113,7 @@ def state_combine(c: controls.Controls, m: int):
         best_score=pick(a.best_score, b.best_score),
         best_id=pick(a.best_id, b.best_id), best_t=pick(a.best_t, b.best_t),
         lse_max=lse[0], lse_sum=lse[1])
-    if c.truncates:
+    if c.lists:
       vals, ids, bound = topm_merge((a.cand_vals, a.cand_ids, a.cand_bound),
                                     (b.cand_vals, b.cand_ids, b.cand_bound), m)
       out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
@@ -149,6 +152,106 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
   bound = jnp.max(cand_bound, axis=1)
   vals, ids = top_m(cand_vals, cand_ids, bound, m)
   return st._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
+
+
+class History(NamedTuple):
+  """Each row's history as distinct ids: ``ids`` int32 ``[B, H]`` (each id
+  once, ``-1`` for repeats and padding) and ``count`` int32 ``[B, H]``, how
+  often the id occurs in ``output_ids``."""
+
+  ids: jax.Array
+  count: jax.Array
+
+
+def history(c: controls.Controls) -> History:
+  """The distinct ids of ``prompt_ids`` and ``output_ids`` per row, with
+  their output counts: one sort per row, O(H log H), never ``[B, V]``."""
+  parts = [(a, flag) for a, flag in ((c.prompt_ids, 0), (c.output_ids, 1))
+           if a is not None]
+  ids = jnp.concatenate([a for a, _ in parts], axis=1)
+  is_out = jnp.concatenate([jnp.full(a.shape, f, jnp.int32) for a, f in parts], axis=1)
+  key = jnp.where(ids >= 0, ids, rules.INT_MAX)
+  key, is_out = lax.sort((key, is_out), dimension=1, num_keys=1)
+  b, h = key.shape
+  pos = lax.broadcasted_iota(jnp.int32, (b, h), 1)
+  start = jnp.concatenate([jnp.ones((b, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)
+  # Where the next run of equal ids starts (h past the last): the outputs
+  # of a run are the suffix sums' difference between its start and that.
+  starts = jnp.where(start, pos, h)
+  nxt = lax.cummin(jnp.concatenate([starts[:, 1:], jnp.full((b, 1), h)], axis=1),
+                   axis=1, reverse=True)
+  suffix = jnp.concatenate([lax.cumsum(is_out, axis=1, reverse=True),
+                            jnp.zeros((b, 1), jnp.int32)], axis=1)
+  count = suffix[:, :h] - jnp.take_along_axis(suffix, nxt, axis=1)
+  first = start & (key != rules.INT_MAX)
+  return History(jnp.where(first, key, -1), jnp.where(first, count, 0))
+
+
+def pass_controls(c: controls.Controls, hist: History, vocab_size: int):
+  """The controls of the fused pass of a call with penalties: ``c`` without
+  them, its allowed mask without the history ids (:func:`excluded_mask`)."""
+  return dataclasses.replace(
+      c, allowed_mask=excluded_mask(c, hist, vocab_size), repetition_penalty=None,
+      presence_penalty=None, frequency_penalty=None, prompt_ids=None, output_ids=None)
+
+
+def excluded_mask(c: controls.Controls, hist: History, vocab_size: int):
+  """``c``'s allowed mask (all ids when None) without the history ids: the
+  mask the fused pass runs with, so that it never scores an id whose logit
+  a penalty changes (:func:`history_state` scores those)."""
+  b, words = hist.ids.shape[0], -(-vocab_size // 32)
+  base = (c.allowed_mask if c.allowed_mask is not None
+          else jnp.full((b, words), 0xFFFFFFFF, jnp.uint32))
+  valid = hist.ids >= 0
+  bit = jnp.where(valid, jnp.uint32(1) << (hist.ids % 32).astype(jnp.uint32), 0)
+  # The ids are distinct, so their bits are: adding them is OR-ing them.
+  clear = jnp.zeros((b, words), jnp.uint32).at[
+      jnp.arange(b)[:, None], jnp.where(valid, hist.ids // 32, 0)].add(bit.astype(jnp.uint32))
+  return base & ~clear
+
+
+def history_state(p: Problem, c: controls.Controls, hist: History, *,
+                  vocab_offset=0) -> ControlsState:
+  """The :class:`ControlsState` of the history ids that lie in ``p.weight``'s
+  rows (global ids from ``vocab_offset``): their logits from the gathered
+  weight rows, transformed and penalized (:func:`controls.transform`), with
+  the noise counters of their ids. With the excluded mask's pass
+  (:func:`excluded_mask`) it covers every id once, so
+  :func:`state_combine` of the two is the penalized row's state.
+
+  Reads ``B x H`` weight rows (one per history id): the cost of penalties,
+  against ``V`` rows for the pass.
+  """
+  local = hist.ids - vocab_offset
+  ok = (hist.ids >= 0) & (local >= 0) & (local < p.weight_rows)
+  rows = jnp.clip(local, 0, p.weight_rows - 1)
+  axis = 0 if p.layout == "vd" else 1
+  w = jnp.take(p.weight, rows, axis=axis)        # [B, H, D] ("vd"), [D, B, H] ("dv")
+  # A multiply and a row sum (not a dot): XLA fuses the gather into it and
+  # reads each weight row once; the products are exact in f32 as the dot's.
+  h = p.hidden.astype(jnp.float32)
+  if p.layout == "vd":
+    l = jnp.sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
+  else:
+    l = jnp.sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
+  gid = jnp.where(ok, hist.ids, rules.INT_MAX)
+  x = controls.transform(l, jnp.where(ok, hist.ids, 0), c, p.vocab_size,
+                         history=(ok, hist.count))
+  x = jnp.where(ok, x, -jnp.inf)
+  t = tempered(p, x)
+  sc = perturbed(p, x, t, jnp.where(ok, hist.ids, 0), c.samples)   # [B, S, H]
+  score, tok, best_t = rules.argbest(sc, gid[:, None, :], axis=2, carry=t[:, None, :])
+  mx = jnp.max(t, axis=1)
+  st = ControlsState(
+      best_score=score, best_id=tok, best_t=best_t, lse_max=mx,
+      lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
+                                jnp.exp(t - mx[:, None])), axis=1))
+  if c.lists:
+    m = candidate_count(p)
+    vals, ids = top_m(t, gid, jnp.full((p.batch,), -jnp.inf), m)
+    st = st._replace(cand_vals=vals, cand_ids=ids,
+                     cand_bound=jnp.full((p.batch,), -jnp.inf))
+  return st
 
 
 def samples_as_rows(p: Problem, samples: int) -> Problem:
@@ -288,7 +391,8 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   lse_all = st.lse_max + jnp.log(st.lse_sum)
   lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
   fallback = jnp.zeros((p.batch,), bool)
-  if c.truncates:
+  top = None
+  if c.lists:
     # Values at or below ``bound`` may have unlisted neighbours: only the
     # values above it are known to be complete and in order; the lists hold
     # -inf in their place (_topm_merge).
@@ -302,6 +406,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
       cand_t = lax.optimization_barrier(cand_t)
     last = jnp.maximum(bound, cand_t[:, -1])
     complete = (bound == -jnp.inf) & ((m >= total_rows) | (last == -jnp.inf))
+  if c.truncates:
     certify = functools.partial(_certify, cand_t=cand_t, lse=lse,
                                 complete=complete, last=last)
     keep, certified, active = certify(c)
@@ -346,7 +451,16 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
       tokens = jnp.where(same[None], tok_lo, tokens)
       t_tok = jnp.where(same[None], t_lo, t_tok)
       fallback = fallback & ~same
-
+  if c.top_logprobs:
+    # The N largest t by (t descending, id ascending), lax.top_k's order:
+    # the lists are ordered by value only. Certified where the N-th lies
+    # above ``last`` (every value above it is listed, ties included), and
+    # for rows with finite logits (the exact path follows the reference).
+    neg, ids = lax.sort((-cand_t, cand_i), dimension=1, num_keys=2)
+    n = c.top_logprobs
+    top = (-neg[:, :n], ids[:, :n])
+    fallback |= ~((complete | (top[0][:, n - 1] > last)) & jnp.isfinite(st.lse_max))
+  if c.lists:
     def exact():
       # The key words are split from the key (a program parameter) inside
       # the branch: slices of it passed in were each copied into the
@@ -354,40 +468,55 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
       k0, k1 = problem.key_words(p.key_data, p.batch)
       pb = dataclasses.replace(p, k0=k0, k1=k1)
       return _materialized(
-          pb, c, fallback, tokens, t_tok, lse_kept,
+          pb, c, fallback, (tokens, t_tok, lse_kept, lse_all, top),
           lambda x, t, gid: perturbed(pb, x, t, gid, samples), axis)
 
-    tokens, t_tok, lse_kept = lax.cond(
-        jnp.any(fallback), exact, lambda: (tokens, t_tok, lse_kept))
+    tokens, t_tok, lse_kept, lse_all, top = lax.cond(
+        jnp.any(fallback), exact, lambda: (tokens, t_tok, lse_kept, lse_all, top))
   out = None
   if c.return_logprobs:
     out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],
                                 logprob_truncated=t_tok - lse_kept,
                                 logsumexp=jnp.broadcast_to(lse_all, tokens.shape))
+    if top is not None:
+      out = out._replace(top_ids=jnp.where(top[0] == -jnp.inf, -1, top[1]),
+                         top_logprobs=top[0] - lse_all[:, None])
   if c.allowed_mask is not None:
-    empty = controls.none_allowed(c.allowed_mask, p.vocab_size)[None]
-    tokens = jnp.where(empty, -1, tokens)
+    empty = controls.none_allowed(c.allowed_mask, p.vocab_size)
+    tokens = jnp.where(empty[None], -1, tokens)
     if out is not None:
-      nan = lambda a: jnp.where(empty, jnp.nan, a)
-      out = controls.SampleOutput(tokens, nan(out.logprob),
-                                  nan(out.logprob_truncated), out.logsumexp)
+      nan = lambda a, e=empty[None]: jnp.where(e, jnp.nan, a)
+      out = out._replace(tokens=tokens, logprob=nan(out.logprob),
+                         logprob_truncated=nan(out.logprob_truncated))
+      if top is not None:
+        out = out._replace(top_logprobs=nan(out.top_logprobs, empty[:, None]))
   return tokens, out, fallback
 
 
-def _materialized(p: Problem, c: controls.Controls, rows, tokens, t_tok, lse_kept,
-                 perturbed, axis):
-  """The exact path for ``rows``: full logits, :func:`controls.keep_mask`."""
+def _materialized(p: Problem, c: controls.Controls, rows, results, perturbed, axis):
+  """The exact path for ``rows``: full logits, :func:`controls.keep_mask`.
+
+  ``results``: finish's ``(tokens, t_tok, lse_kept, lse_all, top)``, replaced
+  in ``rows`` by their exact values."""
+  tokens, t_tok, lse_kept, lse_all, top = results
   l = problem.logits(p.hidden, p.weight, p.layout)               # [B, local rows]
   if axis:   # every shard's logits, in global id order
     l = jnp.moveaxis(mesh.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
   gid = lax.iota(jnp.int32, l.shape[1])
-  x = controls.transform(l, gid, c, p.vocab_size)[:, :p.vocab_size]
+  hist = controls.dense_history(c, p.batch, l.shape[1]) if c.penalizes else None
+  x = controls.transform(l, gid, c, p.vocab_size, history=hist)[:, :p.vocab_size]
   gid = gid[:p.vocab_size]
   t = tempered(p, x)
   kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
   j = jnp.argmax(perturbed(x, kept, gid), axis=2)                # [B, S]
   new_t = jnp.take_along_axis(t, j, axis=1)
   r = rows[None]
+  if top is not None:
+    top_t, top_i = lax.top_k(t, top[0].shape[1])               # ties: lower id
+    top = (jnp.where(rows[:, None], top_t, top[0]),
+           jnp.where(rows[:, None], top_i, top[1]))
   return (jnp.where(r, j.T.astype(jnp.int32), tokens),
           jnp.where(r, new_t.T, t_tok),
-          jnp.where(r, jax.nn.logsumexp(kept, axis=1)[None], lse_kept))
+          jnp.where(r, jax.nn.logsumexp(kept, axis=1)[None], lse_kept),
+          jnp.where(rows, jax.nn.logsumexp(t, axis=1), lse_all),
+          top)

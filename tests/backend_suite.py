@@ -45,7 +45,11 @@ class BackendSuite:
     want = fs.reference.sample(h, w, key, temperature=t, **kw, **extra)
     if isinstance(want, fs.SampleOutput):
       np.testing.assert_array_equal(got.tokens, want.tokens)
-      for name in ("logprob", "logprob_truncated", "logsumexp"):
+      np.testing.assert_array_equal(got.top_ids, want.top_ids)
+      for name in ("logprob", "logprob_truncated", "logsumexp", "top_logprobs"):
+        if getattr(want, name) is None:
+          assert getattr(got, name) is None, name
+          continue
         np.testing.assert_allclose(getattr(got, name), getattr(want, name),
                                    rtol=2e-5, atol=2e-5, err_msg=name)
       return np.asarray(got.tokens)
@@ -154,7 +158,7 @@ class BackendSuite:
   def test_control_matches_reference(self, case, key):
     self.check_controls(cases.CASES[case], cases.KEYS[key])
 
-  @pytest.mark.parametrize("case", ["top_k", "top_p", "all"])
+  @pytest.mark.parametrize("case", ["top_k", "top_p", "all", "penalties_all"])
   def test_controls_with_samples_and_logprobs(self, case):
     self.check_controls(cases.CASES[case], num_samples=3, return_logprobs=True)
     self.check_controls(cases.CASES[case], cases.KEYS["per_row"], num_samples=2,
@@ -206,6 +210,59 @@ class BackendSuite:
     assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
     assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
     self.check_controls(dict(allowed_mask=jnp.asarray(mask)), return_logprobs=True)
+
+  def test_top_logprobs_edges(self):
+    h, w, b, v = cases.H, cases.W, cases.B, cases.V
+    key = cases.KEYS["scalar"]
+    # One allowed id per row: it, then -1 with log-probability -inf.
+    only, mask = cases.only_one_allowed(np.random.default_rng(3))
+    mask = np.asarray(mask).copy()
+    mask[2] = 0                                          # nothing allowed
+    out = self.run(h, w, key, temperature=cases.T, allowed_mask=jnp.asarray(mask),
+                   top_logprobs=3)
+    rows = np.delete(np.arange(b), 2)
+    np.testing.assert_array_equal(out.top_ids[rows, 0], only[rows])
+    assert (out.top_ids[rows, 1:] == -1).all()
+    np.testing.assert_allclose(out.top_logprobs[rows, 0], 0.0, atol=1e-6)
+    assert np.isneginf(out.top_logprobs[rows, 1:]).all()
+    assert (out.top_ids[2] == -1).all() and np.isnan(out.top_logprobs[2]).all()
+    self.check_controls(dict(allowed_mask=jnp.asarray(mask)), top_logprobs=3)
+    # Greedy rows report T = 1; the ids are the logits' order, ties by id.
+    l = np.asarray(jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32).T))
+    out = self.run(h, w, key, temperature=0.0, top_logprobs=v if v <= 128 else 128)
+    order = np.lexsort((np.broadcast_to(np.arange(v), l.shape), -l), axis=1)
+    np.testing.assert_array_equal(out.top_ids, order[:, :out.top_ids.shape[1]])
+    np.testing.assert_allclose(
+        out.top_logprobs, np.take_along_axis(np.asarray(jax.nn.log_softmax(l)),
+                                             order[:, :out.top_ids.shape[1]], axis=1),
+        rtol=2e-5, atol=2e-5)
+
+  def test_penalties_edges(self):
+    h, w, b, v = cases.H, cases.W, cases.B, cases.V
+    key, t = cases.KEYS["per_row"], cases.T
+    plain = np.asarray(self.run(h, w, key, temperature=t))
+    hist = dict(prompt_ids=cases.PENALTIES["prompt_ids"],
+                output_ids=cases.PENALTIES["output_ids"])
+    # Penalties that are off, or without a history, change nothing.
+    np.testing.assert_array_equal(self.check_controls(
+        dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+             **hist), key=key), plain)
+    np.testing.assert_array_equal(self.check_controls(
+        dict(repetition_penalty=3.0), key=key), plain)
+    # A large presence penalty bans every generated id.
+    tok = self.check_controls(dict(presence_penalty=1e4, **hist), key=key)
+    out = np.asarray(hist["output_ids"])
+    assert not any(tok[i] in out[i] for i in range(b))
+    # A mask that allows only history ids: the pass sees nothing, the
+    # history scoring everything.
+    ids = np.asarray(hist["prompt_ids"])
+    mask = np.zeros((b, -(-v // 32)), np.uint32)
+    for i in range(b):
+      for j in ids[i][ids[i] >= 0]:
+        mask[i, j // 32] |= np.uint32(1 << (j % 32))
+    tok = self.check_controls(dict(repetition_penalty=2.0, allowed_mask=jnp.asarray(mask),
+                                   **hist), key=key, top_logprobs=4)
+    assert tok[1] == -1 and all(tok[i] in ids[i] for i in range(b) if i != 1)
 
   def test_traced_controls_under_jit(self):
     h, w, key, t = cases.H, cases.W, cases.KEYS["scalar"], cases.T
@@ -280,15 +337,52 @@ class GpuSuite:
                                    rtol=1e-4, atol=1e-4, err_msg=f"{kw} {name}")
     assert agree / total >= 0.999, f"{agree}/{total} tokens agree"
 
-  def test_controls_are_certified_on_llm_like_rows(self):
-    # Top-k 50 + top-p 0.9 on logits of std 3: no row needs the
-    # materialized pass.
+  @pytest.mark.parametrize("kw", [dict(top_k=50, top_p=0.9), dict(top_logprobs=20),
+                                  dict(top_logprobs=20, top_k=20, top_p=0.95)],
+                           ids=["top_k_top_p", "top_logprobs", "top_logprobs_qwen3"])
+  def test_controls_are_certified_on_llm_like_rows(self, kw):
+    # On logits of std 3 the candidate lists decide every row: none needs
+    # the materialized pass (which would cost the time of XLA's dot).
     from flashsample_jax import controls, problem, stage2
     d, v = HEADS["S"]
     b = 64
     h, w = device_random_inputs(b, d, v, seed=6)
     p = problem.prepare(h, w, jax.random.key(6), temperature=1.0)
-    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=50, top_p=0.9)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, **kw)
     impl = fs.backends.resolve(self.backend, p, c)
     _, _, fallback = stage2.finish(p, c, impl.controls_state(p, c))
     assert int(np.asarray(fallback).sum()) == 0
+
+  def test_top_logprobs_and_penalties_benchmark_head_random(self):
+    # Shape S, B = 64, 256 history ids per row, top_logprobs=20, with and
+    # without top-k/top-p: tokens and top ids >= 99.9% identical to the
+    # reference, log-probabilities close where they agree.
+    d, v = HEADS["S"]
+    b = 64
+    h, w = device_random_inputs(b, d, v, seed=7)
+    key = inputs.row_keys(b, seed=7)
+    r = np.random.default_rng(7)
+    hist = dict(prompt_ids=jnp.asarray(r.integers(-1, v, (b, 128)), jnp.int32),
+                output_ids=jnp.asarray(r.integers(0, 2000, (b, 128)), jnp.int32),
+                repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    t = jnp.asarray(r.uniform(0.5, 1.5, b), jnp.float32).at[::9].set(0.0)
+    agree = total = top_agree = top_total = 0
+    for kw in (dict(top_logprobs=20), hist, dict(hist, top_logprobs=20, top_k=20,
+                                                 top_p=0.95)):
+      got = fs.sample(h, w, key, temperature=t, backend=self.backend,
+                      return_logprobs=True, **kw)
+      want = fs.reference.sample(h, w, key, temperature=t, return_logprobs=True, **kw)
+      same = np.asarray(got.tokens) == np.asarray(want.tokens)
+      agree += int(same.sum())
+      total += same.size
+      np.testing.assert_allclose(np.asarray(got.logprob)[same],
+                                 np.asarray(want.logprob)[same], rtol=1e-4, atol=1e-4)
+      if "top_logprobs" in kw:
+        same = np.asarray(got.top_ids) == np.asarray(want.top_ids)
+        top_agree += int(same.sum())
+        top_total += same.size
+        np.testing.assert_allclose(np.asarray(got.top_logprobs)[same],
+                                   np.asarray(want.top_logprobs)[same],
+                                   rtol=1e-4, atol=1e-4)
+    assert agree / total >= 0.999, f"{agree}/{total} tokens agree"
+    assert top_agree / top_total >= 0.999, f"{top_agree}/{top_total} top ids agree"

@@ -38,6 +38,34 @@ CASES = {
 }
 
 
+def _history(rows, width, hi, pad):
+  """Ids in [0, hi) (repeats likely when ``hi`` is small), ``pad`` of each
+  row's trailing entries -1."""
+  ids = _R.integers(0, hi, (rows, width)).astype(np.int32)
+  ids[:, width - pad:] = -1
+  return jnp.asarray(ids)
+
+
+# Penalties with exact arithmetic on the integer logits: powers of two for
+# the repetition penalty, quarters for presence and frequency. Histories:
+# prompts over the whole vocabulary, outputs over its first 80 ids (so ids
+# repeat and rows share some); row 1 has no history at all.
+_PROMPT = _history(B, 40, V, 7).at[1].set(-1)
+_OUTPUT = _history(B, 24, 80, 5).at[1].set(-1)
+PENALTIES = dict(
+    repetition_penalty=jnp.asarray(_R.choice([0.5, 1.0, 2.0, 4.0], B), jnp.float32),
+    presence_penalty=jnp.asarray(_R.choice([-0.5, 0.0, 0.25, 1.0], B), jnp.float32),
+    frequency_penalty=jnp.asarray(_R.choice([0.0, 0.25, 0.5, 2.0], B), jnp.float32),
+    prompt_ids=_PROMPT, output_ids=_OUTPUT)
+
+CASES.update({
+    "top_logprobs": dict(top_logprobs=20),
+    "top_logprobs_truncated": dict(top_logprobs=5, top_k=30, top_p=0.9, min_p=0.01),
+    "penalties": PENALTIES,
+    "penalties_all": dict(CASES["all"], **PENALTIES, top_logprobs=8),
+})
+
+
 def only_one_allowed(rng):
   """``(ids [B], mask)``: a mask that allows one random id per row."""
   only = rng.integers(0, V, B)

@@ -36,7 +36,7 @@ import flashsample_jax as fs
 # The options that must be static when fs.sample itself is jitted (README,
 # "API"; tests/test_readme.py checks the README's list).
 STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
-                   "batch_axis", "num_samples", "return_logprobs")
+                   "batch_axis", "num_samples", "return_logprobs", "top_logprobs")
 
 # Backends checked here, by name.
 # ---- MOSAIC INTERPRET-MODE VARIANT: TO BE ADDED HERE ----
@@ -157,8 +157,22 @@ def controls(draw, b: int, vocab_size: int, rows: int):
   if r.random() < 0.5:
     kw["softcap"] = _choice(r, (0.5, 3.0, 7.3, 30.0))
   if r.random() < 0.5:
+    # Exact penalties (powers of two, quarters); histories with repeats,
+    # padding and rows without any.
+    kw["repetition_penalty"] = _scalar_or_rows(
+        draw, r, b, st.sampled_from([0.25, 0.5, 1.0, 2.0]), jnp.float32)
+    kw["presence_penalty"] = _choice(r, (0.0, 0.5, -1.0))
+    kw["frequency_penalty"] = _scalar_or_rows(
+        draw, r, b, st.sampled_from([0.0, 0.25, 2.0]), jnp.float32)
+    for name in ("prompt_ids", "output_ids"):
+      if r.random() < 0.7:
+        n = int(r.integers(0, 12))
+        kw[name] = jnp.asarray(r.integers(-1, min(vocab_size, 40), (b, n)), jnp.int32)
+  if r.random() < 0.5:
     kw["num_samples"] = int(r.integers(1, 5))
   kw["return_logprobs"] = bool(r.random() < 0.5)
+  if r.random() < 0.3:
+    kw["top_logprobs"] = int(r.integers(1, min(vocab_size, 128) + 1))
   note(f"controls: { {k: getattr(x, 'shape', x) for k, x in kw.items()} }")
   return kw
 

@@ -93,7 +93,8 @@ def test_documented_static_argnames_are_every_non_array_option():
   params = inspect.signature(fs.sample).parameters
   assert set(names) <= set(params), set(names) - set(params)
   assert set(names) == {"weight_layout", "vocab_size", "backend", "vocab_axis",
-                        "batch_axis", "num_samples", "return_logprobs"}
+                        "batch_axis", "num_samples", "return_logprobs",
+                        "top_logprobs"}
   if hasattr(fs, "STATIC_ARGNAMES"):  # once the package exports the list
     assert set(names) == set(fs.STATIC_ARGNAMES)
 

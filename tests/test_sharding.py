@@ -434,6 +434,15 @@ _CONTROLS = {
                        allowed_mask=jnp.asarray(_R.integers(0, 2**32, (_CB, _CV // 32),
                                                             dtype=np.uint32))),
     "samples_logprobs": dict(top_k=20, num_samples=3, return_logprobs=True),
+    # Penalties (exact: powers of two, quarters) with histories spread over
+    # every shard's rows, and the top log-probabilities.
+    "penalties_top_logprobs": dict(
+        top_k=25, top_p=0.9, top_logprobs=6,
+        repetition_penalty=jnp.asarray(_R.choice([0.5, 1.0, 2.0], _CB), jnp.float32),
+        presence_penalty=0.5, frequency_penalty=jnp.asarray(
+            _R.choice([0.0, 0.25, 1.0], _CB), jnp.float32),
+        prompt_ids=jnp.asarray(_R.integers(-1, _CV, (_CB, 30)), jnp.int32),
+        output_ids=jnp.asarray(_R.integers(-1, 200, (_CB, 20)), jnp.int32)),
 }
 
 
@@ -442,9 +451,9 @@ def _controls_in_shard_map(h, w, key, t, mesh, ctl, *, batch_axis=None,
   """Each vocab shard's output of sample(..., **ctl) in a user's shard_map."""
   arrays = {n: v for n, v in ctl.items() if hasattr(v, "ndim")}
   statics = {n: v for n, v in ctl.items() if n not in arrays}
-  specs = {n: (P(batch_axis, None) if n == "allowed_mask" else
-               P(batch_axis) if n in ("top_k", "top_p", "min_p") else P())
-           for n in arrays}
+  specs = {n: (P(batch_axis, None) if v.ndim == 2 else
+               P(batch_axis) if v.ndim == 1 and n != "logit_bias" else P())
+           for n, v in arrays.items()}
 
   def f(h, w, k, t, arrays):
     out = fs.sample(h, w, k, temperature=t, vocab_axis="tp", batch_axis=batch_axis,
@@ -453,7 +462,9 @@ def _controls_in_shard_map(h, w, key, t, mesh, ctl, *, batch_axis=None,
 
   s = statics.get("num_samples")
   tok = P("tp", batch_axis) if s is None else P("tp", None, batch_axis)
-  out = fs.SampleOutput(tok, tok, tok, tok) if statics.get("return_logprobs") else tok
+  top = P("tp", batch_axis, None) if statics.get("top_logprobs") else None
+  out = (fs.SampleOutput(tok, tok, tok, tok, top, top)
+         if statics.get("return_logprobs") or top else tok)
   per_row = key.ndim == 1
   sm = jax.shard_map(f, mesh=mesh,
                      in_specs=(P(batch_axis, None), P("tp", None),
@@ -470,6 +481,10 @@ def _check_controls(got, want):
       np.testing.assert_allclose(got.logprob[shard], want.logprob, rtol=2e-5, atol=2e-5)
       np.testing.assert_allclose(got.logprob_truncated[shard], want.logprob_truncated,
                                  rtol=2e-5, atol=2e-5)
+      if want.top_ids is not None:
+        np.testing.assert_array_equal(got.top_ids[shard], want.top_ids)
+        np.testing.assert_allclose(got.top_logprobs[shard], want.top_logprobs,
+                                   rtol=2e-5, atol=2e-5)
   else:
     for shard in np.asarray(got):
       np.testing.assert_array_equal(shard, want)
@@ -495,8 +510,10 @@ def test_controls_on_dp_x_tp_mesh_and_fallback(monkeypatch):
   h, w = inputs.exact_inputs(_CB, _CD, _CV, scale=1, seed=9)
   t = inputs.pow2_temperatures(_CB, seed=9) * 4
   key = jax.random.key(9)
-  ctl = dict(top_k=30, top_p=0.7, num_samples=2)
-  want = np.asarray(fs.reference.sample(h, w, key, temperature=t, **ctl))
+  ctl = dict(top_k=30, top_p=0.7, num_samples=2, top_logprobs=3,
+             presence_penalty=1.0, prompt_ids=_CONTROLS["penalties_top_logprobs"]["prompt_ids"],
+             output_ids=_CONTROLS["penalties_top_logprobs"]["output_ids"])
+  want = fs.reference.sample(h, w, key, temperature=t, **ctl)
   got = _controls_in_shard_map(h, w, key, t, make_mesh(2, 4), ctl, batch_axis="dp")
   _check_controls(got, want)
 
@@ -507,7 +524,9 @@ def test_sample_sharded_passes_controls():
   key = inputs.row_keys(_CB, seed=10)
   ctl = dict(top_k=jnp.full((_CB,), 25, jnp.int32), top_p=0.9,
              allowed_mask=_CONTROLS["transforms"]["allowed_mask"], num_samples=2,
-             return_logprobs=True)
+             return_logprobs=True, top_logprobs=4, repetition_penalty=2.0,
+             frequency_penalty=0.5,
+             output_ids=_CONTROLS["penalties_top_logprobs"]["output_ids"])
   want = fs.reference.sample(h, w, key, temperature=t, **ctl)
   mesh = make_mesh(2, 4)
   got = fs.sample_sharded(h, jax.device_put(w, NamedSharding(mesh, P("tp", None))), key,

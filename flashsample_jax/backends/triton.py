@@ -102,7 +102,7 @@ class TritonBackend(SamplerBackend):
   def controls_state(self, p, c, *, vocab_offset=0):
     _, kernel = _kernels()
     ctr_hi, ctr_lo = p.counters(c.samples)
-    need_lse = c.return_logprobs or c.truncates
+    need_lse = c.return_logprobs or c.lists
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
@@ -111,7 +111,7 @@ class TritonBackend(SamplerBackend):
           samples=g1 - g0, softcap=c.softcap is not None,
           bias=c.logit_bias is not None, mask=c.allowed_mask is not None,
           t_best=c.return_logprobs, lse=first and need_lse,
-          top_k=TILE_CANDIDATES if first and c.truncates else 0)
+          top_k=TILE_CANDIDATES if first and c.lists else 0)
       rows = pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
                        ctr_hi=ctr_hi[g0:g1], ctr_lo=ctr_lo[g0:g1],
                        softcap=c.softcap)

@@ -146,7 +146,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
         best_id=gid[j], best_t=jnp.take_along_axis(t, j, axis=1), lse_max=mx,
         lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
                                   jnp.exp(t - mx[:, None])), axis=1))
-    if c.truncates:
+    if c.lists:
       vals, j = lax.top_k(t, min(m, width))
       if width < m:
         pad = ((0, 0), (0, m - width))
