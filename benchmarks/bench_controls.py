@@ -17,7 +17,12 @@ kernel on an sm90 GPU) and as an XLA baseline that materializes the
 * ``logprobs``: ``return_logprobs=True`` | categorical + ``log_softmax``;
 * ``bias_mask``: ``logit_bias`` + ``allowed_mask`` | add, mask, categorical;
 * ``softcap`` (c=30): | ``c * tanh(l / c)``, categorical;
-* ``samples4``: ``num_samples=4`` | ``categorical(shape=(4, B))``.
+* ``samples4``: ``num_samples=4`` | ``categorical(shape=(4, B))``;
+* ``top_logprobs20``: ``top_logprobs=20`` | categorical, ``lax.top_k`` of
+  ``log_softmax``;
+* ``penalties256``: repetition 1.2, presence 0.5, frequency 0.3 over a
+  history of 128 prompt + 128 output ids per row | counts scattered into
+  ``[B, V]``, the penalties applied to the logits (vLLM's way), categorical.
 
 Also reports how many rows took the exact materialized fallback for top-k +
 top-p on these logits (``fallback_rows``). Writes ``controls_<gpu>.json`` /
@@ -39,6 +44,9 @@ import flashsample_jax as fs
 from benchmarks import _timing
 
 TOP_K, TOP_P, SOFTCAP = 50, 0.9, 30.0
+TOP_N = 20
+PENALTIES = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3)
+HISTORY = 128       # prompt ids and output ids per row (256 in all)
 # The backend of the fused columns (--backend): "auto" by default. A list so
 # that main() can set it before the providers are traced.
 _BACKEND = ["auto"]
@@ -70,7 +78,24 @@ def _xla_logprobs(k, h, w, **_):
   return tok, jnp.take_along_axis(jax.nn.log_softmax(l), tok[:, None], 1)[:, 0]
 
 
-def _xla_bias_mask(k, h, w, bias, mask):
+def _xla_top_logprobs(k, h, w, **_):
+  l = _logits(h, w)
+  return jax.random.categorical(k, l), jax.lax.top_k(jax.nn.log_softmax(l), TOP_N)
+
+
+def _xla_penalties(k, h, w, prompt, output, **_):
+  l = _logits(h, w)
+  b, v = l.shape
+  rows = jnp.arange(b)[:, None]
+  count = jnp.zeros((b, v), jnp.int32).at[rows, output].add(1)
+  seen = (count > 0) | (jnp.zeros((b, v), jnp.int32).at[rows, prompt].add(1) > 0)
+  r = PENALTIES["repetition_penalty"]
+  l = jnp.where(seen, jnp.where(l > 0, l / r, l * r), l)
+  l = l - PENALTIES["frequency_penalty"] * count - PENALTIES["presence_penalty"] * (count > 0)
+  return jax.random.categorical(k, l)
+
+
+def _xla_bias_mask(k, h, w, bias, mask, **_):
   l = _logits(h, w) + bias
   v = l.shape[1]
   ids = jnp.arange(v)
@@ -89,7 +114,7 @@ PROVIDERS = {
         _xla_sort_topp),
     "logprobs": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], return_logprobs=True),
                  _xla_logprobs),
-    "bias_mask": (lambda k, h, w, bias, mask: fs.sample(h, w, k, backend=_BACKEND[0], logit_bias=bias,
+    "bias_mask": (lambda k, h, w, bias, mask, **_: fs.sample(h, w, k, backend=_BACKEND[0], logit_bias=bias,
                                                          allowed_mask=mask),
                   _xla_bias_mask),
     "softcap": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], softcap=SOFTCAP),
@@ -98,6 +123,12 @@ PROVIDERS = {
     "samples4": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], num_samples=4),
                  lambda k, h, w, **_: jax.random.categorical(
                      k, _logits(h, w), shape=(4, h.shape[0]))),
+    "top_logprobs20": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0],
+                                                       top_logprobs=TOP_N),
+                       _xla_top_logprobs),
+    "penalties256": (lambda k, h, w, prompt, output, **_: fs.sample(
+        h, w, k, backend=_BACKEND[0], prompt_ids=prompt, output_ids=output, **PENALTIES),
+                     _xla_penalties),
 }
 
 
@@ -152,16 +183,21 @@ def main(argv=None):
     row = dict(B=b, D=d, V=v, backend_plain=pick(),
                backend_controls=pick(top_k=TOP_K, top_p=TOP_P),
                fallback_rows=_fallback_rows(key, h, w))
-    extra = dict(bias=bias, mask=mask)
+    # Histories of random ids (the worst case: no weight row shared).
+    prompt = jax.random.randint(jax.random.fold_in(km, 2), (b, HISTORY), 0, v)
+    output = jax.random.randint(jax.random.fold_in(km, 3), (b, HISTORY), 0, v)
+    extra = dict(bias=bias, mask=mask, prompt=prompt, output=output)
     for name, (fused, xla) in providers.items():
-      f = jax.jit(lambda k, h, w, bias, mask, f=fused: f(k, h, w, bias=bias, mask=mask))
-      row[name + "_us"] = _timing.median_us(f, key, h, w, bias, mask, reps=reps,
+      f = jax.jit(lambda k, h, w, extra, f=fused: f(k, h, w, **extra))
+      row[name + "_us"] = _timing.median_us(f, key, h, w, extra, reps=reps,
                                             inner=inner)[0]
       if xla is not None:
-        g = jax.jit(lambda k, h, w, bias, mask, g=xla: g(k, h, w, bias=bias, mask=mask))
-        row["xla_" + name + "_us"] = _timing.median_us(g, key, h, w, bias, mask,
+        g = jax.jit(lambda k, h, w, extra, g=xla: g(k, h, w, **extra))
+        row["xla_" + name + "_us"] = _timing.median_us(g, key, h, w, extra,
                                                        reps=reps, inner=inner)[0]
-    row["topk_topp_over_plain"] = row["topk_topp_us"] / row["plain_us"]
+    for name in ("topk_topp", "top_logprobs20", "penalties256"):
+      if name + "_us" in row:
+        row[name + "_over_plain"] = row[name + "_us"] / row["plain_us"]
     row["speedup_vs_xla_topk"] = row["xla_topk_topp_us"] / row["topk_topp_us"]
     rows.append(row)
     print(json.dumps(row), flush=True)
@@ -188,9 +224,11 @@ def _report(stem, meta, rows):
              f"{meta['reps']} blocks of {meta['inner']} async calls between host "
              "syncs, fused (backend auto) / XLA baseline that materializes the "
              "logits (speedup).\n\n")
-    fh.write("| B | backend | fallback rows | " + " | ".join(names)
-             + " | top-k+top-p / plain |\n")
-    fh.write("|---" * (len(names) + 4) + "|\n")
+    ratios = [n for n in ("topk_topp", "top_logprobs20", "penalties256")
+              if n + "_over_plain" in r0]
+    fh.write("| B | backend | fallback rows | " + " | ".join(names) + " | "
+             + " | ".join(f"{n} / plain" for n in ratios) + " |\n")
+    fh.write("|---" * (len(names) + len(ratios) + 3) + "|\n")
     for r in rows:
       cells = []
       for name in names:
@@ -198,7 +236,8 @@ def _report(stem, meta, rows):
         cells.append(f"{r[name + '_us']:.0f}" if x is None else
                      f"{r[name + '_us']:.0f} / {x:.0f} ({x / r[name + '_us']:.2f}x)")
       fh.write(f"| {r['B']} | {r['backend_controls']} | {r['fallback_rows']} | "
-               + " | ".join(cells) + f" | {r['topk_topp_over_plain']:.3f} |\n")
+               + " | ".join(cells) + " | "
+               + " | ".join(f"{r[n + '_over_plain']:.3f}" for n in ratios) + " |\n")
   print(open(stem + ".md").read())
   try:
     import matplotlib
@@ -215,8 +254,10 @@ def _report(stem, meta, rows):
       axes[0].plot(bs, [r["xla_" + name + "_us"] for r in rows], "x--",
                    color=line.get_color(), alpha=0.6)
   axes[0].set_ylabel("us (solid: fused; dashed: XLA baseline)")
-  axes[1].plot(bs, [r["topk_topp_over_plain"] for r in rows], "o-",
-               label="top-k + top-p / plain (fused)")
+  for n in ("topk_topp", "top_logprobs20", "penalties256"):
+    if n + "_over_plain" in r0:
+      axes[1].plot(bs, [r[n + "_over_plain"] for r in rows], "o-",
+                   label=f"{n} / plain (fused)")
   axes[1].axhline(1.15, color="gray", ls=":", label="goal 1.15 (B <= 64)")
   axes[1].set_ylabel("ratio")
   for ax in axes:
