@@ -88,7 +88,7 @@ def run(p: problem.Problem, c: _controls.Controls, *,
     # The fused pass skips the history ids (their logits change); their
     # penalized scores come from their own weight rows, then one merge.
     hist = stage2.history(c)
-    st = stage2.state_combine(c, stage2.candidate_count(p))(
+    st = stage2.state_combine(c, stage2.candidate_count(p, c))(
         backend.controls_state(p, stage2.pass_controls(c, hist, p.vocab_size),
                                vocab_offset=offset),
         stage2.history_state(p, c, hist, vocab_offset=offset))
@@ -178,7 +178,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     int32 token ids ``[B]`` (``[S, B]`` with ``num_samples``). With
     ``return_logprobs=True`` or ``top_logprobs > 0``, a
     :class:`flashsample_jax.SampleOutput` ``(tokens, logprob,
-    logprob_truncated, logsumexp, top_ids, top_logprobs)``.
+    logprob_truncated, logsumexp, top_ids, top_logprobs)`` (the fields not
+    asked for are None).
 
   Raises:
     TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).
@@ -209,8 +210,8 @@ def empty_result(c: _controls.Controls):
   """What :func:`sample` returns for a batch of 0 rows."""
   shape = (0,) if c.num_samples is None else (c.num_samples, 0)
   tokens = jnp.zeros(shape, jnp.int32)
-  if c.return_logprobs:
-    empty = jnp.zeros(shape, jnp.float32)
+  if c.returns_output:
+    empty = jnp.zeros(shape, jnp.float32) if c.return_logprobs else None
     out = _controls.SampleOutput(tokens, empty, empty, empty)
     if c.top_logprobs:
       out = out._replace(top_ids=jnp.zeros((0, c.top_logprobs), jnp.int32),

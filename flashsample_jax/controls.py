@@ -71,7 +71,7 @@ class Controls:
       with ``-1`` (ids may repeat), or None. Both None, or every penalty
       None: no penalty (:attr:`penalizes`).
     num_samples: static int or None (None: tokens ``[B]``; S: ``[S, B]``).
-    return_logprobs: static bool (True whenever ``top_logprobs > 0``).
+    return_logprobs: static bool.
     top_logprobs: static int N, 0 = off: the N most likely ids per row.
   """
 
@@ -101,6 +101,11 @@ class Controls:
     return self.prompt_ids is not None or self.output_ids is not None
 
   @property
+  def returns_output(self) -> bool:
+    """The call returns a :class:`SampleOutput` (not bare tokens)."""
+    return self.return_logprobs or self.top_logprobs > 0
+
+  @property
   def lists(self) -> bool:
     """A pass must keep the top-M candidate lists (truncation, top-N)."""
     return self.truncates or self.top_logprobs > 0
@@ -112,7 +117,7 @@ class Controls:
   @property
   def active(self) -> bool:
     return (self.truncates or self.transforms or self.penalizes
-            or self.num_samples is not None or self.return_logprobs)
+            or self.num_samples is not None or self.returns_output)
 
   @property
   def samples(self) -> int:
@@ -123,7 +128,7 @@ class Controls:
     """Only several samples are asked for: no transform, truncation or
     log-probabilities (a backend may then draw them as rows)."""
     return not (self.truncates or self.transforms or self.penalizes
-                or self.return_logprobs)
+                or self.returns_output)
 
 
 def _concrete(x) -> bool:
@@ -279,7 +284,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
                   output_ids=output_ids, num_samples=num_samples,
-                  return_logprobs=return_logprobs or top_logprobs > 0,
+                  return_logprobs=return_logprobs,
                   top_logprobs=top_logprobs)
 
 
@@ -428,7 +433,9 @@ class SampleOutput(NamedTuple):
   Shapes are ``[B]`` (or ``[S, B]`` with ``num_samples=S``), the top-N fields
   ``[B, N]`` (per row, not per sample). Log-probabilities are of the tempered
   distribution (greedy rows: temperature 1) after penalties, ``NaN`` for rows
-  with no allowed token.
+  with no allowed token. Fields that were not asked for are None:
+  ``logprob``, ``logprob_truncated`` and ``logsumexp`` without
+  ``return_logprobs=True``, the top-N ones without ``top_logprobs``.
 
   Attributes:
     tokens: int32 sampled ids (``-1`` where ``allowed_mask`` allows nothing).
@@ -451,7 +458,7 @@ class SampleOutput(NamedTuple):
 
   def first_sample(self) -> "SampleOutput":
     """The output of sample 0 (``[S, B]`` fields to ``[B]``; top-N as is)."""
-    first = lambda a: a[0]
+    first = lambda a: None if a is None else a[0]
     return self._replace(tokens=first(self.tokens), logprob=first(self.logprob),
                          logprob_truncated=first(self.logprob_truncated),
                          logsumexp=first(self.logsumexp))

@@ -66,15 +66,16 @@ def _sample(p: problem.Problem, c: _controls.Controls):
     tokens = jnp.where(_controls.none_allowed(c.allowed_mask, p.vocab_size)[None, :],
                        -1, tokens)
   out = tokens if num_samples is not None else tokens[0]
-  if not return_logprobs:
+  if not c.returns_output:
     return out
   lse = jax.nn.logsumexp(t, axis=-1)
   lse_kept = jax.nn.logsumexp(kept, axis=-1)
   t_tok = jnp.take_along_axis(t[None], jnp.maximum(tokens, 0)[..., None], axis=2)[..., 0]
   t_tok = jnp.where(tokens < 0, jnp.nan, t_tok)
-  lp = _controls.SampleOutput(tokens=tokens, logprob=t_tok - lse,
-                              logprob_truncated=t_tok - lse_kept,
-                              logsumexp=jnp.broadcast_to(lse, tokens.shape))
+  lp = _controls.SampleOutput(tokens, None, None, None)
+  if return_logprobs:
+    lp = lp._replace(logprob=t_tok - lse, logprob_truncated=t_tok - lse_kept,
+                     logsumexp=jnp.broadcast_to(lse, tokens.shape))
   if c.top_logprobs:
     top_t, top_ids = jax.lax.top_k(t, c.top_logprobs)     # ties: lower id first
     top_ids = jnp.where(top_t == -jnp.inf, -1, top_ids)

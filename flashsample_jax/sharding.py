@@ -103,9 +103,10 @@ def _sample_sharded(p, c, *, mesh, backend, axes: _mesh.MeshAxes):
   bspec = _spec(axes.batch)
   tok_spec = P(bspec) if c.num_samples is None else P(None, bspec)
   out_spec = tok_spec
-  if c.return_logprobs:
+  if c.returns_output:
     top_spec = P(bspec, None) if c.top_logprobs else None
-    out_spec = _controls.SampleOutput(tok_spec, tok_spec, tok_spec, tok_spec,
+    lp_spec = tok_spec if c.return_logprobs else None
+    out_spec = _controls.SampleOutput(tok_spec, lp_spec, lp_spec, lp_spec,
                                       top_spec, top_spec)
   n_vocab = _mesh_axes_size(mesh, "vocab_axis", axes.vocab)
 

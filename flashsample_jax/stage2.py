@@ -45,12 +45,21 @@ assert CANDIDATES >= controls.TOP_LOGPROBS_MAX
 _TOP_P_MARGIN = 1e-4
 
 
-def candidate_count(p: Problem) -> int:
-  """M: the candidates per row kept for truncation (at most the rows).
+# Candidates kept beyond the N of ``top_logprobs`` when nothing truncates:
+# the N-th is certified when it lies above the last listed value, so the
+# lists hold a few more to tell ties at the N-th from a clean cut.
+_TOP_SLACK = 8
+
+
+def candidate_count(p: Problem, c: controls.Controls) -> int:
+  """M: the candidates per row kept for truncation or top-N (at most the
+  rows): CANDIDATES with a truncation rule, else N + a few (a shorter list
+  is a cheaper merge).
 
   Lists are padded to M entries when a shard has fewer rows, so that
   shards' lists merge with one shape."""
-  return min(CANDIDATES, p.total_rows)
+  m = CANDIDATES if c.truncates else min(CANDIDATES, c.top_logprobs + _TOP_SLACK)
+  return min(m, p.total_rows)
 
 
 def tempered(p: Problem, x):
@@ -247,7 +256,7 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
       lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
                                 jnp.exp(t - mx[:, None])), axis=1))
   if c.lists:
-    m = candidate_count(p)
+    m = candidate_count(p, c)
     vals, ids = top_m(t, gid, jnp.full((p.batch,), -jnp.inf), m)
     st = st._replace(cand_vals=vals, cand_ids=ids,
                      cand_bound=jnp.full((p.batch,), -jnp.inf))
@@ -375,7 +384,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   nested.
   """
   samples = c.samples
-  m = candidate_count(p)
+  m = candidate_count(p, c)
   total_rows = p.total_rows
   combine = state_combine(c, m)
   perturb = lambda x, t, gid: perturbed(p, x, t, gid, samples)
@@ -474,10 +483,11 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     tokens, t_tok, lse_kept, lse_all, top = lax.cond(
         jnp.any(fallback), exact, lambda: (tokens, t_tok, lse_kept, lse_all, top))
   out = None
-  if c.return_logprobs:
-    out = controls.SampleOutput(tokens=tokens, logprob=t_tok - lse_all[None],
-                                logprob_truncated=t_tok - lse_kept,
-                                logsumexp=jnp.broadcast_to(lse_all, tokens.shape))
+  if c.returns_output:
+    out = controls.SampleOutput(tokens, None, None, None)
+    if c.return_logprobs:
+      out = out._replace(logprob=t_tok - lse_all[None], logprob_truncated=t_tok - lse_kept,
+                         logsumexp=jnp.broadcast_to(lse_all, tokens.shape))
     if top is not None:
       out = out._replace(top_ids=jnp.where(top[0] == -jnp.inf, -1, top[1]),
                          top_logprobs=top[0] - lse_all[:, None])
@@ -485,7 +495,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     empty = controls.none_allowed(c.allowed_mask, p.vocab_size)
     tokens = jnp.where(empty[None], -1, tokens)
     if out is not None:
-      nan = lambda a, e=empty[None]: jnp.where(e, jnp.nan, a)
+      nan = lambda a, e=empty[None]: None if a is None else jnp.where(e, jnp.nan, a)
       out = out._replace(tokens=tokens, logprob=nan(out.logprob),
                          logprob_truncated=nan(out.logprob_truncated))
       if top is not None:
@@ -512,7 +522,14 @@ def _materialized(p: Problem, c: controls.Controls, rows, results, perturbed, ax
   new_t = jnp.take_along_axis(t, j, axis=1)
   r = rows[None]
   if top is not None:
-    top_t, top_i = lax.top_k(t, top[0].shape[1])               # ties: lower id
+    # A sort with two keys (t descending, id ascending), not lax.top_k: a
+    # top_k of this width may become a custom call that a CUDA graph
+    # cannot hold, and the conditional around this branch would then be
+    # decided on the host on every call (see controls._sort_desc).
+    n = top[0].shape[1]
+    neg, top_i = lax.sort((-t, lax.broadcasted_iota(jnp.int32, t.shape, 1)),
+                          dimension=1, num_keys=2)
+    top_t, top_i = -neg[:, :n], top_i[:, :n]
     top = (jnp.where(rows[:, None], top_t, top[0]),
            jnp.where(rows[:, None], top_i, top[1]))
   return (jnp.where(r, j.T.astype(jnp.int32), tokens),

@@ -125,7 +125,7 @@ class TritonBackend(SamplerBackend):
         cat("best_score"), cat("best_index"),
         cat("best_t") if c.return_logprobs else None,
         first.lse_max, first.lse_sum, first.cand_vals, first.cand_ids,
-        first.bound, m=stage2.candidate_count(p))
+        first.bound, m=stage2.candidate_count(p, c))
 
   def prefers(self, p, c):
     # As the mosaic backend's (PERF_LOG "Routes"): with truncation always,

@@ -131,7 +131,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   """
   samples = c.samples
   vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
-  m = stage2.candidate_count(p)
+  m = stage2.candidate_count(p, c)
   offset = jnp.asarray(vocab_offset, jnp.int32)
 
   def block(hidden, w, start, width):
