@@ -45,7 +45,20 @@ class BackendSuite:
     want = fs.reference.sample(h, w, key, temperature=t, **kw, **extra)
     if isinstance(want, fs.SampleOutput):
       np.testing.assert_array_equal(got.tokens, want.tokens)
-      np.testing.assert_array_equal(got.top_ids, want.top_ids)
+      if "softcap" in kw and want.top_ids is not None:
+        # A kernel's tanh may differ from XLA's in the last bit
+        # (docs/design.md, "Soft-cap"): ids whose capped logits tie exactly
+        # in the reference may then come in another order. Elsewhere the
+        # ids are identical; here each listed id must be one whose
+        # reference log-probability is the one listed at its place.
+        got_ids, want_ids = np.asarray(got.top_ids), np.asarray(want.top_ids)
+        got_lp, want_lp = np.asarray(got.top_logprobs), np.asarray(want.top_logprobs)
+        for b, j in np.argwhere(got_ids != want_ids):
+          assert abs(got_lp[b, j] - want_lp[b, j]) <= 2e-5, (b, j)
+          k = np.flatnonzero(want_ids[b] == got_ids[b, j])   # none: a tie at the N-th
+          assert all(abs(want_lp[b, i] - want_lp[b, j]) <= 2e-5 for i in k), (b, j)
+      else:
+        np.testing.assert_array_equal(got.top_ids, want.top_ids)
       for name in ("logprob", "logprob_truncated", "logsumexp", "top_logprobs"):
         if getattr(want, name) is None:
           assert getattr(got, name) is None, name

@@ -137,12 +137,22 @@ def test_controls_scores_with_common_temperatures(t):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)),
                                   np.asarray(getattr(want, name)), err_msg=name)
   # The kernel's candidate lists are bounded (values at or below its bound
-  # are -inf); above the bound they are the exact lists, bit for bit.
-  above = np.asarray(got.cand_vals) > np.asarray(got.cand_bound)[:, None]
-  np.testing.assert_array_equal(np.asarray(got.cand_vals)[above],
-                                np.asarray(want.cand_vals)[above])
-  np.testing.assert_array_equal(np.asarray(got.cand_ids)[above],
-                                np.asarray(want.cand_ids)[above])
+  # are -inf); above the bound they hold the exact lists' entries, bit for
+  # bit. Equal values may come in another order (the lists are ordered by
+  # value only), so each row's entries are compared sorted by (t, id).
+  bound = np.asarray(got.cand_bound)[:, None]
+  for vals, ids, name in ((got.cand_vals, got.cand_ids, "kernel"),
+                          (want.cand_vals, want.cand_ids, "xla")):
+    vals, ids = np.asarray(vals), np.asarray(ids)
+    above = vals > bound
+    order = np.lexsort((np.where(above, ids, np.iinfo(np.int32).max),
+                        -np.where(above, vals, -np.inf)), axis=1)
+    sorted_ = (np.take_along_axis(np.where(above, vals, -np.inf), order, axis=1),
+               np.take_along_axis(np.where(above, ids, -1), order, axis=1))
+    if name == "kernel":
+      kernel = sorted_
+  np.testing.assert_array_equal(kernel[0], sorted_[0])
+  np.testing.assert_array_equal(kernel[1], sorted_[1])
 
 
 def test_repeated_runs_identical():
