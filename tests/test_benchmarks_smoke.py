@@ -47,3 +47,15 @@ def test_bench_e2e_smoke(tmp_path):
       assert r["same_tokens_rows"] == 1.0
   assert (tmp_path / "e2e_test.md").exists() and (tmp_path / "e2e_test.png").exists()
   assert "| tiny | qwen3 | 2 |" in (tmp_path / "e2e_test.md").read_text()
+
+
+def test_bench_sharded_smoke(tmp_path):
+  # 4 CPU devices stand in for 4 GPUs: TP 1, 2 and 4 inside one jitted loop.
+  _run(["benchmarks.bench_sharded", "--smoke", "--batches", "4", "--steps", "2",
+        "--reps", "1", "--no-plot"], tmp_path, devices=4)
+  res = json.loads((tmp_path / "sharded_cpu-smoke_smoke_tp1-2-4.json").read_text())
+  assert res["meta"]["steps"] == 2 and res["meta"]["device_count"] == 4
+  assert [(r["tp"], r["batch"]) for r in res["results"]] == [(1, 4), (2, 4), (4, 4)]
+  for r in res["results"]:
+    assert all(r[f"{s}_us"] > 0 for s in ("fused", "gather", "matmul", "exchange"))
+    assert r["same_rows"] == 1.0 and r["goal_us"] > 0
