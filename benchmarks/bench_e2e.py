@@ -158,8 +158,10 @@ def first_token_agreement(runs, graphdef, state, gen, prompt_len) -> float:
     if gen.baseline_noise_is_reference:
       ref = x.tokens[:, 0]
     else:
+      # On the devices of state: the hidden states may be replicated over a mesh.
+      h = jax.device_put(x.hidden0, jax.tree.leaves(state)[0].sharding)
       ref = np.asarray(_reference_noise_fn(graphdef, gen)(
-          state, x.hidden0, _model.step_key(seed, prompt_len)))
+          state, h, _model.step_key(seed, prompt_len)))
     same.append(np.mean(f.tokens[:, 0] == ref))
   return float(np.mean(same))
 

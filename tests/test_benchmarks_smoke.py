@@ -59,3 +59,17 @@ def test_bench_sharded_smoke(tmp_path):
   for r in res["results"]:
     assert all(r[f"{s}_us"] > 0 for s in ("fused", "gather", "matmul", "exchange"))
     assert r["same_rows"] == 1.0 and r["goal_us"] > 0
+
+
+def test_bench_tp_e2e_smoke(tmp_path):
+  # The decoder with its head split over 4 CPU devices, qwen3 config.
+  _run(["benchmarks.bench_tp_e2e", "--smoke", "--tp", "1,4", "--tokens", "2", "--name",
+        "test", "--no-plot"], tmp_path, devices=4)
+  res = json.loads((tmp_path / "tp_e2e_test-smoke.json").read_text())
+  assert res["complete"] and res["generation"] == "qwen3" and res["device_count"] == 4
+  assert {(r["tp"], r["sampler"]) for r in res["rows"]} == {
+      (n, s) for n in (1, 4) for s in ("fused", "xla")}
+  for r in res["rows"]:
+    assert r["tpot_ms"] > 0 and r["floor_ms"] > 0
+    assert r["same_first_token_rows"] == 1.0
+  assert "| 4 | 2 |" in (tmp_path / "tp_e2e_test-smoke.md").read_text()
