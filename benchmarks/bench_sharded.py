@@ -195,6 +195,16 @@ def main(a) -> None:
   gpu = device_name()
   print(f"{gpu}, {len(devices)} device(s), jax {jax.__version__}, shape {a.shape} "
         f"(D={d}, V={v}), bf16, {a.steps} steps per loop")
+  meta = {
+      "benchmark": "bench_sharded", "gpu": gpu, "device_count": len(devices),
+      "platform": devices[0].platform, "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "shape": a.shape, "D": d, "V": v, "dtype": "bfloat16",
+      "temperature": a.temperature, "steps": a.steps, "reps": a.reps, "warmup": a.warmup,
+      "timing": "per step: median over blocks of 2 calls of a jitted loop of `steps` steps",
+      "requested_backend": a.backend, "smoke": a.smoke,
+      "goal": "fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us, and < gather(TP=n)",
+  }
   fns = step_fns(a.temperature, a.backend)
   records = []
   for n in tps:
@@ -221,7 +231,13 @@ def main(a) -> None:
             f"gather {rec['gather_us']:8.1f} us  matmul {rec['matmul_us']:8.1f} us  "
             f"exchange {rec['exchange_us']:6.1f} us  same rows {rec['same_rows']:.4f}",
             flush=True)
+      write(a, meta, records, tps, final=False)
     del w, loops
+  write(a, meta, records, tps, final=True)
+
+
+def summarize(records) -> None:
+  """The goal and speedup fields of each record (TP=1 of the same B is the base)."""
   for rec in records:
     one = next((r for r in records if r["tp"] == 1 and r["batch"] == rec["batch"]), None)
     rec["goal_us"] = (1.2 * one["fused_us"] / rec["tp"] + 30.0) if one else None
@@ -229,27 +245,23 @@ def main(a) -> None:
     rec["faster_than_gather"] = rec["fused_us"] < rec["gather_us"]
     rec["speedup_vs_gather"] = rec["gather_us"] / rec["fused_us"]
 
-  meta = {
-      "benchmark": "bench_sharded", "gpu": gpu, "device_count": len(devices),
-      "platform": devices[0].platform, "jax_version": jax.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "shape": a.shape, "D": d, "V": v, "dtype": "bfloat16",
-      "temperature": a.temperature, "steps": a.steps, "reps": a.reps, "warmup": a.warmup,
-      "timing": "per step: median over blocks of 2 calls of a jitted loop of `steps` steps",
-      "requested_backend": a.backend, "smoke": a.smoke,
-      "goal": "fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us, and < gather(TP=n)",
-  }
+
+def write(a, meta, records, tps, final: bool) -> None:
+  """JSON and Markdown (and the plot when ``final``), also after every point,
+  so that a run stopped by a time limit keeps what it measured."""
+  summarize(records)
   a.out.mkdir(parents=True, exist_ok=True)
-  stem = a.out / (f"sharded_{slug(gpu)}{'-smoke' if a.smoke else ''}_{a.shape}"
+  stem = a.out / (f"sharded_{slug(meta['gpu'])}{'-smoke' if a.smoke else ''}_{a.shape}"
                   f"_tp{'-'.join(map(str, tps))}")
   stem.with_suffix(".json").write_text(
-      json.dumps({"meta": meta, "results": records}, indent=2) + "\n")
+      json.dumps({"meta": {**meta, "complete": final}, "results": records}, indent=2) + "\n")
   md = markdown(meta, records)
   stem.with_suffix(".md").write_text(md)
-  print(md)
-  if not a.no_plot:
-    plot(meta, records, stem.with_suffix(".png"))
-  print(f"wrote {stem}.json, .md" + ("" if a.no_plot else ", .png"))
+  if final:
+    print(md)
+    if not a.no_plot:
+      plot(meta, records, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md" + ("" if a.no_plot else ", .png"))
 
 
 def markdown(meta, records) -> str:

@@ -114,12 +114,30 @@ def main(argv=None) -> int:
   graphdef, state = _model.init(cfg, seed=args.seed)
   samplers = _model.SAMPLERS if args.sampler == "both" else (args.sampler,)
   results, records = {}, []
+  failed = False
+
+  def dump():  # after every run, so that a time limit keeps what ran
+    if args.json:
+      args.json.parent.mkdir(parents=True, exist_ok=True)
+      args.json.write_text(json.dumps({"rows": records}, indent=1) + "\n")
+
   for attention in args.attention:
     for name in samplers:
-      dec = _model.Decoding(cfg, graphdef, state, batch=args.batch, tokens=args.tokens,
-                            prompt_len=args.prompt_len, sampler=name, generation=gen,
-                            backend=args.backend, attention=attention)
-      r = dec.run(seed=args.seed)
+      try:
+        dec = _model.Decoding(cfg, graphdef, state, batch=args.batch, tokens=args.tokens,
+                              prompt_len=args.prompt_len, sampler=name, generation=gen,
+                              backend=args.backend, attention=attention)
+        r = dec.run(seed=args.seed)
+      except Exception as e:  # noqa: BLE001  e.g. cuDNN declining a shape: report, go on
+        if len(args.attention) == 1:
+          raise
+        failed = True
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"[{name}, attention {attention}] failed: {type(e).__name__}: {msg[:300]}")
+        records.append(dict(config=cfg.name, attention=attention, sampler=name,
+                            error=f"{type(e).__name__}: {msg[:1000]}"))
+        dump()
+        continue
       results[(attention, name)] = r
       tag = (f"{name}: {_model.fused_backend(cfg, args.batch, args.backend, generation=gen)}"
              if name == "fused" else name)
@@ -127,7 +145,7 @@ def main(argv=None) -> int:
       print(f"[{tag}, attention {attention}] B={args.batch} N={args.tokens} "
             f"prompt={args.prompt_len}: TPOT {r.tpot_ms:.3f} ms{ratio}, "
             f"{r.tokens_per_s:,.0f} tokens/s (compile {dec.compile_s:.1f} s, "
-            f"prefill {1e3 * r.prefill_s:.1f} ms)")
+            f"prefill {1e3 * r.prefill_s:.1f} ms)", flush=True)
       for b in range(min(args.show, args.batch)):
         print(f"  row {b}: {r.tokens[b].tolist()}")
       records.append(dict(config=cfg.name, generation=gen.name, attention=attention,
@@ -136,13 +154,12 @@ def main(argv=None) -> int:
                           tpot_over_floor=r.tpot_ms / floor_ms if floor_ms else None,
                           compile_s=dec.compile_s, device=dev.device_kind,
                           jax_version=jax.__version__))
-  if args.json:
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"rows": records}, indent=1) + "\n")
-  rc = 0
+      dump()
+  rc = 2 if failed else 0
   for attention in args.attention:
-    if len(samplers) < 2:
-      break
+    if len(samplers) < 2 or (attention, "fused") not in results or (
+        attention, "xla") not in results:
+      continue
     same = np.array_equal(results[(attention, "fused")].tokens,
                           results[(attention, "xla")].tokens)
     if gen.baseline_noise_is_reference:

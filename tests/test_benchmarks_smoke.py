@@ -55,6 +55,7 @@ def test_bench_sharded_smoke(tmp_path):
         "--reps", "1", "--no-plot"], tmp_path, devices=4)
   res = json.loads((tmp_path / "sharded_cpu-smoke_smoke_tp1-2-4.json").read_text())
   assert res["meta"]["steps"] == 2 and res["meta"]["device_count"] == 4
+  assert res["meta"]["complete"]
   assert [(r["tp"], r["batch"]) for r in res["results"]] == [(1, 4), (2, 4), (4, 4)]
   for r in res["results"]:
     assert all(r[f"{s}_us"] > 0 for s in ("fused", "gather", "matmul", "exchange"))
