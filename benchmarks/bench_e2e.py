@@ -241,6 +241,10 @@ def bench(args, on_point=None) -> dict:
               compile_s=decs[(g, s)].compile_s, same_tokens_rows=same_rows,
               same_first_token_rows=same_first))
         bar.update()
+        f, x = res["rows"][-2:]
+        print(f"{cfg_name} {g} B={b}: fused {f['tpot_ms']:.3f} ms, xla {x['tpot_ms']:.3f} ms "
+              f"({x['tpot_ms'] / f['tpot_ms']:.3f}x), floor {floor_ms:.3f} ms, same tokens "
+              f"{100 * same_rows:.1f}%, same first token {100 * same_first:.1f}%", flush=True)
         if on_point:
           on_point(res)
       del decs
@@ -255,11 +259,15 @@ def bench(args, on_point=None) -> dict:
 
 
 def _pairs(res: dict):
-  """``(fused row, xla row)`` per (config, generation, batch), in run order."""
+  """``(fused row, xla row)`` per (config, generation, batch), sorted by
+  config and generation as run, then by B (the suite may run B out of order)."""
   by = {(r["config"], r["generation"], r["batch"], r["sampler"]): r for r in res["rows"]}
-  for (c, g, b, s), r in by.items():
-    if s == "fused" and (c, g, b, "xla") in by:
-      yield r, by[(c, g, b, "xla")]
+  configs = list(dict.fromkeys(r["config"] for r in res["rows"]))
+  gens = list(res["generation_configs"])
+  keys = sorted(((c, g, b) for (c, g, b, s) in by if s == "fused" and (c, g, b, "xla") in by),
+                key=lambda k: (configs.index(k[0]), gens.index(k[1]), k[2]))
+  for c, g, b in keys:
+    yield by[(c, g, b, "fused")], by[(c, g, b, "xla")]
 
 
 def markdown(res: dict) -> str:

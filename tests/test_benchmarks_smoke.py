@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,3 +76,19 @@ def test_bench_tp_e2e_smoke(tmp_path):
     assert r["tpot_ms"] > 0 and r["floor_ms"] > 0
     assert r["same_first_token_rows"] == 1.0
   assert "| 4 | 2 |" in (tmp_path / "tp_e2e_test-smoke.md").read_text()
+
+
+@pytest.mark.parametrize("mode,files", [
+    ("single", ["floor_cpu_qwen3-8b.json", "e2e_cpu_qwen3-1.7b.json", "e2e_cpu_qwen3-8b.json"]),
+    ("tp", ["sharded_cpu-smoke_smoke_tp1-2-4.json", "tp_e2e_cpu-smoke.json"])])
+def test_e2e_suite_command_lines(mode, files, tmp_path):
+  # The GPU suite's own command lines, with tiny shapes appended (SUITE_SMOKE):
+  # a flag the scripts do not know would fail here, not on the GPU.
+  env = dict(os.environ, SUITE_SMOKE="1", OUT=str(tmp_path), PY=sys.executable)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(["bash", "benchmarks/e2e_suite.sh", mode], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+  assert "rc=124" not in out.stdout
+  for f in files:
+    assert (tmp_path / f).exists(), (f, sorted(p.name for p in tmp_path.iterdir()))
