@@ -169,16 +169,19 @@ def first_token_agreement(runs, graphdef, state, gen, prompt_len) -> float:
 def compile_all(decs: list, threads: int) -> None:
   """Compiles the first program alone (it fills XLA's autotuning cache for
   this batch size's matmuls, so that the others reuse its choices instead of
-  autotuning at the same time), then the rest ``threads`` at a time."""
+  autotuning at the same time), then the rest ``threads`` at a time; then
+  runs each briefly, untimed (:meth:`Decoding.warm_up`)."""
   if not decs:
     return
   decs[0].compile()
   if threads <= 1:
     for d in decs[1:]:
       d.compile()
-    return
-  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-    list(pool.map(lambda d: d.compile(), decs[1:]))
+  else:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      list(pool.map(lambda d: d.compile(), decs[1:]))
+  for d in decs:
+    d.warm_up()
 
 
 def bench(args, on_point=None) -> dict:
