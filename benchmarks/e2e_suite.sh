@@ -54,9 +54,13 @@ step() {
 }
 
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-$PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 # The GPU's name as the benchmarks write it ("NVIDIA H100 80GB HBM3" -> h100-80gb-hbm3).
-GPU=$($PY -c "from benchmarks import _timing; print(_timing.slug(_timing.device_name()))")
+GPU=$($PY -c "
+import sys, jax
+from benchmarks import _timing
+print('jax', jax.__version__, jax.devices(), file=sys.stderr)
+print(_timing.slug(_timing.device_name()))")
+echo "results named after: $GPU"
 
 case $mode in
   single)
