@@ -99,6 +99,8 @@ class Config:
     when the head is sharded over the vocabulary). The input embedding of an
     untied model is not counted: a step gathers only ``B`` of its rows.
     """
+    if vocab_shards < 1 or self.vocab % vocab_shards:
+      raise ValueError(f"{vocab_shards=} must be >= 1 and divide V={self.vocab}")
     head = self.vocab * self.dim // vocab_shards
     n = self.layers * self.layer_params + self.dim + head
     return n * jnp.dtype(self.dtype).itemsize
@@ -377,6 +379,9 @@ class Decoder(nnx.Module):
     """
     if attention not in ATTENTIONS:
       raise ValueError(f"{attention=} must be one of {ATTENTIONS}")
+    if len(cache) != self.cfg.layers:
+      raise ValueError(f"cache has {len(cache)} (k, v) pairs; the model has "
+                       f"{self.cfg.layers} layers (see empty_cache)")
     x = self.embed(tokens)
     cos, sin = rope_tables(pos + jnp.arange(tokens.shape[1]), self.cfg.head_dim,
                            self.cfg.rope_theta)
@@ -417,6 +422,8 @@ def _zeros_fn(cfg: Config, batch: int, length: int, sharding):
 def weight_read_floor_ms(cfg: Config, bandwidth_Bps: float, vocab_shards: int = 1) -> float:
   """A decode step's lower bound: its weights (:meth:`Config.step_weight_bytes`)
   read once at ``bandwidth_Bps``."""
+  if not bandwidth_Bps > 0:
+    raise ValueError(f"{bandwidth_Bps=} must be > 0")
   return 1e3 * cfg.step_weight_bytes(vocab_shards) / bandwidth_Bps
 
 

@@ -135,6 +135,10 @@ def test_step_weight_bytes_and_floor():
   tied = _model.CONFIGS["qwen3-1.7b"]
   assert tied.step_weight_bytes() == 2 * tied.params
   assert _model.weight_read_floor_ms(cfg, 2 * streamed / 1e-3) == pytest.approx(1.0)
+  with pytest.raises(ValueError, match="vocab_shards"):
+    cfg.step_weight_bytes(3)
+  with pytest.raises(ValueError, match="bandwidth"):
+    _model.weight_read_floor_ms(cfg, 0.0)
 
 
 def test_real_configs_have_the_real_sizes():
