@@ -19,7 +19,8 @@
 #   tp_e2e    benchmarks/bench_tp_e2e: a 32B-class decoder (4 layers) with its LM
 #             head split over TP 1/2/4, qwen3 config, B 1/16/64/256
 #
-# Limits in seconds (env): T_FLOOR T_E2E_17 T_E2E_8 T_SHARDED T_TP_E2E. An existing
+# Limits in seconds (env): T_FLOOR T_E2E_17 T_E2E_8 T_SHARDED T_TP_E2E. COMPILE_THREADS
+# (default 4): bench_e2e's programs compiled at once (1 = one after another). An existing
 # PYTHONPATH (e.g. a jax-triton wheel's site dir) is kept, after the repository.
 # SUITE_SMOKE=1 runs the same command lines on the CPU with tiny shapes appended
 # (argparse keeps the last value of a flag), so CI checks the GPU lines' flags.
@@ -73,10 +74,12 @@ case $mode in
     step e2e_1.7b "${T_E2E_17:-240}" $PY -m benchmarks.bench_e2e --configs qwen3-1.7b \
       --generation-config all --batches 64,1,256,16,128 --tokens 64 --prompt-len 64 \
       --repeats 3 --budget-s $(( ${T_E2E_17:-240} - 60 )) --out "$OUT" \
+      --compile-threads "${COMPILE_THREADS:-4}" \
       --name "${GPU}_qwen3-1.7b" $S_E2E
     step e2e_8b "${T_E2E_8:-135}" $PY -m benchmarks.bench_e2e --configs qwen3-8b \
       --generation-config qwen3,plain --batches 64,1,16 --tokens 64 --prompt-len 64 \
       --repeats 3 --budget-s $(( ${T_E2E_8:-135} - 55 )) --out "$OUT" \
+      --compile-threads "${COMPILE_THREADS:-4}" \
       --name "${GPU}_qwen3-8b" $S_E2E
     tables="$OUT/e2e_${GPU}_qwen3-1.7b.md $OUT/e2e_${GPU}_qwen3-8b.md"
     ;;
