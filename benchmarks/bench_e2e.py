@@ -1,45 +1,81 @@
-"""End-to-end decode benchmark: time per output token, fused sampler vs XLA.
+"""End-to-end decode benchmark: time per output token, fused sampler vs XLA baselines.
 
-For each model config and batch size B, decodes N tokens with the Qwen3-style
-model of examples/_model.py (random bf16 weights made on the device) twice
-per repeat, once per sampler, in the same process:
+For each model config, generation config and batch size B, decodes N tokens
+with the Qwen3-style model of examples/_model.py (random bf16 weights made on
+the device) once per sampler and repeat, in the same process:
 
 * ``fused``: ``flashsample_jax.sample`` (backend "auto") from the LM head as
-  stored, no ``[B, V]`` logits;
-* ``xla``: f32 logits ``hidden @ W.T`` then ``jax.random.categorical``
-  (the baseline of docs/design.md, "Performance").
+  stored, with the generation config's controls; no ``[B, V]`` logits;
+* ``xla``: f32 logits ``hidden @ W.T`` then the generation config written the
+  way JAX codebases write it (``examples/_model.baseline_tokens``):
+
+  ========  ==============================  ======================================
+  name      settings                        baseline
+  ========  ==============================  ======================================
+  plain     T 1                             ``jax.random.categorical``
+  greedy    T 0                             ``jnp.argmax``
+  qwen3     T 0.6, top-k 20, top-p 0.95     ``lax.top_k``, top-p on the k,
+                                            categorical over the k (MaxText, T5X)
+  llama3    T 0.6, top-p 0.9                full sort for the cutoff, mask,
+                                            categorical (MaxText's nucleus)
+  min-p     T 1, min-p 0.1                  mask ``exp(t - max t) < 0.1``,
+                                            categorical
+  ========  ==============================  ======================================
 
 TPOT = wall time of N back-to-back decode steps / N (the whole batch gets one
-token per step), median over repeats, samplers interleaved. Also records
-whether both samplers drew the same token sequences (same keys).
+token per step), median over repeats, samplers interleaved. Beside it, the
+step's weight-read floor: the bytes of the weights a step reads
+(``Config.step_weight_bytes``) at the device's read bandwidth, measured in the
+same run (a large ``jnp.sum``).
 
-Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` with the GPU name, jax
-version and date.
+Token agreement, reported, not asserted (near-ties can flip, and each baseline
+has its own tie rules):
 
-  python3 -m benchmarks.bench_e2e                 # GPU: qwen3-1.7b, qwen3-8b
-  python3 -m benchmarks.bench_e2e --smoke         # CPU: tiny config, seconds
+* ``same tokens``: share of rows whose N decoded tokens are identical (same
+  keys). The top-k baselines draw their noise over the k candidates, not over
+  the vocabulary, so for them this is expected to be low.
+* ``same first token``: the first sampled token, from the same prompt; for the
+  top-k baselines with the kept set the baseline computes but the noise of
+  ``jax.random.categorical`` on the full ``[B, V]`` (what the fused sampler
+  matches): do both keep the same candidates?
+
+Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` (rewritten after every
+point, so a run stopped by a time limit keeps what it measured) with the GPU
+name, jax version and date.
+
+  python3 -m benchmarks.bench_e2e --generation-config plain,qwen3     # GPU
+  python3 -m benchmarks.bench_e2e --generation-config all --configs qwen3-1.7b
+  python3 -m benchmarks.bench_e2e --smoke                             # CPU, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import datetime
+import functools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 from examples import _model  # noqa: E402
+from flashsample_jax import flax_heads  # noqa: E402
 
-BATCHES = (1, 4, 16, 64)
+BATCHES = (1, 16, 64, 128, 256)
 GPU_CONFIGS = ("qwen3-1.7b", "qwen3-8b")
+# Headline configs first: a run cut short by its time limit keeps them.
+GENERATIONS = ("plain", "qwen3", "greedy", "llama3", "min-p")
 
 
 def parse_args(argv=None):
@@ -47,26 +83,50 @@ def parse_args(argv=None):
   p.add_argument("--smoke", action="store_true",
                  help="tiny config, few tokens: a CPU check that the script works")
   p.add_argument("--configs", default=None,
-                 help=f"comma-separated, from {sorted(_model.CONFIGS)}; default "
-                 f"{','.join(GPU_CONFIGS)} (--smoke: tiny)")
-  p.add_argument("--batches", default=",".join(map(str, BATCHES)))
-  p.add_argument("--tokens", type=int, default=None, help="N per run (default 64; smoke 8)")
+                 help=f"model configs, comma-separated, from {sorted(_model.CONFIGS)}; "
+                 f"default {','.join(GPU_CONFIGS)} (--smoke: tiny)")
+  p.add_argument("--generation-config", default="plain",
+                 help=f"comma-separated names from {list(GENERATIONS)}, or 'all'")
+  p.add_argument("--batches", default=None,
+                 help=f"default {','.join(map(str, BATCHES))} (--smoke: 2)")
+  p.add_argument("--tokens", type=int, default=None, help="N per run (default 32; smoke 4)")
   p.add_argument("--prompt-len", type=int, default=None, help="default 64; smoke 8")
-  p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 2)")
-  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 1)")
   p.add_argument("--backend", default="auto",
-                 help="flashsample_jax backend of the fused sampler (auto, mosaic, xla)")
+                 help="flashsample_jax backend of the fused sampler (auto, mosaic, triton, xla)")
+  p.add_argument("--attention", default="xla", choices=_model.ATTENTIONS,
+                 help="the decoder's attention (jax.nn.dot_product_attention implementation)")
+  p.add_argument("--compile-threads", type=int, default=None,
+                 help="step programs compiled at once (default 4 on a GPU, 1 on a CPU)")
+  p.add_argument("--bandwidth", type=float, default=None,
+                 help="read bandwidth in bytes/s for the floor (default: measured)")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="start no new batch size after this many seconds (results so far are kept)")
   p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
   p.add_argument("--name", default=None, help="file stem suffix (default: the device)")
+  p.add_argument("--no-plot", action="store_true")
   a = p.parse_args(argv)
   a.configs = (a.configs or ("tiny" if a.smoke else ",".join(GPU_CONFIGS))).split(",")
   for c in a.configs:
     if c not in _model.CONFIGS:
       p.error(f"unknown config {c!r}; choose from {sorted(_model.CONFIGS)}")
-  a.batches = [int(b) for b in a.batches.split(",")]
-  a.tokens = a.tokens or (8 if a.smoke else 64)
+  gens = GENERATIONS if a.generation_config == "all" else a.generation_config.split(",")
+  for g in gens:
+    if g not in _model.GENERATION_CONFIGS:
+      p.error(f"unknown generation config {g!r}; choose from {list(GENERATIONS)} or 'all'")
+  a.generations = list(dict.fromkeys(gens))
+  a.batches = [int(b) for b in (a.batches or ("2" if a.smoke else
+                                              ",".join(map(str, BATCHES)))).split(",")]
+  a.tokens = a.tokens or (4 if a.smoke else 32)
   a.prompt_len = a.prompt_len or (8 if a.smoke else 64)
-  a.repeats = a.repeats or (2 if a.smoke else 3)
+  a.repeats = a.repeats or (1 if a.smoke else 3)
+  for name in ("tokens", "prompt_len", "repeats"):
+    if getattr(a, name) < 1:
+      p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+  if min(a.batches) < 1:
+    p.error(f"--batches={a.batches}: every B must be >= 1")
+  if a.compile_threads is None:
+    a.compile_threads = 1 if jax.default_backend() == "cpu" else 4
   return a
 
 
@@ -74,54 +134,143 @@ device_name = _timing.device_name
 slug = _timing.slug
 
 
-def bench(args) -> dict:
-  rows = []
-  total = len(args.configs) * len(args.batches)
-  bar = tqdm(total=total * len(_model.SAMPLERS) * args.repeats, desc="e2e", unit="run")
+def measure_bandwidth() -> float:
+  """Read bandwidth in bytes/s (a few GiB on a GPU; a token amount on a CPU)."""
+  if jax.default_backend() == "cpu":
+    return _timing.read_bandwidth(gib=1 / 16, reps=3)
+  return _timing.read_bandwidth()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_noise_fn(graphdef, gen):
+  """The baseline's kept set sampled with the reference's noise (un-timed)."""
+  @jax.jit
+  def f(state, hidden, key):
+    logits = flax_heads.logits(nnx.merge(graphdef, state).head, hidden)
+    return _model.baseline_tokens(logits, key, gen, noise="reference")
+  return f
+
+
+def first_token_agreement(runs, graphdef, state, gen, prompt_len) -> float:
+  """Share of rows whose first token agrees (see the module docstring)."""
+  same = []
+  for seed, (f, x) in enumerate(zip(runs["fused"], runs["xla"])):
+    if gen.baseline_noise_is_reference:
+      ref = x.tokens[:, 0]
+    else:
+      # On the devices of state: the hidden states may be replicated over a mesh.
+      h = jax.device_put(x.hidden0, jax.tree.leaves(state)[0].sharding)
+      ref = np.asarray(_reference_noise_fn(graphdef, gen)(
+          state, h, _model.step_key(seed, prompt_len)))
+    same.append(np.mean(f.tokens[:, 0] == ref))
+  return float(np.mean(same))
+
+
+def compile_all(decs: list, threads: int) -> None:
+  """Compiles the first program alone (it fills XLA's autotuning cache for
+  this batch size's matmuls, so that the others reuse its choices instead of
+  autotuning at the same time), then the rest ``threads`` at a time; then
+  runs each briefly, untimed (:meth:`Decoding.warm_up`)."""
+  if not decs:
+    return
+  decs[0].compile()
+  if threads <= 1:
+    for d in decs[1:]:
+      d.compile()
+  else:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      list(pool.map(lambda d: d.compile(), decs[1:]))
+  for d in decs:
+    d.warm_up()
+
+
+def bench(args, on_point=None) -> dict:
+  t_start = time.perf_counter()
+  gpu = device_name()
+  bandwidth = args.bandwidth or measure_bandwidth()
+  res = dict(
+      benchmark="e2e_decode", gpu=gpu, device_count=jax.device_count(),
+      jax_version=jax.__version__, backend=jax.default_backend(),
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      tokens=args.tokens, prompt_len=args.prompt_len, repeats=args.repeats,
+      dtype="bfloat16", samplers=list(_model.SAMPLERS), attention=args.attention,
+      requested_backend=args.backend, read_bandwidth_Bps=bandwidth,
+      generation_configs={g: {**dataclasses.asdict(_model.GENERATION_CONFIGS[g]),
+                              "baseline": _model.GENERATION_CONFIGS[g].describe_baseline()}
+                          for g in args.generations},
+      smoke=args.smoke, complete=False, rows=[])
+  total = len(args.configs) * len(args.batches) * len(args.generations)
+  bar = tqdm(total=total, desc="e2e", unit="point")
+  stopped = False
   for cfg_name in args.configs:
     cfg = _model.CONFIGS[cfg_name]
     bar.set_postfix_str(f"{cfg_name}: init")
     graphdef, state = _model.init(cfg)
     jax.block_until_ready(state)
+    floor_ms = _model.weight_read_floor_ms(cfg, bandwidth)
     for b in args.batches:
-      decs = {}
-      for name in _model.SAMPLERS:
-        bar.set_postfix_str(f"{cfg_name} B={b}: compile {name}")
-        decs[name] = _model.Decoding(cfg, graphdef, state, batch=b, tokens=args.tokens,
-                                     prompt_len=args.prompt_len, sampler=name,
-                                     backend=args.backend)
-      runs = {name: [] for name in _model.SAMPLERS}
-      for r in range(args.repeats):
-        for name, dec in decs.items():  # interleaved, so drift hits both alike
-          bar.set_postfix_str(f"{cfg_name} B={b}: {name} #{r}")
-          runs[name].append(dec.run(seed=r, temperature=args.temperature))
-          bar.update()
-      # Same seed, same keys: the samplers should draw the same tokens (rows
-      # may differ where bf16 rounding of two matmuls flips a near-tie).
-      same_rows = np.mean([
-          np.all(f.tokens == x.tokens, axis=1).mean()
-          for f, x in zip(runs["fused"], runs["xla"])])
-      for name in _model.SAMPLERS:
-        tpots = [r.tpot_ms for r in runs[name]]
-        rows.append(dict(
-            config=cfg_name, params=cfg.params, dim=cfg.dim, vocab=cfg.vocab,
-            tied=cfg.tied, batch=b, sampler=name,
-            fused_backend=_model.fused_backend(cfg, b, args.backend) if name == "fused" else None,
-            tpot_ms=statistics.median(tpots), tpot_ms_runs=tpots,
-            tokens_per_s=b / (statistics.median(tpots) / 1e3),
-            prefill_ms=statistics.median(1e3 * r.prefill_s for r in runs[name]),
-            compile_s=decs[name].compile_s, same_tokens_rows=float(same_rows)))
+      if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+        print(f"time budget of {args.budget_s:.0f} s spent: skipping {cfg_name} B={b} and later")
+        stopped = True
+        break
+      bar.set_postfix_str(f"{cfg_name} B={b}: compile")
+      decs = {(g, s): _model.Decoding(cfg, graphdef, state, batch=b, tokens=args.tokens,
+                                      prompt_len=args.prompt_len, sampler=s, generation=g,
+                                      backend=args.backend, attention=args.attention)
+              for g in args.generations for s in _model.SAMPLERS[::-1]}
+      compile_all(list(decs.values()), args.compile_threads)
+      for g in args.generations:
+        gen = _model.GENERATION_CONFIGS[g]
+        runs = {s: [] for s in _model.SAMPLERS}
+        for r in range(args.repeats):
+          for s in _model.SAMPLERS:  # interleaved, so drift hits both alike
+            bar.set_postfix_str(f"{cfg_name} B={b} {g}: {s} #{r}")
+            runs[s].append(decs[(g, s)].run(seed=r))
+        same_rows = float(np.mean([np.all(f.tokens == x.tokens, axis=1).mean()
+                                   for f, x in zip(runs["fused"], runs["xla"])]))
+        same_first = first_token_agreement(runs, graphdef, state, gen, args.prompt_len)
+        for s in _model.SAMPLERS:
+          tpots = [r.tpot_ms for r in runs[s]]
+          tpot = statistics.median(tpots)
+          res["rows"].append(dict(
+              config=cfg_name, generation=g, params=cfg.params, dim=cfg.dim,
+              vocab=cfg.vocab, layers=cfg.layers, tied=cfg.tied, batch=b, sampler=s,
+              baseline=gen.describe_baseline() if s == "xla" else None,
+              fused_backend=(_model.fused_backend(cfg, b, args.backend, generation=gen)
+                             if s == "fused" else None),
+              tpot_ms=tpot, tpot_ms_runs=tpots, tokens_per_s=b / (tpot / 1e3),
+              floor_ms=floor_ms, tpot_over_floor=tpot / floor_ms,
+              prefill_ms=statistics.median(1e3 * r.prefill_s for r in runs[s]),
+              compile_s=decs[(g, s)].compile_s, same_tokens_rows=same_rows,
+              same_first_token_rows=same_first))
+        bar.update()
+        f, x = res["rows"][-2:]
+        print(f"{cfg_name} {g} B={b}: fused {f['tpot_ms']:.3f} ms, xla {x['tpot_ms']:.3f} ms "
+              f"({x['tpot_ms'] / f['tpot_ms']:.3f}x), floor {floor_ms:.3f} ms, same tokens "
+              f"{100 * same_rows:.1f}%, same first token {100 * same_first:.1f}%", flush=True)
+        if on_point:
+          on_point(res)
       del decs
+    _model.forget_programs()
     del state
+    if stopped:
+      break
   bar.close()
-  gpu = device_name()
-  return dict(
-      benchmark="e2e_decode", gpu=gpu, device_count=jax.device_count(),
-      jax_version=jax.__version__, backend=jax.default_backend(),
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      tokens=args.tokens, prompt_len=args.prompt_len, repeats=args.repeats,
-      temperature=args.temperature, dtype="bfloat16", samplers=list(_model.SAMPLERS),
-      rows=rows)
+  res["complete"] = not stopped
+  res["wall_s"] = time.perf_counter() - t_start
+  return res
+
+
+def _pairs(res: dict):
+  """``(fused row, xla row)`` per (config, generation, batch), sorted by
+  config and generation as run, then by B (the suite may run B out of order)."""
+  by = {(r["config"], r["generation"], r["batch"], r["sampler"]): r for r in res["rows"]}
+  configs = list(dict.fromkeys(r["config"] for r in res["rows"]))
+  gens = list(res["generation_configs"])
+  keys = sorted(((c, g, b) for (c, g, b, s) in by if s == "fused" and (c, g, b, "xla") in by),
+                key=lambda k: (configs.index(k[0]), gens.index(k[1]), k[2]))
+  for c, g, b in keys:
+    yield by[(c, g, b, "fused")], by[(c, g, b, "xla")]
 
 
 def markdown(res: dict) -> str:
@@ -130,21 +279,36 @@ def markdown(res: dict) -> str:
       "",
       f"{res['gpu']}, jax {res['jax_version']}, {res['date']}. Random bf16 weights, "
       f"prompt {res['prompt_len']}, N={res['tokens']} tokens, median of "
-      f"{res['repeats']} runs. fused = flashsample_jax.sample (auto); xla = f32 logits + "
-      "jax.random.categorical.",
+      f"{res['repeats']} runs, attention {res['attention']}. fused = "
+      "flashsample_jax.sample (auto) with the generation config's controls; xla = f32 "
+      "logits + the baseline below. Floor: the step's weights read once at "
+      f"{res['read_bandwidth_Bps'] / 1e12:.2f} TB/s (measured)."
+      + ("" if res.get("complete", True) else " **Stopped early by its time budget.**"),
       "",
-      "| config | B | fused backend | fused TPOT ms | xla TPOT ms | speedup | fused tokens/s | xla tokens/s | same tokens |",
-      "|---|---|---|---|---|---|---|---|---|",
   ]
-  by = {(r["config"], r["batch"], r["sampler"]): r for r in res["rows"]}
-  for (cfg, b, s), r in by.items():
-    if s != "fused":
-      continue
-    x = by[(cfg, b, "xla")]
+  for g, gc in res["generation_configs"].items():
+    lines.append(f"* `{g}`: T {gc['temperature']}"
+                 + (f", top-k {gc['top_k']}" if gc["top_k"] else "")
+                 + (f", top-p {gc['top_p']}" if gc["top_p"] < 1 else "")
+                 + (f", min-p {gc['min_p']}" if gc["min_p"] > 0 else "")
+                 + f". Baseline: {gc['baseline']}.")
+  lines += [
+      "",
+      "Same tokens: rows whose whole decode is identical (low by design where the "
+      "baseline draws its noise over the top-k candidates); same first token: the first "
+      "token, top-k baselines re-drawn with the noise of jax.random.categorical over "
+      "[B, V] (do both keep the same candidates?).",
+      "",
+      "| config | generation | B | fused backend | fused TPOT ms | xla TPOT ms | speedup | "
+      "floor ms | fused / floor | xla / floor | same tokens | same first token |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for f, x in _pairs(res):
     lines.append(
-        f"| {cfg} | {b} | {r['fused_backend']} | {r['tpot_ms']:.3f} | {x['tpot_ms']:.3f} | "
-        f"{x['tpot_ms'] / r['tpot_ms']:.3f}x | {r['tokens_per_s']:,.0f} | "
-        f"{x['tokens_per_s']:,.0f} | {100 * r['same_tokens_rows']:.0f}% |")
+        f"| {f['config']} | {f['generation']} | {f['batch']} | {f['fused_backend']} | "
+        f"{f['tpot_ms']:.3f} | {x['tpot_ms']:.3f} | {x['tpot_ms'] / f['tpot_ms']:.3f}x | "
+        f"{f['floor_ms']:.3f} | {f['tpot_over_floor']:.2f} | {x['tpot_over_floor']:.2f} | "
+        f"{100 * f['same_tokens_rows']:.1f}% | {100 * f['same_first_token_rows']:.1f}% |")
   return "\n".join(lines) + "\n"
 
 
@@ -154,39 +318,60 @@ def plot(res: dict, path: Path) -> None:
   import matplotlib.pyplot as plt
 
   configs = list(dict.fromkeys(r["config"] for r in res["rows"]))
-  fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
-  for ax, cfg in zip(axes[0], configs):
-    for s, style in zip(res["samplers"], ("o-", "s--")):
-      rs = sorted((r for r in res["rows"] if r["config"] == cfg and r["sampler"] == s),
-                  key=lambda r: r["batch"])
-      ax.plot([r["batch"] for r in rs], [r["tpot_ms"] for r in rs], style, label=s)
-    ax.set_xscale("log", base=2)
-    bs = sorted({r["batch"] for r in res["rows"]})
-    ax.set_xticks(bs, [str(b) for b in bs])
-    ax.minorticks_off()
-    ax.set_xlabel("batch B")
-    ax.set_ylabel("time per output token (ms)")
-    ax.set_title(cfg)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
+  if not configs:
+    return
+  gens = list(res["generation_configs"])
+  colors = dict(zip(gens, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  fig, axes = plt.subplots(2, len(configs), figsize=(5.5 * len(configs), 7.5), squeeze=False)
+  pairs = list(_pairs(res))
+  for col, cfg in enumerate(configs):
+    top, bottom = axes[0][col], axes[1][col]
+    for g in gens:
+      ps = sorted(((f, x) for f, x in pairs if f["config"] == cfg and f["generation"] == g),
+                  key=lambda p: p[0]["batch"])
+      if not ps:
+        continue
+      bs = [f["batch"] for f, _ in ps]
+      top.plot(bs, [f["tpot_ms"] for f, _ in ps], "o-", color=colors[g], label=f"{g}: fused")
+      top.plot(bs, [x["tpot_ms"] for _, x in ps], "s--", color=colors[g], label=f"{g}: xla")
+      bottom.plot(bs, [x["tpot_ms"] / f["tpot_ms"] for f, x in ps], "o-", color=colors[g],
+                  label=g)
+    fl = [r for r in res["rows"] if r["config"] == cfg]
+    top.axhline(fl[0]["floor_ms"], color="k", lw=1, ls=":", label="weight-read floor")
+    bottom.axhline(1.0, color="k", lw=1)
+    bs = sorted({r["batch"] for r in fl})
+    for ax in (top, bottom):
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(bs, [str(b) for b in bs])
+      ax.minorticks_off()
+      ax.set_xlabel("batch B")
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7)
+    top.set_ylabel("time per output token (ms)")
+    top.set_ylim(bottom=0)
+    top.set_title(cfg)
+    bottom.set_ylabel("speedup of the step (xla / fused)")
   fig.suptitle(f"End-to-end decode TPOT, {res['gpu']}, jax {res['jax_version']}")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
+def write(res: dict, out: Path, stem: str, with_plot: bool) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+  (out / f"{stem}.md").write_text(markdown(res))
+  if with_plot:
+    plot(res, out / f"{stem}.png")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
-  res = bench(args)
-  stem = f"e2e_{args.name or slug(res['gpu'])}"
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-  md = markdown(res)
-  (args.out / f"{stem}.md").write_text(md)
-  plot(res, args.out / f"{stem}.png")
-  print(md)
-  print(f"wrote {args.out / stem}.{{json,md,png}}")
+  stem = f"e2e_{args.name or slug(device_name())}"
+  res = bench(args, on_point=lambda r: write(r, args.out, stem, with_plot=False))
+  write(res, args.out, stem, with_plot=not args.no_plot)
+  print(markdown(res))
+  print(f"wrote {args.out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
   return 0
 
 

@@ -1,31 +1,38 @@
-"""Vocabulary-parallel sampling benchmark: fused sharded sampler vs all-gather.
+"""Vocabulary-parallel sampling inside a jitted decode loop: fused vs all-gather.
 
 Shape L (Llama-3-70B head: D 8192, V 128256, bf16), B in {16, 64, 256},
 the vocabulary sharded over TP = 1, 2, 4 GPUs (those that fit the GPUs
-present). For every (TP, B), in one process and one run:
+present). Each sampler runs ``--steps`` sampling steps in one jitted
+``lax.fori_loop`` inside one ``shard_map`` over the TP mesh, as it would
+inside a model's decode step: the multi-device program is launched once per
+loop, not once per sample (timing single calls measures the host's launch of
+a multi-GPU program at small B, not the sampler). Each step's hidden states
+depend on the previous step's tokens, so XLA cannot hoist the matmul out of
+the loop. Per (TP, B), in one process and one run:
 
-* ``fused``: ``flashsample_jax.sample_sharded`` (backend "auto"): each GPU
-  samples its vocabulary shard, one all-gather of 8 bytes per row and GPU
-  combines the candidates; no ``[B, V]`` logits anywhere;
-* ``gather``: the baseline users run today: per-GPU f32 logits of the local
-  shard, ``all_gather`` to ``[B, V]`` on every GPU, ``jax.random.categorical``;
-* ``matmul``: the per-GPU local matmul ``[B, D] x [D, V/TP]`` alone (bf16 out,
-  stays sharded): what a fused sharded sampler can approach (docs/design.md);
-* ``exchange``: the candidate exchange alone: ``combine_over_axis`` of a
-  ``[B]`` (score, id) per GPU, no matmul: the collective's latency.
+* ``fused``: ``flashsample_jax.sample(..., vocab_axis="tp")`` on each GPU's
+  vocabulary shard: one all-gather of 8 bytes per row and GPU combines the
+  candidates; no ``[B, V]`` logits anywhere;
+* ``gather``: the baseline users write today: per-GPU f32 logits of the local
+  shard, ``lax.all_gather`` to ``[B, V]`` on every GPU, ``jax.random.categorical``;
+* ``matmul``: the per-GPU local matmul ``[B, D] x [D, V/TP]`` alone (bf16
+  out, stays sharded): what a fused sharded sampler can approach
+  (docs/design.md);
+* ``exchange``: the candidate exchange alone (``combine_over_axis`` of a
+  ``[B]`` (score, id) per GPU, no matmul): the collective's latency.
 
-Median wall time of many calls after warm-up (each call blocks until every
-GPU is done). Goal per B: ``fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us``
-and ``fused(TP=n) < gather(TP=n)``; the table and JSON say which hold.
-Also records the share of rows where fused and gather drew the same token
-(random inputs: >= 99.9% expected; rounding of the f32 sums may flip
-near-ties) and the backend that ran on each shard.
+Reported per step: the median over blocks of loop calls, divided by the
+steps. Goal per B: ``fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us`` and
+``fused(TP=n) < gather(TP=n)``; the table and JSON say which hold. Also the
+share of rows whose tokens over all steps are the same for fused and gather
+(same keys; random inputs: rounding of the f32 sums may flip a near-tie,
+after which that row's later steps differ too) and the backend of each shard.
 
-Writes ``benchmarks/results/sharded_<gpu>_tp<list>.{json,md,png}`` with the
-GPU, jax version and date.
+Writes ``benchmarks/results/sharded_<gpu>_<shape>_tp<list>.{json,md,png}``
+with the GPU, jax version and date.
 
   python3 -m benchmarks.bench_sharded            # GPUs: shape L, TP 1,2,4
-  python3 -m benchmarks.bench_sharded --smoke    # CPU, 8 host devices, tiny
+  python3 -m benchmarks.bench_sharded --smoke    # CPU, 4 host devices, tiny
 """
 
 from __future__ import annotations
@@ -39,107 +46,130 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SHAPES = {"L": (8192, 128256), "S": (4096, 151936), "smoke": (256, 4096)}
 BATCHES = (16, 64, 256)
 TPS = (1, 2, 4)
 SAMPLERS = ("fused", "gather", "matmul", "exchange")
+SMOKE_DEVICES = 4
 
 
 def parse_args(argv=None):
+  from benchmarks.shapes import HEADS
+  shapes = {**HEADS, "smoke": (256, 4096)}
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--smoke", action="store_true",
-                 help="tiny shape on 8 CPU host devices: checks the script runs")
-  p.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                 help="(D, V) by name; default L (--smoke: smoke)")
+                 help=f"tiny shape on {SMOKE_DEVICES} CPU host devices: checks the script runs")
+  p.add_argument("--shape", default=None, choices=sorted(shapes),
+                 help="(D, V) by name (benchmarks/shapes.py); default L (--smoke: smoke)")
   p.add_argument("--batches", default=None, help="default 16,64,256 (smoke 4,16)")
   p.add_argument("--tp", default=None,
-                 help="comma-separated TP degrees; default 1,2,4 (smoke 1,2,4,8); "
-                 "degrees above the device count are skipped")
-  p.add_argument("--iters", type=int, default=None, help="timed calls (default 100; smoke 5)")
-  p.add_argument("--warmup", type=int, default=None, help="default 10; smoke 2")
+                 help="comma-separated TP degrees; default 1,2,4; degrees above the "
+                 "device count are skipped")
+  p.add_argument("--steps", type=int, default=None,
+                 help="sampling steps per jitted loop (default 32; smoke 4)")
+  p.add_argument("--reps", type=int, default=None,
+                 help="timed blocks of 2 loop calls (default 10; smoke 2)")
+  p.add_argument("--warmup", type=int, default=None, help="loop calls first (default 2; smoke 1)")
   p.add_argument("--backend", default="auto", help="per-shard backend of the fused sampler")
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
   p.add_argument("--no-plot", action="store_true")
   a = p.parse_args(argv)
   a.shape = a.shape or ("smoke" if a.smoke else "L")
+  a.d, a.v = shapes[a.shape]
   a.batches = [int(x) for x in (a.batches or ("4,16" if a.smoke else "16,64,256")).split(",")]
-  a.tp = [int(x) for x in (a.tp or ("1,2,4,8" if a.smoke else "1,2,4")).split(",")]
-  a.iters = a.iters or (5 if a.smoke else 100)
-  a.warmup = a.warmup or (2 if a.smoke else 10)
+  a.tp = [int(x) for x in (a.tp or "1,2,4").split(",")]
+  a.steps = a.steps or (4 if a.smoke else 32)
+  a.reps = a.reps or (2 if a.smoke else 10)
+  a.warmup = a.warmup or (1 if a.smoke else 2)
+  if not a.temperature > 0:
+    p.error(f"--temperature={a.temperature} must be > 0")
+  for name in ("steps", "reps", "warmup"):
+    if getattr(a, name) < 1:
+      p.error(f"--{name}={getattr(a, name)} must be >= 1")
+  if min(a.batches) < 1 or min(a.tp) < 1:
+    p.error(f"--batches={a.batches} and --tp={a.tp} must be >= 1")
   return a
 
 
 if __name__ == "__main__" and "--smoke" in sys.argv[1:]:
-  # Before jax is imported: 8 CPU devices stand in for 8 GPUs.
+  # Before jax is imported: CPU devices stand in for GPUs.
   os.environ["JAX_PLATFORMS"] = "cpu"
   if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+                               + f" --xla_force_host_platform_device_count={SMOKE_DEVICES}").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flashsample_jax as fs  # noqa: E402
 from benchmarks import _timing  # noqa: E402
 
-
 device_name = _timing.device_name
 slug = _timing.slug
+AXIS = "tp"
 
 
-def median_us(f, args, iters: int, warmup: int) -> float:
-  """Median per-call device time: blocks of 10 async calls (benchmarks/_timing.py).
-
-  Timing each call with its own host sync would add the multi-device dispatch
-  round trip (~0.2 ms on 4 GPUs) to every sample.
-  """
-  return _timing.median_us(f, *args, warmup=warmup, reps=max(3, iters // 10),
-                           inner=10)[0]
-
-
-def samplers(mesh, temperature: float, backend: str):
-  """The three jitted functions ``(hidden, weight, key) -> out`` on ``mesh``."""
+def step_fns(temperature: float, backend: str):
+  """Per-shard ``(h [B, D], w [V/TP, D], key) -> tokens [B]`` of each sampler."""
   t = jnp.float32(temperature)
 
   def fused(h, w, k):
-    return fs.sample_sharded(h, w, k, mesh=mesh, vocab_axis="tp",
-                             temperature=t, backend=backend)
+    return fs.sample(h, w, k, vocab_axis=AXIS, temperature=t, backend=backend)
 
   def gather(h, w, k):
-    def local(h, w):
-      l = jnp.dot(h, w.T, preferred_element_type=jnp.float32)   # [B, V/TP]
-      return jax.lax.all_gather(l, "tp", axis=1, tiled=True, to="invarying")
-    l = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("tp", None)),
-                      out_specs=P())(h, w)                       # [B, V] everywhere
+    l = jnp.dot(h, w.T, preferred_element_type=jnp.float32)     # [B, V/TP]
+    l = lax.all_gather(l, AXIS, axis=1, tiled=True)              # [B, V] on every GPU
     return jax.random.categorical(k, l / t).astype(jnp.int32)
 
   def matmul(h, w, k):
     del k
-    return jax.shard_map(lambda h, w: jnp.dot(h, w.T), mesh=mesh,
-                         in_specs=(P(), P("tp", None)),
-                         out_specs=P(None, "tp"))(h, w)
+    # The barrier keeps XLA from computing only the column read below.
+    out = lax.optimization_barrier(jnp.dot(h, w.T))             # [B, V/TP] bf16, local
+    return (out[:, 0] > 0).astype(jnp.int32)
 
   def exchange(h, w, k):
     del w, k
-    def local(h):
-      score = h[:, 0].astype(jnp.float32)
-      idx = jnp.full(score.shape, jax.lax.axis_index("tp"), jnp.int32)
-      return fs.sharding.combine_over_axis(score, idx, "tp")[1]
-    return jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P())(h)
+    score = h[:, 0].astype(jnp.float32)
+    idx = jnp.full(score.shape, lax.axis_index(AXIS), jnp.int32)
+    return fs.sharding.combine_over_axis(score, idx, AXIS)[1]
 
-  return {"fused": jax.jit(fused), "gather": jax.jit(gather),
-          "matmul": jax.jit(matmul), "exchange": jax.jit(exchange)}
+  return {"fused": fused, "gather": gather, "matmul": matmul, "exchange": exchange}
 
 
-def resolved_backend(b, d, v_local, backend):
+def looped(step, mesh, steps: int):
+  """``steps`` calls of ``step`` in one jitted loop on ``mesh``: tokens ``[steps, B]``.
+
+  The next step's hidden states are this step's plus a bump where the token is
+  odd: the matmul cannot move out of the loop, and it costs one small
+  elementwise pass over ``[B, D]``, the same for every sampler.
+  check_vma=False: a kernel's outputs carry no variance typing (see
+  flashsample_jax.sharding); the fused and gather tokens are the same on every
+  shard by construction.
+  """
+  def body(h, w, key):
+    bump = jnp.asarray(2.0 ** -6, h.dtype)
+
+    def one(i, carry):
+      h, toks = carry
+      tok = step(h, w, jax.random.fold_in(key, i))
+      h = h + bump * (tok % 2).astype(h.dtype)[:, None]
+      return h, toks.at[i].set(tok)
+    return lax.fori_loop(0, steps, one, (h, jnp.zeros((steps, h.shape[0]), jnp.int32)))[1]
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS, None), P()),
+                               out_specs=P(), check_vma=False))
+
+
+def resolved_backend(b, d, v_local, backend, temperature):
   """The backend ``auto`` picks for one shard's problem (no arrays made)."""
   picked = []
 
   def probe(h, w):
-    picked.append(fs.which_backend(h, w, jax.random.key(0), backend=backend))
+    picked.append(fs.which_backend(h, w, jax.random.key(0), backend=backend,
+                                   temperature=temperature))
     return h
 
   jax.eval_shape(probe, jax.ShapeDtypeStruct((b, d), jnp.bfloat16),
@@ -147,8 +177,13 @@ def resolved_backend(b, d, v_local, backend):
   return picked[0]
 
 
+def per_step_us(f, args, a) -> float:
+  """Median microseconds per step: blocks of 2 loop calls (benchmarks/_timing.py)."""
+  return _timing.median_us(f, *args, warmup=a.warmup, reps=a.reps, inner=2)[0] / a.steps
+
+
 def main(a) -> None:
-  d, v = SHAPES[a.shape]
+  d, v = a.d, a.v
   devices = jax.devices()
   tps = [n for n in a.tp if n <= len(devices)]
   skipped = [n for n in a.tp if n > len(devices)]
@@ -158,31 +193,51 @@ def main(a) -> None:
     if v % n:
       raise SystemExit(f"V={v} is not divisible by TP={n}")
   gpu = device_name()
-  print(f"{gpu}, {len(devices)} device(s), jax {jax.__version__}, "
-        f"shape {a.shape} (D={d}, V={v}), bf16")
-  rng = np.random.default_rng(0)
-  w_host = (rng.standard_normal((v, d), np.float32) * (3.0 / np.sqrt(d))).astype(jnp.bfloat16)
+  print(f"{gpu}, {len(devices)} device(s), jax {jax.__version__}, shape {a.shape} "
+        f"(D={d}, V={v}), bf16, {a.steps} steps per loop")
+  meta = {
+      "benchmark": "bench_sharded", "gpu": gpu, "device_count": len(devices),
+      "platform": devices[0].platform, "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "shape": a.shape, "D": d, "V": v, "dtype": "bfloat16",
+      "temperature": a.temperature, "steps": a.steps, "reps": a.reps, "warmup": a.warmup,
+      "timing": "per step: median over blocks of 2 calls of a jitted loop of `steps` steps",
+      "requested_backend": a.backend, "smoke": a.smoke,
+      "goal": "fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us, and < gather(TP=n)",
+  }
+  fns = step_fns(a.temperature, a.backend)
   records = []
   for n in tps:
-    mesh = Mesh(np.array(devices[:n]), ("tp",), axis_types=(AxisType.Auto,))
-    w = jax.device_put(w_host, NamedSharding(mesh, P("tp", None)))
-    fns = samplers(mesh, a.temperature, a.backend)
+    mesh = Mesh(np.array(devices[:n]), (AXIS,), axis_types=(AxisType.Explicit,))
+    # Made on the devices, the same values for every TP (partitionable threefry).
+    w = jax.jit(lambda k: (jax.random.normal(k, (v, d), jnp.float32)
+                           * (3.0 / np.sqrt(d))).astype(jnp.bfloat16),
+                out_shardings=NamedSharding(mesh, P(AXIS, None)))(jax.random.key(0))
+    loops = {name: looped(fns[name], mesh, a.steps) for name in SAMPLERS}
     for b in a.batches:
-      h = jax.device_put(rng.standard_normal((b, d), np.float32).astype(jnp.bfloat16),
+      h = jax.device_put(jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16),
                          NamedSharding(mesh, P()))
-      key = jax.random.key(b)
-      rec = {"tp": n, "batch": b, "backend": resolved_backend(b, d, v // n, a.backend)}
+      key = jax.device_put(jax.random.key(b + 1), NamedSharding(mesh, P()))
+      rec = {"tp": n, "batch": b, "steps": a.steps,
+             "backend": resolved_backend(b, d, v // n, a.backend, a.temperature)}
       for name in SAMPLERS:
-        rec[f"{name}_us"] = median_us(fns[name], (h, w, key), a.iters, a.warmup)
-      tok_f = np.asarray(fns["fused"](h, w, key))
-      tok_g = np.asarray(fns["gather"](h, w, key))
+        rec[f"{name}_us"] = per_step_us(loops[name], (h, w, key), a)
+      tok_f = np.asarray(loops["fused"](h, w, key))
+      tok_g = np.asarray(loops["gather"](h, w, key))
       rec["same_tokens"] = float((tok_f == tok_g).mean())
+      rec["same_rows"] = float((tok_f == tok_g).all(axis=0).mean())
       records.append(rec)
-      print(f"TP={n} B={b:4d} [{rec['backend']}]  fused {rec['fused_us']:9.1f} us  "
-            f"gather {rec['gather_us']:9.1f} us  matmul {rec['matmul_us']:9.1f} us  "
-            f"exchange {rec['exchange_us']:7.1f} us  "
-            f"same tokens {rec['same_tokens']:.4f}")
-    del w
+      print(f"TP={n} B={b:4d} [{rec['backend']}] per step: fused {rec['fused_us']:8.1f} us  "
+            f"gather {rec['gather_us']:8.1f} us  matmul {rec['matmul_us']:8.1f} us  "
+            f"exchange {rec['exchange_us']:6.1f} us  same rows {rec['same_rows']:.4f}",
+            flush=True)
+      write(a, meta, records, tps, final=False)
+    del w, loops
+  write(a, meta, records, tps, final=True)
+
+
+def summarize(records) -> None:
+  """The goal and speedup fields of each record (TP=1 of the same B is the base)."""
   for rec in records:
     one = next((r for r in records if r["tp"] == 1 and r["batch"] == rec["batch"]), None)
     rec["goal_us"] = (1.2 * one["fused_us"] / rec["tp"] + 30.0) if one else None
@@ -190,37 +245,36 @@ def main(a) -> None:
     rec["faster_than_gather"] = rec["fused_us"] < rec["gather_us"]
     rec["speedup_vs_gather"] = rec["gather_us"] / rec["fused_us"]
 
-  meta = {
-      "benchmark": "bench_sharded", "gpu": gpu, "device_count": len(devices),
-      "platform": devices[0].platform, "jax_version": jax.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "shape": a.shape, "D": d, "V": v, "dtype": "bfloat16",
-      "temperature": a.temperature, "iters": a.iters, "warmup": a.warmup,
-      "requested_backend": a.backend, "smoke": a.smoke,
-      "goal": "fused(TP=n) <= 1.2 * fused(TP=1) / n + 30 us, and < gather(TP=n)",
-  }
+
+def write(a, meta, records, tps, final: bool) -> None:
+  """JSON and Markdown (and the plot when ``final``), also after every point,
+  so that a run stopped by a time limit keeps what it measured."""
+  summarize(records)
   a.out.mkdir(parents=True, exist_ok=True)
-  stem = a.out / (f"sharded_{slug(gpu)}{'-smoke' if a.smoke else ''}_{a.shape}"
+  stem = a.out / (f"sharded_{slug(meta['gpu'])}{'-smoke' if a.smoke else ''}_{a.shape}"
                   f"_tp{'-'.join(map(str, tps))}")
   stem.with_suffix(".json").write_text(
-      json.dumps({"meta": meta, "results": records}, indent=2) + "\n")
+      json.dumps({"meta": {**meta, "complete": final}, "results": records}, indent=2) + "\n")
   md = markdown(meta, records)
   stem.with_suffix(".md").write_text(md)
-  print(md)
-  if not a.no_plot:
-    plot(meta, records, stem.with_suffix(".png"))
-  print(f"wrote {stem}.json, .md" + ("" if a.no_plot else ", .png"))
+  if final:
+    print(md)
+    if not a.no_plot:
+      plot(meta, records, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md" + ("" if a.no_plot else ", .png"))
 
 
 def markdown(meta, records) -> str:
   lines = [
-      f"# Vocabulary-parallel sampling, shape {meta['shape']} "
+      f"# Vocabulary-parallel sampling in a decode loop, shape {meta['shape']} "
       f"(D {meta['D']}, V {meta['V']}, bf16)", "",
-      f"{meta['gpu']} x {meta['device_count']}, jax {meta['jax_version']}, "
-      f"{meta['date']}; median per call over blocks of 10 async calls ({meta["iters"]} calls), microseconds.", "",
+      f"{meta['gpu']} x {meta['device_count']}, jax {meta['jax_version']}, {meta['date']}; "
+      f"microseconds per sampling step inside a jitted loop of {meta['steps']} steps in "
+      f"one shard_map (median over {meta['reps']} blocks of 2 loop calls), temperature "
+      f"{meta['temperature']}.", "",
       f"Goal: {meta['goal']}.", "",
       "| TP | B | backend | fused | gather + categorical | local matmul | "
-      "exchange alone | speedup vs gather | goal | meets goal | same tokens |",
+      "exchange alone | speedup vs gather | goal | meets goal | same rows |",
       "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in records:
@@ -229,7 +283,7 @@ def markdown(meta, records) -> str:
     lines.append(
         f"| {r['tp']} | {r['batch']} | {r['backend']} | {r['fused_us']:.1f} | "
         f"{r['gather_us']:.1f} | {r['matmul_us']:.1f} | {r['exchange_us']:.1f} | "
-        f"{r['speedup_vs_gather']:.2f}x | {goal} | {ok} | {r['same_tokens']:.4f} |")
+        f"{r['speedup_vs_gather']:.2f}x | {goal} | {ok} | {r['same_rows']:.4f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -253,15 +307,18 @@ def plot(meta, records, path) -> None:
       ax.plot(tp, [r["goal_us"] for r in rs], "k--", lw=1, label="goal 1.2 t1/n + 30 us")
     ax.set_xscale("log", base=2)
     ax.set_xticks(tp, [str(x) for x in tp])
+    ax.minorticks_off()
     ax.set_xlabel("TP (vocabulary shards)")
-    ax.set_ylabel("median time (us)")
+    ax.set_ylabel("us per step, in a loop")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"B = {b}")
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=8)
   fig.suptitle(f"{meta['gpu']}, shape {meta['shape']} (D {meta['D']}, V {meta['V']}), "
-               f"jax {meta['jax_version']}", fontsize=10)
+               f"jax {meta['jax_version']}, {meta['steps']}-step loop", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""The end-to-end and sharded benchmarks run (``--smoke``: tiny shapes, CPU).
+
+They run on the GPU only in a device session; these keep them from breaking
+in between. Each runs as a subprocess with the CPU platform (and 4 host
+devices standing in for GPUs where it shards), and its JSON is checked for
+the fields the README and the performance notebook read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path, devices=1, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+  out = subprocess.run([sys.executable, "-m", *args, "--out", str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+def test_bench_e2e_smoke(tmp_path):
+  _run(["benchmarks.bench_e2e", "--smoke", "--generation-config", "plain,qwen3",
+        "--batches", "2", "--tokens", "2", "--name", "test"], tmp_path)
+  res = json.loads((tmp_path / "e2e_test.json").read_text())
+  assert {"gpu", "jax_version", "date", "rows", "read_bandwidth_Bps"} <= set(res)
+  assert res["complete"] and set(res["generation_configs"]) == {"plain", "qwen3"}
+  assert {(r["generation"], r["batch"], r["sampler"]) for r in res["rows"]} == {
+      (g, 2, s) for g in ("plain", "qwen3") for s in ("fused", "xla")}
+  for r in res["rows"]:
+    assert r["tpot_ms"] > 0 and r["floor_ms"] > 0 and r["tpot_over_floor"] > 0
+    # Same keys, same kept set: the first token always agrees on these
+    # inputs; whole decodes agree where the baseline draws the reference's
+    # noise (plain), not where it draws over the top-k candidates.
+    assert r["same_first_token_rows"] == 1.0
+    if r["generation"] == "plain":
+      assert r["same_tokens_rows"] == 1.0
+  assert (tmp_path / "e2e_test.md").exists() and (tmp_path / "e2e_test.png").exists()
+  assert "| tiny | qwen3 | 2 |" in (tmp_path / "e2e_test.md").read_text()
+
+
+def test_bench_sharded_smoke(tmp_path):
+  # 4 CPU devices stand in for 4 GPUs: TP 1, 2 and 4 inside one jitted loop.
+  _run(["benchmarks.bench_sharded", "--smoke", "--batches", "4", "--steps", "2",
+        "--reps", "1", "--no-plot"], tmp_path, devices=4)
+  res = json.loads((tmp_path / "sharded_cpu-smoke_smoke_tp1-2-4.json").read_text())
+  assert res["meta"]["steps"] == 2 and res["meta"]["device_count"] == 4
+  assert res["meta"]["complete"]
+  assert [(r["tp"], r["batch"]) for r in res["results"]] == [(1, 4), (2, 4), (4, 4)]
+  for r in res["results"]:
+    assert all(r[f"{s}_us"] > 0 for s in ("fused", "gather", "matmul", "exchange"))
+    assert r["same_rows"] == 1.0 and r["goal_us"] > 0
+
+
+def test_bench_tp_e2e_smoke(tmp_path):
+  # The decoder with its head split over 4 CPU devices, qwen3 config.
+  _run(["benchmarks.bench_tp_e2e", "--smoke", "--tp", "1,4", "--tokens", "2", "--name",
+        "test", "--no-plot"], tmp_path, devices=4)
+  res = json.loads((tmp_path / "tp_e2e_test-smoke.json").read_text())
+  assert res["complete"] and res["generation"] == "qwen3" and res["device_count"] == 4
+  assert {(r["tp"], r["sampler"]) for r in res["rows"]} == {
+      (n, s) for n in (1, 4) for s in ("fused", "xla")}
+  for r in res["rows"]:
+    assert r["tpot_ms"] > 0 and r["floor_ms"] > 0
+    assert r["same_first_token_rows"] == 1.0
+  assert "| 4 | 2 |" in (tmp_path / "tp_e2e_test-smoke.md").read_text()
+
+
+@pytest.mark.parametrize("mode,files", [
+    ("single", ["floor_cpu_qwen3-8b.json", "e2e_cpu_qwen3-1.7b.json", "e2e_cpu_qwen3-8b.json"]),
+    ("tp", ["sharded_cpu-smoke_smoke_tp1-2-4.json", "tp_e2e_cpu-smoke.json"])])
+def test_e2e_suite_command_lines(mode, files, tmp_path):
+  # The GPU suite's own command lines, with tiny shapes appended (SUITE_SMOKE):
+  # a flag the scripts do not know would fail here, not on the GPU.
+  env = dict(os.environ, SUITE_SMOKE="1", OUT=str(tmp_path), PY=sys.executable)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(["bash", "benchmarks/e2e_suite.sh", mode], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+  assert "rc=124" not in out.stdout
+  for f in files:
+    assert (tmp_path / f).exists(), (f, sorted(p.name for p in tmp_path.iterdir()))
