@@ -13,13 +13,17 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
-# One Triton cache per pytest-xdist worker (an empty TRITON_CACHE_DIR, as one
-# GPU image sets, makes Triton fail with "Could not create or locate cache
-# dir").
-if not os.environ.get("TRITON_CACHE_DIR"):
+# One Triton cache per pytest-xdist worker, in a directory this process can
+# write: an empty TRITON_CACHE_DIR (as one GPU image sets) or one shared by
+# workers compiling at once made Triton fail with "Could not create or
+# locate cache dir" on the GPU machines.
+_triton_cache = os.environ.get("TRITON_CACHE_DIR") or ""
+if not (_triton_cache and os.access(_triton_cache, os.W_OK)):
   import tempfile
-  os.environ["TRITON_CACHE_DIR"] = os.path.join(
-      tempfile.gettempdir(), "fsj-triton-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
+  _triton_cache = os.path.join(tempfile.gettempdir(), "fsj-triton")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(
+    _triton_cache, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+os.makedirs(os.environ["TRITON_CACHE_DIR"], exist_ok=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

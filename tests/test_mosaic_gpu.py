@@ -137,10 +137,12 @@ def test_controls_scores_with_common_temperatures(t):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)),
                                   np.asarray(getattr(want, name)), err_msg=name)
   # The kernel's candidate lists are bounded (values at or below its bound
-  # are -inf); above the bound they hold the exact lists' entries, bit for
-  # bit. Equal values may come in another order (the lists are ordered by
-  # value only), so each row's entries are compared sorted by (t, id).
-  bound = np.asarray(got.cand_bound)[:, None]
+  # are -inf); above the bound and above the last listed value (whose
+  # equals may be cut at the list's end differently) they hold the exact
+  # lists' entries, bit for bit. Equal values may come in another order
+  # (the lists are ordered by value only), so each row's entries are
+  # compared sorted by (t, id).
+  bound = np.maximum(np.asarray(got.cand_bound), np.asarray(got.cand_vals)[:, -1])[:, None]
   for vals, ids, name in ((got.cand_vals, got.cand_ids, "kernel"),
                           (want.cand_vals, want.cand_ids, "xla")):
     vals, ids = np.asarray(vals), np.asarray(ids)
