@@ -180,7 +180,10 @@ def history(c: controls.Controls) -> History:
   ids = jnp.concatenate([a for a, _ in parts], axis=1)
   is_out = jnp.concatenate([jnp.full(a.shape, f, jnp.int32) for a, f in parts], axis=1)
   key = jnp.where(ids >= 0, ids, rules.INT_MAX)
-  key, is_out = lax.sort((key, is_out), dimension=1, num_keys=1)
+  # Two keys, so that XLA keeps an XLA sort kernel: a one-key sort of two
+  # operands may become a CUB custom call, which splits the CUDA graph
+  # (controls._sort_desc).
+  key, is_out = lax.sort((key, is_out), dimension=1, num_keys=2)
   b, h = key.shape
   pos = lax.broadcasted_iota(jnp.int32, (b, h), 1)
   start = jnp.concatenate([jnp.ones((b, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)
