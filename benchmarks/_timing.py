@@ -96,3 +96,17 @@ def slug(name: str) -> str:
     return "cpu"
   s = re.sub(r"^nvidia\s+", "", name.strip().lower())
   return re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+
+
+def write_results(res: dict, out, stem: str, *, markdown, plot=None) -> None:
+  """``stem``.json and ``stem``.md (``markdown(res)``) under ``out``, and
+  ``stem``.png by ``plot(res, path)`` when given: what the end-to-end
+  benchmarks write after every point and at the end."""
+  import json
+  from pathlib import Path
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+  (out / f"{stem}.md").write_text(markdown(res))
+  if plot is not None:
+    plot(res, out / f"{stem}.png")

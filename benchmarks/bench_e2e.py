@@ -55,7 +55,6 @@ import concurrent.futures
 import dataclasses
 import datetime
 import functools
-import json
 import statistics
 import sys
 import time
@@ -358,11 +357,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def write(res: dict, out: Path, stem: str, with_plot: bool) -> None:
-  out.mkdir(parents=True, exist_ok=True)
-  (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-  (out / f"{stem}.md").write_text(markdown(res))
-  if with_plot:
-    plot(res, out / f"{stem}.png")
+  _timing.write_results(res, out, stem, markdown=markdown, plot=plot if with_plot else None)
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -233,11 +232,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def write(res: dict, out: Path, stem: str, with_plot: bool) -> None:
-  out.mkdir(parents=True, exist_ok=True)
-  (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-  (out / f"{stem}.md").write_text(markdown(res))
-  if with_plot:
-    plot(res, out / f"{stem}.png")
+  _timing.write_results(res, out, stem, markdown=markdown, plot=plot if with_plot else None)
 
 
 def main(argv=None) -> int:
