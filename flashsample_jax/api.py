@@ -166,7 +166,9 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     prompt_ids, output_ids: int ``[B, P]`` / ``[B, O]``: each row's prompt
       and generated ids, padded with ``-1`` (ids may repeat). The fused pass
       skips these ids and scores them from their own weight rows (``B x
-      (P + O)`` rows read on top of the pass).
+      (P + O)`` rows read on top of the pass). Concrete ids outside
+      ``[-1, vocab_size)`` raise ``ValueError``; traced ones are ignored, as
+      the reference ignores them.
     num_samples: S samples per row from one pass over W: tokens ``[S, B]``
       equal to ``jax.random.categorical(key, l, shape=(S, B))``.
     return_logprobs: also return log-probabilities (see Returns).
