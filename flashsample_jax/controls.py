@@ -33,10 +33,10 @@ noise counters as without truncation: the result equals
 ``jax.random.categorical(key, where(kept, t, -inf))``.
 
 ``top_logprobs=N`` reports, per row, the N ids with the largest ``t`` before
-truncation (greedy rows: ``T = 1``), ties by lower id (``lax.top_k``'s
-order), and ``t - logsumexp(t)`` for each: what ``lax.top_k(log_softmax(t),
+truncation (greedy rows: ``T = 1``), ties (equal values: ``-0.0 == 0.0``) by
+lower id, and ``t - logsumexp(t)`` for each: what ``lax.top_k(log_softmax(t),
 N)`` returns, except where two logits round to one log-probability (the
-order is by ``t``). Entries of probability 0 (fewer than N allowed ids) have
+order is by ``t``). :func:`top_n` is the definition. Entries of probability 0 (fewer than N allowed ids) have
 id ``-1`` and log-probability ``-inf``.
 """
 
@@ -273,7 +273,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
   prompt_ids = _history("prompt_ids", prompt_ids, batch, vocab_size)
   output_ids = _history("output_ids", output_ids, batch, vocab_size)
   penalties = (repetition_penalty, presence_penalty, frequency_penalty)
-  if all(x is None for x in penalties) or (prompt_ids is None and output_ids is None):
+  width = sum(0 if a is None else a.shape[1] for a in (prompt_ids, output_ids))
+  if all(x is None for x in penalties) or width == 0:
     # Penalties without a history, or a history without penalties, change
     # nothing: drop them so the call keeps its fast path.
     repetition_penalty = presence_penalty = frequency_penalty = None
@@ -380,6 +381,19 @@ def _sort_desc(x):
   ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
   neg, _ = lax.sort((-x, ids), dimension=x.ndim - 1, num_keys=2)
   return -neg
+
+
+def top_n(t, n: int):
+  """The ``n`` largest values of each row of ``t`` and their ids, ordered by
+  value (descending; ``-0.0 == 0.0``), ties by lower id: ``(vals, ids)``.
+
+  One sort with two keys, not ``lax.top_k``: top_k orders ``0.0`` before
+  ``-0.0`` (which ``log_softmax`` makes equal), and on a GPU a top-k of a
+  whole vocabulary may become a custom call that a CUDA graph cannot hold.
+  """
+  ids = lax.broadcasted_iota(jnp.int32, t.shape, t.ndim - 1)
+  neg, ids = lax.sort((-t, ids), dimension=t.ndim - 1, num_keys=2)
+  return -neg[..., :n], ids[..., :n]
 
 
 def keep_mask(t, c: Controls):

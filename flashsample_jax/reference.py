@@ -77,7 +77,7 @@ def _sample(p: problem.Problem, c: _controls.Controls):
     lp = lp._replace(logprob=t_tok - lse, logprob_truncated=t_tok - lse_kept,
                      logsumexp=jnp.broadcast_to(lse, tokens.shape))
   if c.top_logprobs:
-    top_t, top_ids = jax.lax.top_k(t, c.top_logprobs)     # ties: lower id first
+    top_t, top_ids = _controls.top_n(t, c.top_logprobs)
     top_ids = jnp.where(top_t == -jnp.inf, -1, top_ids)
     top_lp = top_t - lse[:, None]
     if c.allowed_mask is not None:

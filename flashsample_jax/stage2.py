@@ -464,8 +464,8 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
       t_tok = jnp.where(same[None], t_lo, t_tok)
       fallback = fallback & ~same
   if c.top_logprobs:
-    # The N largest t by (t descending, id ascending), lax.top_k's order:
-    # the lists are ordered by value only. Certified where the N-th lies
+    # The N largest t by (t descending, id ascending), controls.top_n's
+    # order: the lists are ordered by value only. Certified where the N-th lies
     # above ``last`` (every value above it is listed, ties included), and
     # for rows with finite logits (the exact path follows the reference).
     neg, ids = lax.sort((-cand_t, cand_i), dimension=1, num_keys=2)
@@ -525,14 +525,9 @@ def _materialized(p: Problem, c: controls.Controls, rows, results, perturbed, ax
   new_t = jnp.take_along_axis(t, j, axis=1)
   r = rows[None]
   if top is not None:
-    # A sort with two keys (t descending, id ascending), not lax.top_k: a
-    # top_k of this width may become a custom call that a CUDA graph
-    # cannot hold, and the conditional around this branch would then be
-    # decided on the host on every call (see controls._sort_desc).
-    n = top[0].shape[1]
-    neg, top_i = lax.sort((-t, lax.broadcasted_iota(jnp.int32, t.shape, 1)),
-                          dimension=1, num_keys=2)
-    top_t, top_i = -neg[:, :n], top_i[:, :n]
+    # controls.top_n sorts (no lax.top_k, which could take the conditional
+    # around this branch to the host on every call).
+    top_t, top_i = controls.top_n(t, top[0].shape[1])
     top = (jnp.where(rows[:, None], top_t, top[0]),
            jnp.where(rows[:, None], top_i, top[1]))
   return (jnp.where(r, j.T.astype(jnp.int32), tokens),

@@ -260,3 +260,28 @@ def test_traced_out_of_range_controls_match_reference():
   for m, p in ((2.0, 1.0), (jnp.nan, 1.0), (0.0, jnp.nan)):
     args = (jnp.float32(m), jnp.float32(p))
     np.testing.assert_array_equal(f(*args), g(*args))
+
+
+def test_top_logprobs_treat_signed_zeros_as_equal():
+  # Found by the property test: a row whose logits are all +-0.0 (hidden
+  # 0). lax.top_k orders 0.0 before -0.0, which log_softmax makes equal;
+  # the definition (controls.top_n) ties them by id, on every path.
+  h = jnp.zeros((2, 4), jnp.bfloat16)
+  w = jnp.asarray(np.where(np.arange(40)[:, None] % 3 == 0, -1.0, 1.0) * np.ones((40, 4)),
+                  jnp.float32)
+  for backend in ("xla", xla_backend.XlaBackend(chunk=8)):
+    out = fs.sample(h, w, KEYS["scalar"], top_logprobs=10, backend=backend)
+    np.testing.assert_array_equal(out.top_ids, np.tile(np.arange(10), (2, 1)))
+  ref = fs.reference.sample(h, w, KEYS["scalar"], top_logprobs=10)
+  np.testing.assert_array_equal(ref.top_ids, np.tile(np.arange(10), (2, 1)))
+
+
+def test_empty_histories_are_no_penalty():
+  # Found by the property test: prompt_ids of width 0 crashed in a max over
+  # an empty axis. A history of width 0 is no history.
+  kw = dict(temperature=T, repetition_penalty=2.0, frequency_penalty=1.0,
+            prompt_ids=jnp.zeros((B, 0), jnp.int32), output_ids=jnp.zeros((B, 0), jnp.int32))
+  np.testing.assert_array_equal(fs.sample(H, W, KEYS["scalar"], backend="xla", **kw),
+                                fs.sample(H, W, KEYS["scalar"], temperature=T, backend="xla"))
+  np.testing.assert_array_equal(fs.reference.sample(H, W, KEYS["scalar"], **kw),
+                                fs.sample(H, W, KEYS["scalar"], temperature=T, backend="xla"))
