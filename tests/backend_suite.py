@@ -24,6 +24,9 @@ class BackendSuite:
   # (B, D, V) triples small enough for the slowest subclass (interpret mode).
   shapes = [(1, 64, 200), (5, 64, 1000), (16, 128, 517), (37, 64, 2048)]
   dtypes = [jnp.bfloat16, jnp.float16, jnp.float32]
+  # Control cases a slow subclass leaves to a case that covers them
+  # (name -> the covering case), e.g. in interpret mode.
+  covered_cases: dict[str, str] = {}
 
   def run(self, hidden, weight, key, **kw):
     return fs.sample(hidden, weight, key, backend=self.backend, **kw)
@@ -169,6 +172,8 @@ class BackendSuite:
   @pytest.mark.parametrize("case", sorted(cases.CASES))
   @pytest.mark.parametrize("key", sorted(cases.KEYS))
   def test_control_matches_reference(self, case, key):
+    if case in self.covered_cases:
+      pytest.skip(f"covered by case {self.covered_cases[case]!r} here")
     self.check_controls(cases.CASES[case], cases.KEYS[key])
 
   @pytest.mark.parametrize("case", ["top_k", "top_p", "all", "penalties_all"])

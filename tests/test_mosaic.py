@@ -39,6 +39,11 @@ class TestMosaicInterpret(BackendSuite):
   # B not a multiple of 8 and V a multiple of no tile.
   shapes = [(1, 64, 200), (5, 64, 1000), (16, 128, 517), (37, 64, 650)]
   random_shapes = [(64, 128, 1500), (29, 256, 1100)]
+  # top_logprobs and penalties reach the kernel as candidate lists and an
+  # allowed mask, which "penalties_all" runs together (with every other
+  # control); on the GPU every case runs.
+  covered_cases = {"top_logprobs": "penalties_all", "top_logprobs_truncated": "penalties_all",
+                   "penalties": "penalties_all"}
 
 
 SUITE = TestMosaicInterpret()
