@@ -110,3 +110,14 @@ def write_results(res: dict, out, stem: str, *, markdown, plot=None) -> None:
   (out / f"{stem}.md").write_text(markdown(res))
   if plot is not None:
     plot(res, out / f"{stem}.png")
+
+
+def run_and_write(bench, args, stem: str, *, markdown, plot) -> dict:
+  """Runs ``bench(args, on_point=...)``, writing the results after every
+  point (no plot) and at the end (with ``plot`` unless ``args.no_plot``),
+  then prints the table: the end-to-end benchmarks' ``main``."""
+  res = bench(args, on_point=lambda r: write_results(r, args.out, stem, markdown=markdown))
+  write_results(res, args.out, stem, markdown=markdown, plot=None if args.no_plot else plot)
+  print(markdown(res))
+  print(f"wrote {args.out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
+  return res

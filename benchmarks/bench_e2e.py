@@ -356,17 +356,10 @@ def plot(res: dict, path: Path) -> None:
   plt.close(fig)
 
 
-def write(res: dict, out: Path, stem: str, with_plot: bool) -> None:
-  _timing.write_results(res, out, stem, markdown=markdown, plot=plot if with_plot else None)
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   stem = f"e2e_{args.name or slug(device_name())}"
-  res = bench(args, on_point=lambda r: write(r, args.out, stem, with_plot=False))
-  write(res, args.out, stem, with_plot=not args.no_plot)
-  print(markdown(res))
-  print(f"wrote {args.out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
+  _timing.run_and_write(bench, args, stem, markdown=markdown, plot=plot)
   return 0
 
 

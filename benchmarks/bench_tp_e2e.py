@@ -231,17 +231,10 @@ def plot(res: dict, path: Path) -> None:
   plt.close(fig)
 
 
-def write(res: dict, out: Path, stem: str, with_plot: bool) -> None:
-  _timing.write_results(res, out, stem, markdown=markdown, plot=plot if with_plot else None)
-
-
 def main(argv=None) -> int:
   a = parse_args(argv)
   stem = f"tp_e2e_{a.name or _timing.slug(_timing.device_name())}" + ("-smoke" if a.smoke else "")
-  res = bench(a, on_point=lambda r: write(r, a.out, stem, with_plot=False))
-  write(res, a.out, stem, with_plot=not a.no_plot)
-  print(markdown(res))
-  print(f"wrote {a.out / stem}.{{json,md{'' if a.no_plot else ',png'}}}")
+  _timing.run_and_write(bench, a, stem, markdown=markdown, plot=plot)
   return 0
 
 

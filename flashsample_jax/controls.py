@@ -383,15 +383,17 @@ def _sort_desc(x):
   return -neg
 
 
-def top_n(t, n: int):
+def top_n(t, n: int, ids=None):
   """The ``n`` largest values of each row of ``t`` and their ids, ordered by
   value (descending; ``-0.0 == 0.0``), ties by lower id: ``(vals, ids)``.
+  ``ids``: the ids of ``t``'s entries (default: their positions).
 
   One sort with two keys, not ``lax.top_k``: top_k orders ``0.0`` before
   ``-0.0`` (which ``log_softmax`` makes equal), and on a GPU a top-k of a
   whole vocabulary may become a custom call that a CUDA graph cannot hold.
   """
-  ids = lax.broadcasted_iota(jnp.int32, t.shape, t.ndim - 1)
+  if ids is None:
+    ids = lax.broadcasted_iota(jnp.int32, t.shape, t.ndim - 1)
   neg, ids = lax.sort((-t, ids), dimension=t.ndim - 1, num_keys=2)
   return -neg[..., :n], ids[..., :n]
 

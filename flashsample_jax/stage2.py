@@ -468,9 +468,8 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     # order: the lists are ordered by value only. Certified where the N-th lies
     # above ``last`` (every value above it is listed, ties included), and
     # for rows with finite logits (the exact path follows the reference).
-    neg, ids = lax.sort((-cand_t, cand_i), dimension=1, num_keys=2)
     n = c.top_logprobs
-    top = (-neg[:, :n], ids[:, :n])
+    top = controls.top_n(cand_t, n, ids=cand_i)
     fallback |= ~((complete | (top[0][:, n - 1] > last)) & jnp.isfinite(st.lse_max))
   if c.lists:
     def exact():

@@ -19,8 +19,9 @@ and per (batch row, column slot) of each warpgroup's registers it carries:
 * the best ``(score, id, t)`` of every sample (the combine rule);
 * an online log-sum-exp ``(max, sum exp(t - max))`` of ``t``, one ``exp``
   per element (for log-probabilities and the top-p normalizer);
-* with top-k / top-p / min-p, the ``_SLOT_DEPTH`` largest ``t`` with their
-  ids, a sorted list updated by compare-and-select.
+* with candidate lists (for top-k / top-p / min-p or the top-N
+  log-probabilities), the ``_SLOT_DEPTH`` largest ``t`` with their ids, a
+  sorted list updated by compare-and-select.
 
 After its last tile each warpgroup reduces its slots inside each warp: the
 best of every sample, the row's log-sum-exp, and its ``_WG_CANDIDATES``
@@ -61,7 +62,7 @@ __all__ = ["controls_state", "config", "BATCH", "BATCH_WIDE",
 
 # Batch rows per launch (the wgmma M side of one warpgroup).
 BATCH = 64
-# Rows per launch for B > BATCH when no truncation rule and one sample ask
+# Rows per launch for B > BATCH when no candidate lists and one sample ask
 # for little per-element state: [128, 8] epilogue chunks keep the state's
 # registers those of [64, 16] ones next to an accumulator twice as large
 # (the candidate lists or more samples would not fit beside it), and each
@@ -95,18 +96,18 @@ class Spec:
   bias: bool = False
   mask: bool = False
   lse: bool = False          # online log-sum-exp
-  truncates: bool = False    # candidate lists
+  lists: bool = False    # candidate lists (truncation or top-N)
   t_best: bool = False       # t of each sample's best (log-probabilities)
 
   @property
   def f_rows(self) -> int:
     """f32 outputs per warpgroup: scores, t of the best, lse max and sum,
     bound, candidates."""
-    return 2 * self.samples + 3 + (_WG_CANDIDATES if self.truncates else 0)
+    return 2 * self.samples + 3 + (_WG_CANDIDATES if self.lists else 0)
 
   @property
   def i_rows(self) -> int:
-    return self.samples + (_WG_CANDIDATES if self.truncates else 0)
+    return self.samples + (_WG_CANDIDATES if self.lists else 0)
 
   @property
   def rows(self) -> RowLayout:
@@ -228,7 +229,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         total = jnp.where(t == -jnp.inf, total,
                           jnp.where(up, total * e + 1.0, total + e))
         lse = (jnp.where(up | (t != t), t, m), total)
-      if spec.truncates:
+      if spec.lists:
         # Sorted insertion into each slot's list (strict >: NaN and -inf
         # never enter; an equal value goes after the earlier one).
         vals, ids = lists[:_SLOT_DEPTH], lists[_SLOT_DEPTH:]
@@ -260,7 +261,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
                   for _ in range(S))
     lse0 = (neg(), full(0.0, jnp.float32)) if spec.lse else ()
     lists0 = (tuple(neg() for _ in range(_SLOT_DEPTH))
-              + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.truncates else ()
+              + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.lists else ()
     best, lse, lists = tile_loop(epilogue, (best0, lse0, lists0),
                                  prologue if n_aux else None)
 
@@ -281,7 +282,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       scale = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - bcast(mx)))
       f_ref[:, 2 * S, out] = mx
       f_ref[:, 2 * S + 1, out] = jnp.sum(total * scale, axis=1)
-    if spec.truncates:
+    if spec.lists:
       vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
       # Values that fell off a full slot list are <= its last entry.
       overflow = jnp.max(vals[-1], axis=1)
@@ -378,7 +379,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
   maxed = [fo[:, :S]]
   if spec.lse:
     maxed.append(fo[:, 2 * S:2 * S + 1])
-  if spec.truncates:
+  if spec.lists:
     vals, c_ids, lost = _pair_lists(fo[:, 2 * S + 3:], io[:, S:])
     # [N, K, W / 2] relabelled as [N, ceil(K / 2), W] (only their max
     # counts), to stack with the rows above.
@@ -398,7 +399,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
     mx = maxima[:, S]                    # the lse max follows the samples
     scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[:, None]))
     out = out._replace(lse_max=mx, lse_sum=jnp.sum(sw * scale, axis=1))
-  if spec.truncates:
+  if spec.lists:
     bound = jnp.max(maxima[:, S + int(spec.lse):], axis=1)
     # Listed values at or below the bound leave before the sort (the lists'
     # invariant, see ControlsState): the masking joins the pairing's
@@ -436,13 +437,13 @@ def _pair_lists(vals, ids):
 
 def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    layout: str, vocab_size: int, total_rows: int, candidates: int,
-                   truncates: bool, return_logprobs: bool, softcap: bool,
+                   lists: bool, return_logprobs: bool, softcap: bool,
                    logit_bias=None, allowed_mask=None,
                    target: common.Target = common.Target()) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
   Launches cover batch chunks of :data:`BATCH` rows (of :data:`BATCH_WIDE`
-  for B > BATCH with one sample and no truncation) and samples in groups of
+  for B > BATCH with one sample and no candidate lists) and samples in groups of
   :data:`MAX_KERNEL_SAMPLES`; each group re-reads W.
 
   Args:
@@ -457,7 +458,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     total_rows: the weight rows of all shards (what ``logit_bias`` and
       ``allowed_mask`` index into).
     candidates: M, the candidates per row to keep for truncation.
-    truncates: keep the candidate lists (a truncation rule is on).
+    lists: keep the candidate lists (a truncation rule or top-N is on).
     return_logprobs: keep each sample's tempered logit.
     softcap: apply the soft-cap of the rows' ``softcap`` field.
     logit_bias: f32 ``[vocab_size]`` (global ids) or None.
@@ -468,14 +469,14 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   offset = jnp.asarray(vocab_offset, jnp.int32)
   n_rows = weight.shape[0 if layout == "vd" else 1]
   w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
-  n = BATCH_WIDE if batch > BATCH and samples == 1 and not truncates else BATCH
+  n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
   cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n)
   bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
           if logit_bias is not None else None)
   mask = (_local_mask(allowed_mask, offset, rows_k, total_rows)
           if allowed_mask is not None else None)
   # The log-sum-exp feeds log-probabilities and the truncation rules.
-  need_lse = return_logprobs or truncates
+  need_lse = return_logprobs or lists
   states = []
   for b0 in range(0, batch, n):
     b1 = min(batch, b0 + n)
@@ -492,7 +493,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       first = g0 == 0
       spec = Spec(samples=g1 - g0, softcap=softcap,
                   bias=bias is not None, mask=mask is not None,
-                  lse=first and need_lse, truncates=first and truncates,
+                  lse=first and need_lse, lists=first and lists,
                   t_best=return_logprobs)
       # This group's counters after the shared fields (RowLayout order).
       ctr0 = RowLayout.FIXED

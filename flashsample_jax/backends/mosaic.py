@@ -112,7 +112,7 @@ class MosaicBackend(SamplerBackend):
     return controls_kernel.controls_state(
         p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
         layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
-        candidates=stage2.candidate_count(p, c), truncates=c.lists,
+        candidates=stage2.candidate_count(p, c), lists=c.lists,
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
         logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
         target=self._target())
