@@ -42,6 +42,7 @@ import numpy as np
 
 import flashsample_jax as fs
 from benchmarks import _timing
+from benchmarks._fallback import exact_path_rows
 
 TOP_K, TOP_P, SOFTCAP = 50, 0.9, 30.0
 TOP_N = 20
@@ -134,12 +135,7 @@ PROVIDERS = {
 
 def _fallback_rows(key, h, w):
   """Rows of a top-k + top-p call that take the materialized path."""
-  from flashsample_jax import backends, controls, problem, stage2
-  p = problem.prepare(h, w, key)
-  c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
-                                rows=p.weight_rows, top_k=TOP_K, top_p=TOP_P)
-  st = backends.resolve("auto", p, c).controls_state(p, c)
-  return int(np.asarray(stage2.finish(p, c, st)[2]).sum())
+  return exact_path_rows(h, w, key, backend=_BACKEND[0], top_k=TOP_K, top_p=TOP_P)
 
 
 def main(argv=None):

@@ -39,6 +39,13 @@ has its own tie rules):
   ``jax.random.categorical`` on the full ``[B, V]`` (what the fused sampler
   matches): do both keep the same candidates?
 
+Beside them, from the first step (un-timed): the logits' spread over the
+vocabulary, and the share of rows the fused sampler decides on its exact
+materialized path (a kept set its candidate lists cannot hold). Random
+weights give logits of std ~1, flat enough that top-p alone and min-p keep
+thousands of ids and every row takes that path; ``--logit-std`` sets the
+final norm's gain for a trained model's spread (e.g. 4).
+
 Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` (rewritten after every
 point, so a run stopped by a time limit keeps what it measured) with the GPU
 name, jax version and date.
@@ -68,6 +75,7 @@ from flax import nnx  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
+from benchmarks._fallback import exact_path_rows  # noqa: E402
 from examples import _model  # noqa: E402
 from flashsample_jax import flax_heads  # noqa: E402
 
@@ -93,6 +101,10 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 1)")
   p.add_argument("--backend", default="auto",
                  help="flashsample_jax backend of the fused sampler (auto, mosaic, triton, xla)")
+  p.add_argument("--logit-std", type=float, default=None,
+                 help="spread of the logits over the vocabulary (the final norm's gain is "
+                 "set for it; default: the random weights' own, about 1, far flatter "
+                 "than a trained model's)")
   p.add_argument("--attention", default="xla", choices=_model.ATTENTIONS,
                  help="the decoder's attention (jax.nn.dot_product_attention implementation)")
   p.add_argument("--compile-threads", type=int, default=None,
@@ -124,6 +136,8 @@ def parse_args(argv=None):
       p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
   if min(a.batches) < 1:
     p.error(f"--batches={a.batches}: every B must be >= 1")
+  if a.logit_std is not None and not a.logit_std > 0:
+    p.error(f"--logit-std={a.logit_std} must be > 0")
   if a.compile_threads is None:
     a.compile_threads = 1 if jax.default_backend() == "cpu" else 4
   return a
@@ -148,6 +162,30 @@ def _reference_noise_fn(graphdef, gen):
     logits = flax_heads.logits(nnx.merge(graphdef, state).head, hidden)
     return _model.baseline_tokens(logits, key, gen, noise="reference")
   return f
+
+
+def first_step_logits(graphdef, state, hidden):
+  """The f32 logits of the first decode step (un-timed; for diagnostics)."""
+  h = jax.device_put(hidden, jax.tree.leaves(state)[0].sharding)
+  return _logits_fn(graphdef)(state, h)
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_fn(graphdef):
+  return jax.jit(lambda state, h: flax_heads.logits(nnx.merge(graphdef, state).head, h))
+
+
+def exact_path_share(graphdef, state, gen, hidden, key, backend) -> float:
+  """Share of the first step's rows whose controls the fused sampler decides
+  on the exact materialized path (a kept set larger than its candidate
+  lists: top-p alone or min-p on flat logits)."""
+  kw = gen.fused_kwargs()
+  if len(kw) == 1:           # temperature alone: no candidate lists
+    return 0.0
+  head = nnx.merge(graphdef, state).head
+  w, layout = flax_heads.head_weight(head)
+  h = jax.device_put(hidden, jax.tree.leaves(state)[0].sharding)
+  return exact_path_rows(h, w, key, weight_layout=layout, backend=backend, **kw) / h.shape[0]
 
 
 def first_token_agreement(runs, graphdef, state, gen, prompt_len) -> float:
@@ -197,14 +235,14 @@ def bench(args, on_point=None) -> dict:
       generation_configs={g: {**dataclasses.asdict(_model.GENERATION_CONFIGS[g]),
                               "baseline": _model.GENERATION_CONFIGS[g].describe_baseline()}
                           for g in args.generations},
-      smoke=args.smoke, complete=False, rows=[])
+      logit_std_target=args.logit_std, smoke=args.smoke, complete=False, rows=[])
   total = len(args.configs) * len(args.batches) * len(args.generations)
   bar = tqdm(total=total, desc="e2e", unit="point")
   stopped = False
   for cfg_name in args.configs:
     cfg = _model.CONFIGS[cfg_name]
     bar.set_postfix_str(f"{cfg_name}: init")
-    graphdef, state = _model.init(cfg)
+    graphdef, state = _model.init(cfg, logit_std=args.logit_std)
     jax.block_until_ready(state)
     floor_ms = _model.weight_read_floor_ms(cfg, bandwidth)
     for b in args.batches:
@@ -228,6 +266,12 @@ def bench(args, on_point=None) -> dict:
         same_rows = float(np.mean([np.all(f.tokens == x.tokens, axis=1).mean()
                                    for f, x in zip(runs["fused"], runs["xla"])]))
         same_first = first_token_agreement(runs, graphdef, state, gen, args.prompt_len)
+        h0 = runs["fused"][0].hidden0
+        logits0 = first_step_logits(graphdef, state, h0)
+        logit_std = float(np.mean(np.asarray(jax.numpy.std(logits0, axis=1))))
+        del logits0
+        exact_share = exact_path_share(graphdef, state, gen, h0,
+                                       _model.step_key(0, args.prompt_len), args.backend)
         for s in _model.SAMPLERS:
           tpots = [r.tpot_ms for r in runs[s]]
           tpot = statistics.median(tpots)
@@ -241,12 +285,14 @@ def bench(args, on_point=None) -> dict:
               floor_ms=floor_ms, tpot_over_floor=tpot / floor_ms,
               prefill_ms=statistics.median(1e3 * r.prefill_s for r in runs[s]),
               compile_s=decs[(g, s)].compile_s, same_tokens_rows=same_rows,
-              same_first_token_rows=same_first))
+              same_first_token_rows=same_first, logit_std=logit_std,
+              exact_path_rows=exact_share if s == "fused" else None))
         bar.update()
         f, x = res["rows"][-2:]
         print(f"{cfg_name} {g} B={b}: fused {f['tpot_ms']:.3f} ms, xla {x['tpot_ms']:.3f} ms "
               f"({x['tpot_ms'] / f['tpot_ms']:.3f}x), floor {floor_ms:.3f} ms, same tokens "
-              f"{100 * same_rows:.1f}%, same first token {100 * same_first:.1f}%", flush=True)
+              f"{100 * same_rows:.1f}%, same first token {100 * same_first:.1f}%, "
+              f"logit std {logit_std:.2f}, exact-path rows {100 * exact_share:.0f}%", flush=True)
         if on_point:
           on_point(res)
       del decs
@@ -276,7 +322,10 @@ def markdown(res: dict) -> str:
   lines = [
       "# End-to-end decode: time per output token (TPOT)",
       "",
-      f"{res['gpu']}, jax {res['jax_version']}, {res['date']}. Random bf16 weights, "
+      f"{res['gpu']}, jax {res['jax_version']}, {res['date']}. Random bf16 weights"
+      + (f" (final norm set for a logit std of {res['logit_std_target']:g})"
+         if res.get("logit_std_target") else " (logit std about 1: flat distributions)")
+      + ", "
       f"prompt {res['prompt_len']}, N={res['tokens']} tokens, median of "
       f"{res['repeats']} runs, attention {res['attention']}. fused = "
       "flashsample_jax.sample (auto) with the generation config's controls; xla = f32 "
@@ -296,18 +345,24 @@ def markdown(res: dict) -> str:
       "Same tokens: rows whose whole decode is identical (low by design where the "
       "baseline draws its noise over the top-k candidates); same first token: the first "
       "token, top-k baselines re-drawn with the noise of jax.random.categorical over "
-      "[B, V] (do both keep the same candidates?).",
+      "[B, V] (do both keep the same candidates?). Exact path: the share of the first "
+      "step's rows that the fused sampler decides from materialized logits (its candidate "
+      "lists cannot hold the kept set); logit std: of the first step's logits over the "
+      "vocabulary, mean over rows.",
       "",
       "| config | generation | B | fused backend | fused TPOT ms | xla TPOT ms | speedup | "
-      "floor ms | fused / floor | xla / floor | same tokens | same first token |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "floor ms | fused / floor | xla / floor | same tokens | same first token | "
+      "exact path | logit std |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for f, x in _pairs(res):
     lines.append(
         f"| {f['config']} | {f['generation']} | {f['batch']} | {f['fused_backend']} | "
         f"{f['tpot_ms']:.3f} | {x['tpot_ms']:.3f} | {x['tpot_ms'] / f['tpot_ms']:.3f}x | "
         f"{f['floor_ms']:.3f} | {f['tpot_over_floor']:.2f} | {x['tpot_over_floor']:.2f} | "
-        f"{100 * f['same_tokens_rows']:.1f}% | {100 * f['same_first_token_rows']:.1f}% |")
+        f"{100 * f['same_tokens_rows']:.1f}% | {100 * f['same_first_token_rows']:.1f}% | "
+        + (f"{100 * f['exact_path_rows']:.0f}% | {f['logit_std']:.2f} |"
+           if f.get("exact_path_rows") is not None else "- | - |"))
   return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,8 @@
 # benchmarks also stop starting new batch sizes some time before their limit
 # and rewrite their results after every point, so a slow step still reports.
 #
-#   bash benchmarks/e2e_suite.sh          # one GPU (H100): about 8 minutes at most
+#   bash benchmarks/e2e_suite.sh          # one GPU (H100): about 12 minutes at most
+#   bash benchmarks/e2e_suite.sh e2e_8b   # one of its steps (floor, e2e_1.7b, e2e_8b)
 #   bash benchmarks/e2e_suite.sh tp       # 4 GPUs: about 8 minutes at most
 #
 # one GPU:
@@ -12,7 +13,11 @@
 #             its weight-read floor, attention "xla" then "cudnn" (plain sampling)
 #   e2e_1.7b  benchmarks/bench_e2e: Qwen3-1.7B shape, all five generation configs
 #             (plain, qwen3, greedy, llama3, min-p), B = 1/16/64/128/256
-#   e2e_8b    benchmarks/bench_e2e: Qwen3-8B shape, qwen3 and plain configs, B = 1/16/64
+#   e2e_8b    benchmarks/bench_e2e: Qwen3-8B shape, qwen3 and plain configs,
+#             B = 1/16/64/128/256
+# Both e2e steps set the logits' spread to LOGIT_STD (default 4, about a trained
+# model's; random weights give ~1, so flat that top-p alone and min-p keep
+# thousands of ids and take the exact path: LOGIT_STD=none keeps them flat).
 # tp (4 GPUs):
 #   sharded   benchmarks/bench_sharded: shape L, TP 1/2/4, B 16/64/256, sampling
 #             inside a jitted 32-step loop
@@ -30,6 +35,9 @@ mkdir -p "$OUT"
 mode=${1:-single}
 PY=${PY:-python3}
 suite_start=$(date +%s)
+LOGIT_STD=${LOGIT_STD:-4}
+S_STD=""
+[ "$LOGIT_STD" != none ] && S_STD="--logit-std $LOGIT_STD"
 suite_rc=0
 S_FLOOR="" S_E2E="" S_SHARDED="" S_TP=""
 if [ -n "${SUITE_SMOKE:-}" ]; then
@@ -63,25 +71,28 @@ print('jax', jax.__version__, jax.devices(), file=sys.stderr)
 print(_timing.slug(_timing.device_name()))")
 echo "results named after: $GPU"
 
+# want STEP: whether this mode runs step STEP (single: all three).
+want() { [ "$mode" = single ] || [ "$mode" = "$1" ]; }
+
 case $mode in
-  single)
-    step floor "${T_FLOOR:-75}" $PY examples/decode.py --config qwen3-8b --batch 1 \
+  single|floor|e2e_1.7b|e2e_8b)
+    want floor && step floor "${T_FLOOR:-75}" $PY examples/decode.py --config qwen3-8b --batch 1 \
       --tokens 64 --prompt-len 64 --sampler xla --attention xla,cudnn --floor \
       --json "$OUT/floor_${GPU}_qwen3-8b.json" $S_FLOOR
-    grep -E "^weight-read floor|TPOT|failed" "$OUT/floor.log" | sed 's/^/   /'
+    want floor && grep -E "^weight-read floor|TPOT|failed" "$OUT/floor.log" | sed 's/^/   /'
     # B in an order that keeps the most telling points if the budget runs out;
     # the tables sort by B.
-    step e2e_1.7b "${T_E2E_17:-240}" $PY -m benchmarks.bench_e2e --configs qwen3-1.7b \
+    want e2e_1.7b && step e2e_1.7b "${T_E2E_17:-330}" $PY -m benchmarks.bench_e2e --configs qwen3-1.7b \
       --generation-config all --batches 64,1,256,16,128 --tokens 64 --prompt-len 64 \
-      --repeats 3 --budget-s $(( ${T_E2E_17:-240} - 60 )) --out "$OUT" \
+      --repeats 3 --budget-s $(( ${T_E2E_17:-330} - 70 )) --out "$OUT" $S_STD \
       --compile-threads "${COMPILE_THREADS:-4}" \
       --name "${GPU}_qwen3-1.7b" $S_E2E
-    step e2e_8b "${T_E2E_8:-135}" $PY -m benchmarks.bench_e2e --configs qwen3-8b \
-      --generation-config qwen3,plain --batches 64,1,16 --tokens 64 --prompt-len 64 \
-      --repeats 3 --budget-s $(( ${T_E2E_8:-135} - 55 )) --out "$OUT" \
+    want e2e_8b && step e2e_8b "${T_E2E_8:-300}" $PY -m benchmarks.bench_e2e --configs qwen3-8b \
+      --generation-config qwen3,plain --batches 64,1,16,256,128 --tokens 64 --prompt-len 64 \
+      --repeats 3 --budget-s $(( ${T_E2E_8:-300} - 80 )) --out "$OUT" $S_STD \
       --compile-threads "${COMPILE_THREADS:-4}" \
       --name "${GPU}_qwen3-8b" $S_E2E
-    tables="$OUT/e2e_${GPU}_qwen3-1.7b.md $OUT/e2e_${GPU}_qwen3-8b.md"
+    tables="$(ls "$OUT"/e2e_*.md 2>/dev/null)"
     ;;
   tp)
     step sharded "${T_SHARDED:-180}" $PY -m benchmarks.bench_sharded --shape L \
@@ -92,7 +103,7 @@ case $mode in
     tables="$(ls "$OUT"/sharded_*.md "$OUT"/tp_e2e_*.md 2>/dev/null)"
     ;;
   *)
-    echo "unknown mode $mode: use no argument (one GPU) or 'tp' (4 GPUs)"
+    echo "unknown mode $mode: use no argument (one GPU), floor, e2e_1.7b, e2e_8b or 'tp' (4 GPUs)"
     exit 2
     ;;
 esac

@@ -392,14 +392,34 @@ class Decoder(nnx.Module):
     return self.norm(x), new_cache
 
 
-def init(cfg: Config, seed: int = 0):
+def init(cfg: Config, seed: int = 0, logit_std: float | None = None):
   """Random weights made directly on the default device, in one program.
+
+  Args:
+    logit_std: if given, the final norm's gain is set so that the logits'
+      standard deviation over the vocabulary is about this (the head's
+      weights' std x sqrt(D) x gain, the normed hidden state having unit
+      RMS). Random weights give about 1: distributions far flatter than a
+      trained model's, where top-p alone or min-p keep thousands of ids. None
+      keeps the gain at 1.
 
   Returns:
     ``(graphdef, state)`` of a :class:`Decoder`.
   """
+  if logit_std is not None and not (math.isfinite(logit_std) and logit_std > 0):
+    raise ValueError(f"logit_std={logit_std!r} must be a finite number > 0 (or None)")
+
+  def make():
+    model = Decoder(cfg, nnx.Rngs(seed))
+    if logit_std is not None:
+      w = model.head.embedding if cfg.tied else model.head.kernel
+      spread = jnp.std(w[...].astype(jnp.float32)) * math.sqrt(cfg.dim)
+      gain = jnp.float32(logit_std) / spread
+      model.norm.weight.value = jnp.full((cfg.dim,), gain, model.norm.weight.dtype)
+    return nnx.state(model)
+
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed))))
-  state = jax.jit(lambda: nnx.state(Decoder(cfg, nnx.Rngs(seed))))()
+  state = jax.jit(make)()
   return graphdef, state
 
 
