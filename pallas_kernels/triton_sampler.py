@@ -33,6 +33,8 @@ kernels' too); :func:`pack_rowdata` builds it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from typing import NamedTuple
 
 import jax
@@ -667,10 +669,23 @@ def compile_for_inspection(kernel, pointer_types: dict[str, str],
   src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs),
                   attrs=attrs)
   major, minor = capability
-  return triton.compile(
-      src, target=GPUTarget("cuda", major * 10 + minor, 32),
-      options=dict(num_warps=num_warps, num_stages=num_stages,
-                   enable_fp_fusion=False))
+  # triton.compile needs a file cache, and jax_triton, once imported, sets
+  # TRITON_CACHE_DIR to "" (it compiles below that cache): give this call a
+  # directory of its own then, and leave the variable as it was.
+  saved = os.environ.get("TRITON_CACHE_DIR")
+  with tempfile.TemporaryDirectory(prefix="fsj-triton-inspect-") as tmp:
+    if not saved:
+      os.environ["TRITON_CACHE_DIR"] = tmp
+    try:
+      return triton.compile(
+          src, target=GPUTarget("cuda", major * 10 + minor, 32),
+          options=dict(num_warps=num_warps, num_stages=num_stages,
+                       enable_fp_fusion=False))
+    finally:
+      if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+      else:
+        os.environ["TRITON_CACHE_DIR"] = saved
 
 
 def sampler_for_inspection(cfg: TritonConfig, *, layout: str, dtype, batch: int,

@@ -14,9 +14,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                              + " --xla_force_host_platform_device_count=8").strip()
 
 # One Triton cache per pytest-xdist worker, in a directory this process can
-# write: an empty TRITON_CACHE_DIR (as one GPU image sets) or one shared by
-# workers compiling at once made Triton fail with "Could not create or
-# locate cache dir" on the GPU machines.
+# write (workers compiling into one shared cache at once can fail). jax_triton
+# empties TRITON_CACHE_DIR when it is imported; the inspection compiles
+# (triton_sampler.compile_for_inspection) bring their own directory then.
 _triton_cache = os.environ.get("TRITON_CACHE_DIR") or ""
 if not (_triton_cache and os.access(_triton_cache, os.W_OK)):
   import tempfile

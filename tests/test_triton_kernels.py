@@ -242,6 +242,21 @@ def test_controls_compile(capability, batch, tanh, tmp_path):
 
 
 @compiled_only
+def test_inspection_compiles_after_jax_triton_import(monkeypatch):
+  """jax_triton sets TRITON_CACHE_DIR to "" when imported (as on the GPU
+  machines, where the PTX tests then failed with "Could not create or locate
+  cache dir"): the inspection compile brings its own cache and leaves the
+  variable as it found it."""
+  monkeypatch.setenv("TRITON_CACHE_DIR", "")
+  k = ts.compile_for_inspection(
+      triton_noise._gumbel_probe_kernel,  # pylint: disable=protected-access
+      {"bits_ptr": "*u32", "out_ptr": "*fp32"}, {"N": 4096, "BLOCK": 1024},
+      capability=(9, 0), num_warps=4, num_stages=1)
+  assert ".entry" in k.asm["ptx"]
+  assert os.environ["TRITON_CACHE_DIR"] == ""
+
+
+@compiled_only
 def test_noise_probe_ptx():
   """The Gumbel probe: __nv_logf twice, negation as a sign flip, no approx."""
   k = ts.compile_for_inspection(
