@@ -35,7 +35,8 @@ from jax import lax
 
 from pallas_kernels import rules
 
-__all__ = ["AxisName", "MeshAxes", "combine_over_axis", "all_gather_invariant"]
+__all__ = ["AxisName", "MeshAxes", "combine_over_axis", "all_gather_invariant",
+           "all_gather_tree"]
 
 # A mesh axis name or a tuple of them (the shard index is then the
 # row-major linear index over those axes, as in ``PartitionSpec(("a", "b"))``).
@@ -135,6 +136,29 @@ def all_gather_invariant(x, axes: tuple[str, ...]):
   if vma and missing:
     x = lax.pcast(x, missing, to="varying")
   return lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=0, to="invarying")
+
+
+def all_gather_tree(tree, axes: tuple[str, ...]):
+  """:func:`all_gather_invariant` of every leaf of ``tree``, as one collective.
+
+  The leaves (32-bit: f32, int32, uint32) are bit-cast to int32 and packed
+  into one vector, gathered once and unpacked: a collective's latency, not
+  the bytes, is what a small exchange costs, and a pytree of eight leaves
+  gathered leaf by leaf paid it eight times (PERF_LOG, TP end to end).
+  Bit casts are exact, so the result equals the leaf-by-leaf gather.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if any(jnp.dtype(a.dtype).itemsize != 4 for a in leaves):
+    return jax.tree.map(lambda a: all_gather_invariant(a, axes), tree)
+  flat = [lax.bitcast_convert_type(a, jnp.int32).reshape(-1)
+          if a.dtype != jnp.int32 else a.reshape(-1) for a in leaves]
+  gathered = all_gather_invariant(jnp.concatenate(flat), axes)        # [n, total]
+  out, start = [], 0
+  for a in leaves:
+    part = gathered[:, start:start + a.size].reshape((-1, *a.shape))
+    start += a.size
+    out.append(part if a.dtype == jnp.int32 else lax.bitcast_convert_type(part, a.dtype))
+  return jax.tree.unflatten(treedef, out)
 
 
 def combine_over_axis(score, index, axis_name: AxisName):

@@ -366,7 +366,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
 
   ``st`` is the state of this shard's rows (:func:`state_combine`'s form);
   with ``axis`` (inside ``shard_map``, the vocabulary sharded over it) the
-  shards' states are gathered and merged first (O(B x M) bytes). Then
+  shards' states are gathered (one collective, O(B x M) bytes) and merged first. Then
   truncated rows are decided on the candidates, or, where those cannot
   certify the kept set, on the exact materialized path (the rare uncertified
   rows gather the full logits over ``axis``). Rows that ``allowed_mask``
@@ -392,7 +392,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   combine = state_combine(c, m)
   perturb = lambda x, t, gid: perturbed(p, x, t, gid, samples)
   if axis:
-    parts = jax.tree.map(lambda a: mesh.all_gather_invariant(a, axis), st)
+    parts = mesh.all_gather_tree(st, axis)
     n = jax.tree.leaves(parts)[0].shape[0]
     st = jax.tree.map(lambda a: a[0], parts)
     for i in range(1, n):       # shard order = id order: ties keep lower ids
