@@ -24,7 +24,8 @@
 #   tp_e2e    benchmarks/bench_tp_e2e: a 32B-class decoder (4 layers) with its LM
 #             head split over TP 1/2/4, qwen3 config, B 1/16/64/256
 #
-# Limits in seconds (env): T_FLOOR T_E2E_17 T_E2E_8 T_SHARDED T_TP_E2E. COMPILE_THREADS
+# Limits in seconds (env): T_FLOOR T_E2E_17 T_E2E_8 T_SHARDED T_TP_E2E. Subsets (env):
+# GEN_17 (e2e_1.7b's generation configs, default all), TP_BATCHES (tp_e2e's B). COMPILE_THREADS
 # (default 4): bench_e2e's programs compiled at once (1 = one after another). An existing
 # PYTHONPATH (e.g. a jax-triton wheel's site dir) is kept, after the repository.
 # SUITE_SMOKE=1 runs the same command lines on the CPU with tiny shapes appended
@@ -83,7 +84,7 @@ case $mode in
     # B in an order that keeps the most telling points if the budget runs out;
     # the tables sort by B.
     want e2e_1.7b && step e2e_1.7b "${T_E2E_17:-330}" $PY -m benchmarks.bench_e2e --configs qwen3-1.7b \
-      --generation-config all --batches 64,1,256,16,128 --tokens 64 --prompt-len 64 \
+      --generation-config "${GEN_17:-all}" --batches 64,1,256,16,128 --tokens 64 --prompt-len 64 \
       --repeats 3 --budget-s $(( ${T_E2E_17:-330} - 70 )) --out "$OUT" $S_STD \
       --compile-threads "${COMPILE_THREADS:-4}" \
       --name "${GPU}_qwen3-1.7b" $S_E2E
@@ -98,7 +99,7 @@ case $mode in
     step sharded "${T_SHARDED:-180}" $PY -m benchmarks.bench_sharded --shape L \
       --tp 1,2,4 --batches 16,64,256 --steps 32 --reps 10 --out "$OUT" $S_SHARDED
     step tp_e2e "${T_TP_E2E:-260}" $PY -m benchmarks.bench_tp_e2e --tp 1,2,4 \
-      --batches 1,16,64,256 --tokens 64 --prompt-len 64 --repeats 3 \
+      --batches "${TP_BATCHES:-1,16,64,256}" --tokens 64 --prompt-len 64 --repeats 3 \
       --budget-s $(( ${T_TP_E2E:-260} - 60 )) --out "$OUT" --name "$GPU" $S_TP
     tables="$(ls "$OUT"/sharded_*.md "$OUT"/tp_e2e_*.md 2>/dev/null)"
     ;;
