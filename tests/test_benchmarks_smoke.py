@@ -51,6 +51,24 @@ def test_bench_e2e_smoke(tmp_path):
   assert "| tiny | qwen3 | 2 |" in (tmp_path / "e2e_test.md").read_text()
 
 
+@pytest.mark.parametrize("logit_std,share", [(None, 1.0), (4.0, 0.0)])
+def test_bench_e2e_reports_the_exact_path(logit_std, share, tmp_path):
+  # Random weights give logits of std ~1: top-p 0.9 alone keeps thousands of
+  # ids, more than the candidate lists, so every row takes the exact path;
+  # spread as a trained model's (std 4) the nucleus fits and none does.
+  std = [] if logit_std is None else ["--logit-std", str(logit_std)]
+  _run(["benchmarks.bench_e2e", "--smoke", "--generation-config", "llama3,plain",
+        "--batches", "2", "--tokens", "1", "--name", "test", "--no-plot", *std], tmp_path)
+  res = json.loads((tmp_path / "e2e_test.json").read_text())
+  assert res["logit_std_target"] == logit_std
+  fused = {r["generation"]: r for r in res["rows"] if r["sampler"] == "fused"}
+  assert fused["llama3"]["exact_path_rows"] == share
+  assert fused["plain"]["exact_path_rows"] == 0.0       # no candidate lists at all
+  for r in fused.values():
+    assert abs(r["logit_std"] - (logit_std or 1.0)) < 0.2
+  assert f"| {100 * share:.0f}% |" in (tmp_path / "e2e_test.md").read_text()
+
+
 def test_bench_sharded_smoke(tmp_path):
   # 4 CPU devices stand in for 4 GPUs: TP 1, 2 and 4 inside one jitted loop.
   _run(["benchmarks.bench_sharded", "--smoke", "--batches", "4", "--steps", "2",
