@@ -142,10 +142,10 @@ def all_gather_tree(tree, axes: tuple[str, ...]):
   """:func:`all_gather_invariant` of every leaf of ``tree``, as one collective.
 
   The leaves (32-bit: f32, int32, uint32) are bit-cast to int32 and packed
-  into one vector, gathered once and unpacked: a collective's latency, not
-  the bytes, is what a small exchange costs, and a pytree of eight leaves
-  gathered leaf by leaf paid it eight times (PERF_LOG, TP end to end).
-  Bit casts are exact, so the result equals the leaf-by-leaf gather.
+  into one vector, gathered once and unpacked: a small exchange costs a
+  collective's launch and latency, not its bytes, so a state of many leaves
+  should pay that once, not once per leaf. Bit casts are exact, so the
+  result equals the leaf-by-leaf gather. Other dtypes: leaf by leaf.
   """
   leaves, treedef = jax.tree.flatten(tree)
   if any(jnp.dtype(a.dtype).itemsize != 4 for a in leaves):
