@@ -44,7 +44,7 @@ vocabulary, and the share of rows the fused sampler decides on its exact
 materialized path (a kept set its candidate lists cannot hold). Random
 weights give logits of std ~1, flat enough that top-p alone and min-p keep
 thousands of ids and every row takes that path; ``--logit-std`` sets the
-final norm's gain for a trained model's spread (e.g. 4).
+final norm's gain for a wider spread (e.g. 4), where the nucleus fits the lists.
 
 Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` (rewritten after every
 point, so a run stopped by a time limit keeps what it measured) with the GPU

@@ -15,9 +15,9 @@
 #             (plain, qwen3, greedy, llama3, min-p), B = 1/16/64/128/256
 #   e2e_8b    benchmarks/bench_e2e: Qwen3-8B shape, qwen3 and plain configs,
 #             B = 1/16/64/128/256
-# Both e2e steps set the logits' spread to LOGIT_STD (default 4, about a trained
-# model's; random weights give ~1, so flat that top-p alone and min-p keep
-# thousands of ids and take the exact path: LOGIT_STD=none keeps them flat).
+# Both e2e steps set the logits' spread to LOGIT_STD (default 4; random weights give ~1,
+# so flat that top-p alone and min-p keep thousands of ids and take the exact path:
+# LOGIT_STD=none keeps them flat).
 # tp (4 GPUs):
 #   sharded   benchmarks/bench_sharded: shape L, TP 1/2/4, B 16/64/256, sampling
 #             inside a jitted 32-step loop

@@ -55,7 +55,7 @@ def test_bench_e2e_smoke(tmp_path):
 def test_bench_e2e_reports_the_exact_path(logit_std, share, tmp_path):
   # Random weights give logits of std ~1: top-p 0.9 alone keeps thousands of
   # ids, more than the candidate lists, so every row takes the exact path;
-  # spread as a trained model's (std 4) the nucleus fits and none does.
+  # spread to std 4 the nucleus fits and none does.
   std = [] if logit_std is None else ["--logit-std", str(logit_std)]
   _run(["benchmarks.bench_e2e", "--smoke", "--generation-config", "llama3,plain",
         "--batches", "2", "--tokens", "1", "--name", "test", "--no-plot", *std], tmp_path)
