@@ -98,6 +98,21 @@ def slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "-", s).strip("-")
 
 
+def pow2_axis(ax, xs, xlabel: str, ylabel: str | None = None, title: str | None = None) -> None:
+  """A matplotlib axis over batch sizes or TP degrees: log2 x with a tick
+  at each of ``xs``, y from 0 when ``ylabel`` is given, a light grid."""
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(xs, [str(x) for x in xs])
+  ax.minorticks_off()
+  ax.set_xlabel(xlabel)
+  if ylabel is not None:
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+  if title is not None:
+    ax.set_title(title)
+  ax.grid(alpha=0.3)
+
+
 def write_results(res: dict, out, stem: str, *, markdown, plot=None) -> None:
   """``stem``.json and ``stem``.md (``markdown(res)``) under ``out``, and
   ``stem``.png by ``plot(res, path)`` when given: what the end-to-end

@@ -38,7 +38,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import flashsample_jax as fs
 from benchmarks import _timing

@@ -96,26 +96,7 @@ def parse_args(argv=None):
                  help=f"comma-separated names from {list(GENERATIONS)}, or 'all'")
   p.add_argument("--batches", default=None,
                  help=f"default {','.join(map(str, BATCHES))} (--smoke: 2)")
-  p.add_argument("--tokens", type=int, default=None, help="N per run (default 32; smoke 4)")
-  p.add_argument("--prompt-len", type=int, default=None, help="default 64; smoke 8")
-  p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 1)")
-  p.add_argument("--backend", default="auto",
-                 help="flashsample_jax backend of the fused sampler (auto, mosaic, triton, xla)")
-  p.add_argument("--logit-std", type=float, default=None,
-                 help="spread of the logits over the vocabulary (the final norm's gain is "
-                 "set for it; default: the random weights' own, about 1, far flatter "
-                 "than a trained model's)")
-  p.add_argument("--attention", default="xla", choices=_model.ATTENTIONS,
-                 help="the decoder's attention (jax.nn.dot_product_attention implementation)")
-  p.add_argument("--compile-threads", type=int, default=None,
-                 help="step programs compiled at once (default 4 on a GPU, 1 on a CPU)")
-  p.add_argument("--bandwidth", type=float, default=None,
-                 help="read bandwidth in bytes/s for the floor (default: measured)")
-  p.add_argument("--budget-s", type=float, default=None,
-                 help="start no new batch size after this many seconds (results so far are kept)")
-  p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-  p.add_argument("--name", default=None, help="file stem suffix (default: the device)")
-  p.add_argument("--no-plot", action="store_true")
+  add_decode_args(p, point="batch size")
   a = p.parse_args(argv)
   a.configs = (a.configs or ("tiny" if a.smoke else ",".join(GPU_CONFIGS))).split(",")
   for c in a.configs:
@@ -128,19 +109,51 @@ def parse_args(argv=None):
   a.generations = list(dict.fromkeys(gens))
   a.batches = [int(b) for b in (a.batches or ("2" if a.smoke else
                                               ",".join(map(str, BATCHES)))).split(",")]
-  a.tokens = a.tokens or (4 if a.smoke else 32)
-  a.prompt_len = a.prompt_len or (8 if a.smoke else 64)
+  if min(a.batches) < 1:
+    p.error(f"--batches={a.batches}: every B must be >= 1")
+  check_decode_args(p, a, smoke_tokens=4, smoke_prompt_len=8, gpu_compile_threads=4)
+  return a
+
+
+def add_decode_args(p: argparse.ArgumentParser, *, point: str) -> None:
+  """The arguments of the decode runs, shared by the end-to-end benchmarks
+  (``point``: what a time budget stops starting, for the help text)."""
+  p.add_argument("--tokens", type=int, default=None, help="N per run (default 32)")
+  p.add_argument("--prompt-len", type=int, default=None, help="default 64")
+  p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 1)")
+  p.add_argument("--backend", default="auto",
+                 help="flashsample_jax backend of the fused sampler (auto, mosaic, triton, xla)")
+  p.add_argument("--logit-std", type=float, default=None,
+                 help="spread of the logits over the vocabulary (the final norm's gain is "
+                 "set for it; default: the random weights' own, about 1, far flatter "
+                 "than a trained model's)")
+  p.add_argument("--attention", default="xla", choices=_model.ATTENTIONS,
+                 help="the decoder's attention (jax.nn.dot_product_attention implementation)")
+  p.add_argument("--compile-threads", type=int, default=None,
+                 help="step programs compiled at once (default: a few on a GPU, 1 on a CPU)")
+  p.add_argument("--bandwidth", type=float, default=None,
+                 help="read bandwidth in bytes/s for the floor (default: measured)")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help=f"start no new {point} after this many seconds (results so far are kept)")
+  p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+  p.add_argument("--name", default=None, help="file stem suffix (default: the device)")
+  p.add_argument("--no-plot", action="store_true")
+
+
+def check_decode_args(p: argparse.ArgumentParser, a, *, smoke_tokens: int,
+                      smoke_prompt_len: int, gpu_compile_threads: int) -> None:
+  """Fills in the defaults of :func:`add_decode_args`' arguments (smaller
+  ones with ``--smoke``) and rejects bad values through ``p.error``."""
+  a.tokens = a.tokens or (smoke_tokens if a.smoke else 32)
+  a.prompt_len = a.prompt_len or (smoke_prompt_len if a.smoke else 64)
   a.repeats = a.repeats or (1 if a.smoke else 3)
   for name in ("tokens", "prompt_len", "repeats"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
-  if min(a.batches) < 1:
-    p.error(f"--batches={a.batches}: every B must be >= 1")
   if a.logit_std is not None and not a.logit_std > 0:
     p.error(f"--logit-std={a.logit_std} must be > 0")
   if a.compile_threads is None:
-    a.compile_threads = 1 if jax.default_backend() == "cpu" else 4
-  return a
+    a.compile_threads = 1 if jax.default_backend() == "cpu" else gpu_compile_threads
 
 
 device_name = _timing.device_name
@@ -394,17 +407,11 @@ def plot(res: dict, path: Path) -> None:
     top.axhline(fl[0]["floor_ms"], color="k", lw=1, ls=":", label="weight-read floor")
     bottom.axhline(1.0, color="k", lw=1)
     bs = sorted({r["batch"] for r in fl})
-    for ax in (top, bottom):
-      ax.set_xscale("log", base=2)
-      ax.set_xticks(bs, [str(b) for b in bs])
-      ax.minorticks_off()
-      ax.set_xlabel("batch B")
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize=7)
-    top.set_ylabel("time per output token (ms)")
-    top.set_ylim(bottom=0)
-    top.set_title(cfg)
+    _timing.pow2_axis(top, bs, "batch B", "time per output token (ms)", cfg)
+    _timing.pow2_axis(bottom, bs, "batch B")
     bottom.set_ylabel("speedup of the step (xla / fused)")
+    for ax in (top, bottom):
+      ax.legend(fontsize=7)
   fig.suptitle(f"End-to-end decode TPOT, {res['gpu']}, jax {res['jax_version']}")
   fig.tight_layout()
   fig.savefig(path, dpi=120)

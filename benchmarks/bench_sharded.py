@@ -305,14 +305,7 @@ def plot(meta, records, path) -> None:
     ax.plot(tp, [r["matmul_us"] for r in rs], "^:", label="local matmul only")
     if rs[0]["goal_us"] is not None:
       ax.plot(tp, [r["goal_us"] for r in rs], "k--", lw=1, label="goal 1.2 t1/n + 30 us")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(tp, [str(x) for x in tp])
-    ax.minorticks_off()
-    ax.set_xlabel("TP (vocabulary shards)")
-    ax.set_ylabel("us per step, in a loop")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"B = {b}")
-    ax.grid(alpha=0.3)
+    _timing.pow2_axis(ax, tp, "TP (vocabulary shards)", "us per step, in a loop", f"B = {b}")
   axes[0][0].legend(fontsize=8)
   fig.suptitle(f"{meta['gpu']}, shape {meta['shape']} (D {meta['D']}, V {meta['V']}), "
                f"jax {meta['jax_version']}, {meta['steps']}-step loop", fontsize=10)

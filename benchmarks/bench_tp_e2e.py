@@ -64,36 +64,16 @@ def parse_args(argv=None):
   p.add_argument("--tp", default="1,2,4",
                  help="comma-separated TP degrees; those above the device count are skipped")
   p.add_argument("--batches", default=None, help="default 1,16,64,256 (smoke 2)")
-  p.add_argument("--tokens", type=int, default=None, help="N per run (default 32; smoke 3)")
-  p.add_argument("--prompt-len", type=int, default=None, help="default 64; smoke 4")
-  p.add_argument("--repeats", type=int, default=None, help="runs per sampler (default 3; smoke 1)")
-  p.add_argument("--backend", default="auto", help="per-shard backend of the fused sampler")
-  p.add_argument("--attention", default="xla", choices=_model.ATTENTIONS)
-  p.add_argument("--compile-threads", type=int, default=None,
-                 help="default 2 on GPUs, 1 on a CPU")
-  p.add_argument("--bandwidth", type=float, default=None,
-                 help="read bandwidth in bytes/s for the floor (default: measured)")
-  p.add_argument("--budget-s", type=float, default=None,
-                 help="start no new (TP, B) point after this many seconds")
-  p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-  p.add_argument("--name", default=None, help="file stem suffix (default: the device)")
-  p.add_argument("--no-plot", action="store_true")
+  bench_e2e.add_decode_args(p, point="(TP, B) point")
   a = p.parse_args(argv)
   a.config = a.config or ("tiny-tp" if a.smoke else "32b-4l")
   if _model.CONFIGS[a.config].tied:
     p.error(f"--config {a.config} has a tied head; the sharded head must be an untied one")
   a.tp = [int(x) for x in a.tp.split(",")]
   a.batches = [int(x) for x in (a.batches or ("2" if a.smoke else "1,16,64,256")).split(",")]
-  a.tokens = a.tokens or (3 if a.smoke else 32)
-  a.prompt_len = a.prompt_len or (4 if a.smoke else 64)
-  a.repeats = a.repeats or (1 if a.smoke else 3)
-  for name in ("tokens", "prompt_len", "repeats"):
-    if getattr(a, name) < 1:
-      p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
   if min(a.batches) < 1 or min(a.tp) < 1:
     p.error(f"--batches={a.batches} and --tp={a.tp} must be >= 1")
-  if a.compile_threads is None:
-    a.compile_threads = 1 if jax.default_backend() == "cpu" else 2
+  bench_e2e.check_decode_args(p, a, smoke_tokens=3, smoke_prompt_len=4, gpu_compile_threads=2)
   return a
 
 
@@ -117,7 +97,7 @@ def bench(a, on_point=None) -> dict:
       requested_backend=a.backend, read_bandwidth_Bps=bandwidth,
       sharding="LM head split over the vocabulary; embedding, layers, KV cache replicated",
       smoke=a.smoke, complete=False, rows=[])
-  graphdef, state = _model.init(cfg)
+  graphdef, state = _model.init(cfg, logit_std=a.logit_std)
   jax.block_until_ready(state)
   stopped = False
   for n in tps:
@@ -215,14 +195,8 @@ def plot(res: dict, path: Path) -> None:
                 key=lambda r: r["tp"])
     tp = [r["tp"] for r in rs]
     ax.plot(tp, [r["floor_ms"] for r in rs], "k:", lw=1, label="weight-read floor")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(tp, [str(x) for x in tp])
-    ax.minorticks_off()
-    ax.set_xlabel("TP (vocabulary shards of the head)")
-    ax.set_ylabel("time per output token (ms)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"B = {b}")
-    ax.grid(alpha=0.3)
+    _timing.pow2_axis(ax, tp, "TP (vocabulary shards of the head)",
+                      "time per output token (ms)", f"B = {b}")
   axes[0][0].legend(fontsize=8)
   fig.suptitle(f"{res['config']}, {res['generation']} config, {res['gpu']}, "
                f"jax {res['jax_version']}", fontsize=10)

@@ -669,21 +669,22 @@ def compile_for_inspection(kernel, pointer_types: dict[str, str],
   src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs),
                   attrs=attrs)
   major, minor = capability
+  compile_ = lambda: triton.compile(
+      src, target=GPUTarget("cuda", major * 10 + minor, 32),
+      options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False))
+  saved = os.environ.get("TRITON_CACHE_DIR")
+  if saved:
+    return compile_()
   # triton.compile needs a file cache, and jax_triton, once imported, sets
   # TRITON_CACHE_DIR to "" (it compiles below that cache): give this call a
-  # directory of its own then, and leave the variable as it was.
-  saved = os.environ.get("TRITON_CACHE_DIR")
+  # directory of its own, and leave the variable as it was.
   with tempfile.TemporaryDirectory(prefix="fsj-triton-inspect-") as tmp:
-    if not saved:
-      os.environ["TRITON_CACHE_DIR"] = tmp
+    os.environ["TRITON_CACHE_DIR"] = tmp
     try:
-      return triton.compile(
-          src, target=GPUTarget("cuda", major * 10 + minor, 32),
-          options=dict(num_warps=num_warps, num_stages=num_stages,
-                       enable_fp_fusion=False))
+      return compile_()
     finally:
       if saved is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
+        del os.environ["TRITON_CACHE_DIR"]
       else:
         os.environ["TRITON_CACHE_DIR"] = saved
 
