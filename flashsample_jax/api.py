@@ -84,16 +84,19 @@ def run(p: problem.Problem, c: _controls.Controls, *,
     if axes.vocab:
       score, token = mesh.combine_over_axis(score, token, axes.vocab)
     return token.reshape(c.samples, p.batch)
+  # Where every row truncates, the pass draws no noise (Controls.for_pass).
+  pc = c.for_pass()
   if c.penalizes:
     # The fused pass skips the history ids (their logits change); their
     # penalized scores come from their own weight rows, then one merge.
     hist = stage2.history(c)
-    st = stage2.state_combine(c, stage2.candidate_count(p, c))(
-        backend.controls_state(p, stage2.pass_controls(c, hist, p.vocab_size),
+    st = stage2.state_combine(pc, stage2.candidate_count(p, c))(
+        backend.controls_state(p, stage2.pass_controls(pc, hist, p.vocab_size),
                                vocab_offset=offset),
-        stage2.history_state(p, c, hist, vocab_offset=offset))
+        stage2.history_state(p, pc, hist, vocab_offset=offset))
   else:
-    st = backend.controls_state(p, c, vocab_offset=offset)
+    st = backend.controls_state(p, pc, vocab_offset=offset)
+  st = stage2.per_sample(st, c.samples)
   tokens, out, _ = stage2.finish(p, c, st, axis=axes.vocab)
   if out is not None:
     return out if c.num_samples is not None else out.first_sample()

@@ -73,6 +73,11 @@ class Controls:
     num_samples: static int or None (None: tokens ``[B]``; S: ``[S, B]``).
     return_logprobs: static bool.
     top_logprobs: static int N, 0 = off: the N most likely ids per row.
+    every_row_truncates: static; True when a truncation rule was given as a
+      concrete value that is on for every row (e.g. ``top_k=50``), so that
+      every sampled row is decided on the candidates (:meth:`for_pass`).
+    noise: static; False in the controls of a pass that draws no noise: its
+      best of each row is the argmax of ``x`` (:meth:`for_pass`).
   """
 
   top_k: Any = None
@@ -89,6 +94,8 @@ class Controls:
   num_samples: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
+  every_row_truncates: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  noise: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
@@ -122,6 +129,18 @@ class Controls:
   @property
   def samples(self) -> int:
     return self.num_samples or 1
+
+  def for_pass(self) -> "Controls":
+    """The controls a pass over W runs with. Where a truncation rule is on
+    for every row (known when the call is traced), each sampled row's token
+    is drawn in stage 2 from its kept candidates, with the noise of those
+    few ids; the pass's own best of each row is read only for greedy rows,
+    which take the argmax of ``x``. That pass then draws no noise (the bulk
+    of its per-element work) and one best per row serves every sample:
+    ``noise=False, num_samples=None``. Otherwise ``self``."""
+    if self.every_row_truncates and self.noise:
+      return dataclasses.replace(self, num_samples=None, noise=False)
+    return self
 
   @property
   def samples_only(self) -> bool:
@@ -177,6 +196,18 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
   return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
 
+def _on_everywhere(value, on) -> bool:
+  """Whether a truncation argument is concrete (not traced) and ``on`` holds
+  for every row of it (called before its range check: NaN is not on)."""
+  if value is None or isinstance(value, bool) or not _concrete(value):
+    return False
+  try:
+    raw = np.asarray(value, np.float64)
+  except (TypeError, ValueError):
+    return False
+  return bool(raw.size) and bool(np.all(on(raw)))
+
+
 # The largest ``top_logprobs``: the candidate lists every pass keeps hold
 # this many ids per row (stage2.CANDIDATES).
 TOP_LOGPROBS_MAX = 128
@@ -212,6 +243,9 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      num_samples=None, return_logprobs=False,
                      top_logprobs=0) -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
+  every_row_truncates = (_on_everywhere(top_k, lambda k: k > 0)
+                         or _on_everywhere(top_p, lambda p: p < 1)
+                         or _on_everywhere(min_p, lambda m: m > 0))
   top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
                    off="0 turns top-k off")
   top_p = _per_row("top_p", top_p, batch, integer=False, lo=0.0, hi=1.0,
@@ -286,7 +320,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
                   output_ids=output_ids, num_samples=num_samples,
                   return_logprobs=return_logprobs,
-                  top_logprobs=top_logprobs)
+                  top_logprobs=top_logprobs,
+                  every_row_truncates=every_row_truncates)
 
 
 def allowed_bits(allowed_mask, gid):

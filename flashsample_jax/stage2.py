@@ -32,7 +32,7 @@ from pallas_kernels.state import ControlsState, top_m
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "state_combine", "state_from_parts", "topm_merge",
            "History", "history", "pass_controls", "excluded_mask", "history_state", "finish",
-           "samples_as_rows"]
+           "samples_as_rows", "per_sample"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
 # largest tempered logits. Rows whose kept set the candidates cannot certify
@@ -251,7 +251,8 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
                          history=(ok, hist.count))
   x = jnp.where(ok, x, -jnp.inf)
   t = tempered(p, x)
-  sc = perturbed(p, x, t, jnp.where(ok, hist.ids, 0), c.samples)   # [B, S, H]
+  sc = (perturbed(p, x, t, jnp.where(ok, hist.ids, 0), c.samples)  # [B, S, H]
+        if c.noise else x[:, None, :])
   score, tok, best_t = rules.argbest(sc, gid[:, None, :], axis=2, carry=t[:, None, :])
   mx = jnp.max(t, axis=1)
   st = ControlsState(
@@ -264,6 +265,17 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
     st = st._replace(cand_vals=vals, cand_ids=ids,
                      cand_bound=jnp.full((p.batch,), -jnp.inf))
   return st
+
+
+def per_sample(st: ControlsState, samples: int) -> ControlsState:
+  """``st`` with ``samples`` bests per row: a noise-free pass's one best
+  (``Controls.for_pass``) stands for every sample (only greedy rows read
+  it, and their samples are all the argmax)."""
+  if st.best_score.shape[1] == samples:
+    return st
+  rep = lambda a: jnp.broadcast_to(a, (a.shape[0], samples))
+  return st._replace(best_score=rep(st.best_score), best_id=rep(st.best_id),
+                     best_t=rep(st.best_t))
 
 
 def samples_as_rows(p: Problem, samples: int) -> Problem:

@@ -98,6 +98,7 @@ class Spec:
   lse: bool = False          # online log-sum-exp
   lists: bool = False    # candidate lists (truncation or top-N)
   t_best: bool = False       # t of each sample's best (log-probabilities)
+  noise: bool = True         # False: each row's best is the argmax of x
 
   @property
   def f_rows(self) -> int:
@@ -211,9 +212,12 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       gid_u = gid.astype(jnp.uint32)
       new_best = []
       for (c_hi, c_lo), b in zip(ctr, best):
-        hi, lo = threefry.add_u32(c_hi, c_lo, gid_u)
-        sc = rules.perturb(x, t, threefry.gumbel(k0, k1, hi, lo), greedy)
-        sc = jnp.where(valid, sc, -jnp.inf)
+        if spec.noise:
+          hi, lo = threefry.add_u32(c_hi, c_lo, gid_u)
+          sc = rules.perturb(x, t, threefry.gumbel(k0, k1, hi, lo), greedy)
+          sc = jnp.where(valid, sc, -jnp.inf)
+        else:  # no noise: x is already -inf where not valid
+          sc = x
         take = rules.better(sc, idx, b[0], b[1])
         nb = (jnp.where(take, sc, b[0]), jnp.where(take, idx, b[1]))
         if spec.t_best:
@@ -438,7 +442,7 @@ def _pair_lists(vals, ids):
 def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    layout: str, vocab_size: int, total_rows: int, candidates: int,
                    lists: bool, return_logprobs: bool, softcap: bool,
-                   logit_bias=None, allowed_mask=None,
+                   noise: bool = True, logit_bias=None, allowed_mask=None,
                    target: common.Target = common.Target()) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
@@ -461,6 +465,9 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     lists: keep the candidate lists (a truncation rule or top-N is on).
     return_logprobs: keep each sample's tempered logit.
     softcap: apply the soft-cap of the rows' ``softcap`` field.
+    noise: False: draw no noise; each sample's best is the argmax of ``x``
+      (for calls whose sampled rows are all decided on the candidates;
+      ``Controls.for_pass``).
     logit_bias: f32 ``[vocab_size]`` (global ids) or None.
     allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]`` or None.
     target: where the kernels run.
@@ -494,7 +501,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       spec = Spec(samples=g1 - g0, softcap=softcap,
                   bias=bias is not None, mask=mask is not None,
                   lse=first and need_lse, lists=first and lists,
-                  t_best=return_logprobs)
+                  t_best=return_logprobs, noise=noise)
       # This group's counters after the shared fields (RowLayout order).
       ctr0 = RowLayout.FIXED
       rowdata = jnp.concatenate([rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]])

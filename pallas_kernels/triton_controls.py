@@ -89,6 +89,8 @@ class Controls(NamedTuple):
     lse: also write the tile's ``(max t, sum exp(t - max t))``.
     top_k: ``K``, the largest tempered logits listed per tile (0: none).
     tanh: ``TANH_LIBDEVICE`` or ``TANH_RATIONAL`` (see the module docstring).
+    noise: False: no noise; each sample's best is that of ``x`` (for calls
+      whose sampled rows are all decided on the candidate lists).
   """
 
   samples: int = 1
@@ -99,6 +101,7 @@ class Controls(NamedTuple):
   lse: bool = False
   top_k: int = 0
   tanh: int = TANH_RATIONAL
+  noise: bool = True
 
   @property
   def f_rows(self) -> int:
@@ -217,7 +220,7 @@ def _controls_kernel(
     S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, N_WORDS: tl.constexpr, T_BEST: tl.constexpr,
     LSE: tl.constexpr, K: tl.constexpr, TANH: tl.constexpr,
-    F_ROWS: tl.constexpr, I_ROWS: tl.constexpr):
+    NOISE: tl.constexpr, F_ROWS: tl.constexpr, I_ROWS: tl.constexpr):
   """One (batch block, vocabulary tile) of the controls kernel (module doc)."""
   pid_b = tl.program_id(0)
   pid_v = tl.program_id(1)
@@ -258,13 +261,16 @@ def _controls_kernel(
   t = base.tempered(x, inv)
 
   for s in tl.static_range(S):
-    c_hi = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s,
-                    VOCAB_ON_M)
-    c_lo = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s + 1,
-                    VOCAB_ON_M)
-    hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
-    g = noise.gumbel(k0, k1, hi, lo)
-    sc = tl.where(valid, tl.where(greedy, x, t + g), float("-inf"))
+    if NOISE:
+      c_hi = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s,
+                      VOCAB_ON_M)
+      c_lo = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROWS_FIXED + 2 * s + 1,
+                      VOCAB_ON_M)
+      hi, lo = noise.add_u32(c_hi, c_lo, gid_u)
+      g = noise.gumbel(k0, k1, hi, lo)
+      sc = tl.where(valid, tl.where(greedy, x, t + g), float("-inf"))
+    else:  # x is already -inf where not valid
+      sc = x
     best, idx = base.best_along(sc, gid, valid, AXIS)
     _store_rows(f_ptr, best, rows_b, pid_v, s, F_ROWS, B, N_TILES)
     _store_rows(i_ptr, idx, rows_b, pid_v, s, I_ROWS, B, N_TILES)
@@ -313,11 +319,13 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   (registers per thread, no GPU needed): plain 16 elements 56, 64 elements
   233; all controls (2 samples, K = 8) at 16 elements 188, at 64 elements
   255 with 1.2 KB of spills. So: at most 32 elements per thread, 16 with a
-  list, several samples or the best's t; more warps first, then smaller
-  batch blocks (W's extra reads then come from L2).
+  list drawn next to the noise, several samples or the best's t; more warps
+  first, then smaller batch blocks (W's extra reads then come from L2).
+  A list without the noise is light (B = 128, 32 elements: 99 registers).
   """
   cfg = base.pick_config(batch, dim, rows, capability)
-  heavy = controls.top_k > 0 or controls.samples > 1 or controls.t_best
+  heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
+           or controls.t_best)
   limit = 16 if heavy else 32
   block_b, num_warps = cfg.block_b, cfg.num_warps
   while cfg.block_v * block_b // (32 * num_warps) > limit:
@@ -345,7 +353,8 @@ def controls_constexprs(cfg: base.TritonConfig, ctl: Controls, *, batch, dim,
                                    layout=layout)
   consts.update(S=ctl.samples, HAS_SOFTCAP=ctl.softcap, HAS_BIAS=ctl.bias,
                 HAS_MASK=ctl.mask, N_WORDS=n_words, T_BEST=ctl.t_best,
-                LSE=ctl.lse, K=ctl.top_k, TANH=ctl.tanh, F_ROWS=ctl.f_rows,
+                LSE=ctl.lse, K=ctl.top_k, TANH=ctl.tanh, NOISE=ctl.noise,
+                F_ROWS=ctl.f_rows,
                 I_ROWS=ctl.i_rows)
   return consts
 
@@ -366,7 +375,7 @@ def check_controls(ctl: Controls):
   if ctl.tanh not in (TANH_LIBDEVICE, TANH_RATIONAL):
     raise ValueError(
         f"tanh={ctl.tanh!r} must be TANH_LIBDEVICE or TANH_RATIONAL")
-  for name in ("softcap", "bias", "mask", "t_best", "lse"):
+  for name in ("softcap", "bias", "mask", "t_best", "lse", "noise"):
     if not isinstance(getattr(ctl, name), bool):
       raise TypeError(f"{name}={getattr(ctl, name)!r} must be a bool")
 

@@ -282,6 +282,32 @@ class BackendSuite:
                                    **hist), key=key, top_logprobs=4)
     assert tok[1] == -1 and all(tok[i] in ids[i] for i in range(b) if i != 1)
 
+  def test_truncating_every_row_skips_the_noise(self):
+    # A rule on for every row (a concrete top_k = 5): the pass draws no
+    # noise, and its best of each row is the argmax of x (lowest id on
+    # ties), which only greedy rows read; tokens still equal
+    # the reference's, several samples included.
+    from flashsample_jax import controls, problem
+    h, w, b, v = cases.H, cases.W, cases.B, cases.V
+    key, t = cases.KEYS["per_row"], cases.T
+    p = problem.prepare(h, w, key, temperature=t)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=5,
+                                  return_logprobs=True)
+    pc = c.for_pass()
+    assert c.every_row_truncates and not pc.noise and pc.samples == 1
+    impl = fs.backends.resolve(self.backend, p, pc)
+    st = jax.jit(lambda p, c: impl.controls_state(p, c))(p, pc)
+    l = np.asarray(jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32).T))
+    np.testing.assert_array_equal(np.asarray(st.best_id)[:, 0], l.argmax(axis=1))
+    np.testing.assert_array_equal(np.asarray(st.best_score)[:, 0], l.max(axis=1))
+    for kw in (dict(top_k=5), dict(top_k=5, top_p=0.9, min_p=0.01)):
+      self.check_controls(kw, key=key, num_samples=3, return_logprobs=True)
+    # A row with top-k off (k = 0) is sampled from the pass's noise.
+    k = jnp.asarray(np.where(np.arange(b) % 5 == 1, 0, 5), jnp.int32)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=k)
+    assert not c.every_row_truncates and c.for_pass() is c
+    self.check_controls(dict(top_k=k), key=key)
+
   def test_traced_controls_under_jit(self):
     h, w, key, t = cases.H, cases.W, cases.KEYS["scalar"], cases.T
     f = jax.jit(lambda k, p, m, c: self.run(h, w, key, temperature=t, top_k=k,

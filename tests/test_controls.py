@@ -285,3 +285,31 @@ def test_empty_histories_are_no_penalty():
                                 fs.sample(H, W, KEYS["scalar"], temperature=T, backend="xla"))
   np.testing.assert_array_equal(fs.reference.sample(H, W, KEYS["scalar"], **kw),
                                 fs.sample(H, W, KEYS["scalar"], temperature=T, backend="xla"))
+
+
+@pytest.mark.parametrize("kw,every", [
+    (dict(top_k=50), True), (dict(top_p=0.9), True), (dict(min_p=0.05), True),
+    (dict(top_k=0, top_p=0.9), True), (dict(top_k=0), False),
+    (dict(top_p=1.0), False), (dict(min_p=0.0), False), (dict(top_k=0, min_p=0.0), False),
+    (dict(top_k=np.array([5, 0, 3])), False), (dict(top_k=np.array([5, 1, 3])), True),
+    (dict(top_p=jnp.array([0.5, 1.0, 0.2])), False), ({}, False),
+    (dict(top_logprobs=5), False)])
+def test_every_row_truncates_is_known_only_for_concrete_rules(kw, every):
+  # for_pass drops the pass's noise only where every row is decided on the
+  # candidates; anything else keeps the noise (and the samples).
+  c = controls.prepare_controls(batch=3, vocab_size=100, rows=100, num_samples=2, **kw)
+  assert c.every_row_truncates is every
+  pc = c.for_pass()
+  assert (pc.noise, pc.num_samples) == ((False, None) if every else (True, 2))
+
+
+def test_traced_truncation_keeps_the_noise():
+  seen = []
+
+  def f(k):
+    c = controls.prepare_controls(batch=3, vocab_size=100, rows=100, top_k=k)
+    seen.append(c.every_row_truncates)
+    return c.top_k
+
+  jax.jit(f)(jnp.int32(5))
+  assert seen == [False]

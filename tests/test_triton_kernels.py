@@ -551,6 +551,8 @@ def mirror_controls(logits, parts, ctl, *, offset, rows_valid, vocab_size, bias,
                          parts["s_hi"][s_][:, None], parts["s_lo"][s_][:, None],
                          gid.astype(np.uint32)[None, :])
     sc = np.where(valid, np.where(temp == 0, x, t + numpy_gumbel(bits)), -np.inf)
+    if not ctl.noise:  # every row's best is that of x
+      sc = x
     sc = sc.astype(f32)
     m, idx = _tile_best_rows(sc, valid, block_v, offset)
     out["best_score"].append(m)
@@ -614,6 +616,9 @@ _CONTROL_CASES = [
      dict(samples=1, bias=True, lse=True, top_k=5, t_best=True)),
     ("vd", 7, 16, 96, 96, 90, 0, C(32, 16, 16, 4, 1),
      dict(samples=3, softcap=True, mask=True)),
+    # No noise (every row truncates): the best is x's, the lists as before.
+    ("dv", 18, 48, 160, 150, 300, 64, C(32, 16, 16, 4, 2, False),
+     dict(samples=1, mask=True, lse=True, top_k=4, t_best=True, noise=False)),
 ]
 
 

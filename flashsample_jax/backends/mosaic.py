@@ -114,7 +114,7 @@ class MosaicBackend(SamplerBackend):
         layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
         candidates=stage2.candidate_count(p, c), lists=c.lists,
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
-        logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
+        noise=c.noise, logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
         target=self._target())
 
   def prefers(self, p, c):

@@ -110,7 +110,7 @@ class TritonBackend(SamplerBackend):
       spec = kernel.Controls(
           samples=g1 - g0, softcap=c.softcap is not None,
           bias=c.logit_bias is not None, mask=c.allowed_mask is not None,
-          t_best=c.return_logprobs, lse=first and need_lse,
+          t_best=c.return_logprobs, lse=first and need_lse, noise=c.noise,
           top_k=TILE_CANDIDATES if first and c.lists else 0)
       rows = pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
                        ctr_hi=ctr_hi[g0:g1], ctr_lo=ctr_lo[g0:g1],
