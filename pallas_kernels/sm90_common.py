@@ -223,7 +223,7 @@ def tma_transforms(dtype):
 def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
                    dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
                    h_ref, rowdata_ref, rowdata_smem, acc_smem,
-                   shared_acc: bool = True, **scratch):
+                   shared_acc: bool = True, cta=None, **scratch):
   """What the ping-pong kernels share: the SMEM ring and its barriers, the
   memory warpgroup, and each compute warpgroup's loop over its tiles.
 
@@ -238,7 +238,9 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   kernel's launches of fewer than 64 rows): its rows fill the top of each
   H slot, the rest of the slot is never written, and the accumulator rows
   it feeds are padding the caller drops (PERF_LOG c8). The schedule's
-  ``batch_major`` decides the operand order of the wgmma.
+  ``batch_major`` decides the operand order of the wgmma. ``cta``: this
+  CTA's index among the ``num_ctas`` that share the tiles (default: its
+  grid index; a kernel whose CTAs split into groups passes its own).
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
   k_steps = dim // dt
@@ -262,8 +264,8 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
              rowdata_barrier, **scratch):
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("sm")
-    n_local = (n_tiles - 1 - cta) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
+    cta_ = lax.axis_index("sm") if cta is None else cta
+    n_local = (n_tiles - 1 - cta_) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
 
     @pl.when(wg == 2)
     def _memory_wg():
@@ -273,7 +275,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
       stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
                    full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
-                   k_steps=k_steps, rows=rows, cta=cta, num_ctas=num_ctas,
+                   k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
                    total=n_local * k_steps)
 
     def operands(slot):
@@ -294,7 +296,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
         return lax.fori_loop(
             0, (n_local - wg + 1) // 2,
             lambda j, c: pingpong_tile(
-                i=wg + 2 * j, wg=wg, cta=cta, num_ctas=num_ctas, vt=vt,
+                i=wg + 2 * j, wg=wg, cta=cta_, num_ctas=num_ctas, vt=vt,
                 rows=rows, acc_shape=acc_shape, n_local=n_local,
                 acc_free=acc_free if shared_acc else None, consume=consume,
                 epilogue=epilogue,

@@ -24,6 +24,10 @@ __all__ = [
     "round_up",
     "MAX_N",
     "SMEM_BUDGET",
+    "pick_blocked_config",
+    "BLOCKED_MIN_ROWS",
+    "BLOCK_ROWS",
+    "MAX_BLOCKS",
     "ROWDATA_ROWS",
 ]
 
@@ -111,6 +115,12 @@ class TuningConfig:
       running wgmma, and a slot is released one step after its wgmma (the
       consumer holds two slots); with 0 each step waits for its wgmma and
       releases its slot at once (one more slot of the ring loading).
+    batch_blocks: ``PINGPONG_BATCH_M`` only: the launch's rows split into
+      this many blocks of N rows; CTA ``c`` takes block ``c % batch_blocks``
+      and the vocabulary tiles ``c // batch_blocks + i * (CTAs /
+      batch_blocks)``, so the CTAs of one tile's blocks run side by side and
+      all but the first read its weight rows from L2: one pass over W from
+      HBM for ``N * batch_blocks`` rows, work items of ``N x Vt``.
   """
 
   schedule: Schedule = Schedule.COOPERATIVE
@@ -123,12 +133,13 @@ class TuningConfig:
   compute_wgs: int | None = None
   epi_passes: int = 1
   mma_in_flight: int = 1
+  batch_blocks: int = 1
 
   def __post_init__(self):
     if not isinstance(self.schedule, Schedule):
       raise TypeError(f"schedule={self.schedule!r} must be a Schedule")
     for name in ("tile_v", "tile_d", "max_concurrent_steps", "epi_cols",
-                 "epi_unroll", "epi_passes", "mma_in_flight"):
+                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
@@ -168,6 +179,11 @@ class TuningConfig:
           f"{self.num_compute_wgs} (warpgroups sharing a tile)")
     if self.epi_passes < 1:
       raise ValueError(f"epi_passes={self.epi_passes} must be >= 1")
+    if self.batch_blocks < 1:
+      raise ValueError(f"batch_blocks={self.batch_blocks} must be >= 1")
+    if self.batch_blocks > 1 and not self.schedule.batch_major:
+      raise ValueError(f"batch_blocks={self.batch_blocks} needs PINGPONG_BATCH_M, "
+                       f"got {self.schedule.name}")
     if tile_d <= 0 or tile_d % 64:
       raise ValueError(f"{tile_d=} must be a positive multiple of 64")
     if steps < 1:
@@ -380,6 +396,36 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2) -> TuningConfig:
     if steps >= 3 or (steps >= 2 and tile_d == options[-1]):
       break
   return dataclasses.replace(base, tile_d=tile_d, max_concurrent_steps=max(2, steps))
+
+
+# Plain sampling of more rows than BLOCKED_MIN_ROWS - 1 runs in batch blocks
+# (TuningConfig.batch_blocks) of BLOCK_ROWS rows, up to MAX_BLOCKS per
+# launch. Measured on an H100 (PERF_LOG "Batch blocks"): at B = 256..1024
+# the blocks beat the vocabulary-major N = 256 launches (one per 256 rows,
+# each a pass over W) on every head, by 1.1-1.35x; at B = 192 the single
+# N = 192 launch is faster than two blocks (a quarter of padding).
+BLOCKED_MIN_ROWS = 193
+BLOCK_ROWS = 128
+MAX_BLOCKS = 16
+
+
+def pick_blocked_config(batch: int, dim: int, rows: int,
+                        itemsize: int = 2) -> TuningConfig:
+  """The config of one launch of ``batch <= BLOCK_ROWS * MAX_BLOCKS`` rows in
+  ``ceil(batch / 128)`` blocks: the N = 128 settings of the table, with
+  ``Dt = 128`` in 2 slots from three blocks on where D allows (measured
+  faster there; with two blocks ``Dt = 64`` in 4 slots was)."""
+  blocks = max(1, -(-batch // BLOCK_ROWS))
+  if blocks > MAX_BLOCKS:
+    raise ValueError(f"{batch=} rows need {blocks} blocks, more than {MAX_BLOCKS}")
+  base = pick_config(BLOCK_ROWS, dim, rows, itemsize)
+  if blocks > 2 and dim % 128 == 0:
+    fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(BLOCK_ROWS, itemsize)
+             - 2 * (base.tile_v + BLOCK_ROWS) * base.tile_d * itemsize)
+    steps = (SMEM_BUDGET - fixed) // ((base.tile_v + BLOCK_ROWS) * 128 * itemsize)
+    if steps >= 2:
+      base = dataclasses.replace(base, tile_d=128, max_concurrent_steps=int(min(8, steps)))
+  return dataclasses.replace(base, batch_blocks=blocks)
 
 
 def supported_dtype(dtype) -> bool:

@@ -2,9 +2,10 @@
 
 The kernel is the batch-major ping-pong of :mod:`pallas_kernels.sm90_sampler`
 (:func:`~pallas_kernels.sm90_common.pingpong_frame`
-``acc[N, Vt] = H @ W_tile.T``, N = 64 batch rows per launch, or 128 for B > 64
+``acc[N, Vt] = H @ W_tile.T``, blocks of N = 64 batch rows, or 128 for B > 64
 without truncation and with one sample (:data:`BATCH_WIDE`), two compute
-warpgroups alternating tiles) with a longer epilogue. Per element, in the
+warpgroups alternating tiles; a launch's blocks split its CTAs and share
+each weight tile through L2) with a longer epilogue. Per element, in the
 order of the package's controls (``flashsample_jax.controls``)::
 
     x = l                                   f32 accumulator
@@ -24,7 +25,7 @@ and per (batch row, column slot) of each warpgroup's registers it carries:
   sorted list updated by compare-and-select.
 
 After its last tile each warpgroup reduces its slots inside each warp: the
-best of every sample, the row's log-sum-exp, and its ``_WG_CANDIDATES``
+best of every sample, the row's log-sum-exp, and its ``K`` (:func:`_wg_candidates`)
 largest ``t`` (popped from the slot lists), plus a bound: no value of the
 row that the warpgroup saw and did not list is larger than it (the largest
 value that fell off a full slot list, or the next one after the popped).
@@ -81,6 +82,23 @@ _SLOT_DEPTH = 4
 _WG_CANDIDATES = 7
 # Samples per launch; more take further launches (each re-reads W).
 MAX_KERNEL_SAMPLES = 4
+# Batch blocks of one launch (TuningConfig.batch_blocks): rows beyond
+# MAX_BLOCKS x N take further launches. With candidate lists at most
+# MAX_LIST_BLOCKS: nb blocks leave each CTA nb times the ids, so a row's
+# kept set crowds into one CTA's list (and one slot's) more often; the lists
+# grow with nb (_wg_candidates), and past 4 blocks the slots would
+# overflow on ~1e-4 of the rows (each such row takes the exact path).
+MAX_BLOCKS = 16
+MAX_LIST_BLOCKS = 4
+
+
+def _wg_candidates(blocks: int) -> int:
+  """Candidates per warpgroup (K) for a launch of ``blocks`` batch blocks:
+  the smallest K for which a CTA pair's list (K after :func:`_pair_lists`)
+  misses one of a row's top 50 with P < 2e-6 per row, for 132 / nb CTAs per
+  block (binomial tail: K = 7, 9, 11, 11 for nb = 1 .. 4). Measured: with
+  K = 7 at nb = 4, 1 row in 256 took the exact path (PERF_LOG)."""
+  return _WG_CANDIDATES + 2 * min(2, blocks - 1)
 # Tile starts are multiples of 32 (the rows are padded to it), so a 16-wide
 # column chunk lies in one word of the allowed mask.
 _ROW_ALIGN = 32
@@ -99,16 +117,17 @@ class Spec:
   lists: bool = False    # candidate lists (truncation or top-N)
   t_best: bool = False       # t of each sample's best (log-probabilities)
   noise: bool = True         # False: each row's best is the argmax of x
+  candidates: int = 7        # listed per warpgroup (_wg_candidates)
 
   @property
   def f_rows(self) -> int:
     """f32 outputs per warpgroup: scores, t of the best, lse max and sum,
     bound, candidates."""
-    return 2 * self.samples + 3 + (_WG_CANDIDATES if self.lists else 0)
+    return 2 * self.samples + 3 + (self.candidates if self.lists else 0)
 
   @property
   def i_rows(self) -> int:
-    return self.samples + (_WG_CANDIDATES if self.lists else 0)
+    return self.samples + (self.candidates if self.lists else 0)
 
   @property
   def rows(self) -> RowLayout:
@@ -149,6 +168,17 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   bias_ref = refs.pop(0) if spec.bias else None
   mask_ref = refs.pop(0) if spec.mask else None
   f_ref, i_ref = refs
+  # Batch blocks (cfg.batch_blocks > 1): the per-row refs hold nb blocks of
+  # N rows; this CTA serves one (see sm90_sampler._kernel_batch_major).
+  nb = cfg.batch_blocks
+  cta = None
+  if nb > 1:
+    sm = lax.axis_index("sm")
+    block, cta = lax.rem(sm, nb), sm // nb
+    h_ref = h_ref.at[pl.ds(block * n, n)]
+    rowdata_ref = rowdata_ref.at[block]
+    mask_ref = mask_ref.at[block] if spec.mask else None
+    f_ref, i_ref = f_ref.at[block], i_ref.at[block]
   vt, epi = cfg.tile_v, cfg.epi_cols
   n_chunks = vt // epi
   words = vt // 32
@@ -270,7 +300,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
                                  prologue if n_aux else None)
 
     # Reduce the column slots inside each warp (no shared scratch).
-    out = lax.axis_index("sm") * 2 + wg
+    out = (lax.axis_index("sm") if cta is None else cta) * 2 + wg
     for s, b in enumerate(best):
       m, idx = rules.first_best(b[0], b[1], 1)
       f_ref[:, s, out] = m
@@ -290,7 +320,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
       # Values that fell off a full slot list are <= its last entry.
       overflow = jnp.max(vals[-1], axis=1)
-      for r in range(_WG_CANDIDATES):
+      for r in range(spec.candidates):
         mx = jnp.max(vals[0], axis=1)
         hit = vals[0] == bcast(mx)
         top_id = jnp.min(jnp.where(hit, ids[0], rules.INT_MAX), axis=1)
@@ -307,7 +337,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref,
+      rowdata_ref=rowdata_ref, cta=cta,
       rowdata_smem=plgpu.SMEM((spec.rows.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
 
@@ -315,20 +345,23 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
             rows_valid: int, vocab_size: int, n: int, target: common.Target):
   dim = h.shape[1]
+  nb = cfg.batch_blocks
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
-  num_ctas = min(cfg.num_ctas or target.sms(), n_tiles)
+  # With batch blocks, num_ctas counts the CTAs of one block.
+  num_ctas = max(1, min((cfg.num_ctas or target.sms()) // nb, n_tiles))
   body = functools.partial(_kernel, cfg=cfg, spec=spec, layout=layout, n=n,
                            dim=dim, rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
                            num_ctas=num_ctas,
                            interpret=target.interpret is not None)
   # The warpgroups on the minor axis (see _merge_outputs).
-  out_type = (jax.ShapeDtypeStruct((n, spec.f_rows, 2 * num_ctas), jnp.float32),
-              jax.ShapeDtypeStruct((n, spec.i_rows, 2 * num_ctas), jnp.int32))
+  lead = (nb, n) if nb > 1 else (n,)
+  out_type = (jax.ShapeDtypeStruct(lead + (spec.f_rows, 2 * num_ctas), jnp.float32),
+              jax.ShapeDtypeStruct(lead + (spec.i_rows, 2 * num_ctas), jnp.int32))
   f = plgpu.kernel(
-      body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
+      body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       kernel_name="flashsample_sm90_controls",
       compiler_params=plgpu.CompilerParams(
@@ -336,7 +369,9 @@ def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
           lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=target.interpret)
   extra = [a for a in (bias, mask) if a is not None]
-  return f(offset, rowdata, h, w, *extra)
+  fo, io = f(offset, rowdata, h, w, *extra)
+  return (fo.reshape(nb * n, spec.f_rows, 2 * num_ctas),
+          io.reshape(nb * n, spec.i_rows, 2 * num_ctas))
 
 
 def _local_bias(logit_bias, offset, rows_k: int, total_rows: int, epi: int):
@@ -446,9 +481,11 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    target: common.Target = common.Target()) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
-  Launches cover batch chunks of :data:`BATCH` rows (of :data:`BATCH_WIDE`
-  for B > BATCH with one sample and no candidate lists) and samples in groups of
-  :data:`MAX_KERNEL_SAMPLES`; each group re-reads W.
+  Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
+  with one sample and no candidate lists), up to :data:`MAX_BLOCKS` blocks
+  per launch (``TuningConfig.batch_blocks``: one pass over W from HBM for
+  all of them), and samples in groups of :data:`MAX_KERNEL_SAMPLES`; each
+  group re-reads W.
 
   Args:
     hidden: ``[B, D]`` in the weight's dtype (bf16/f16).
@@ -478,6 +515,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
   n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
   cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n)
+  # Rows per launch: up to MAX_BLOCKS blocks of n rows, one pass over W.
+  step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
   bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
           if logit_bias is not None else None)
   mask = (_local_mask(allowed_mask, offset, rows_k, total_rows)
@@ -485,15 +524,23 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   # The log-sum-exp feeds log-probabilities and the truncation rules.
   need_lse = return_logprobs or lists
   states = []
-  for b0 in range(0, batch, n):
-    b1 = min(batch, b0 + n)
-    pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n - (b1 - b0))]
+  for b0 in range(0, batch, step):
+    b1 = min(batch, b0 + step)
+    blocks = -(-(b1 - b0) // n)
+    launch_cfg = dataclasses.replace(cfg, batch_blocks=blocks)
+    pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n * blocks - (b1 - b0))]
                                  + [(0, 0)] * (x.ndim - 1))
-    mask_t = pad_rows(mask).T if mask is not None else None
-    # H keeps its own rows (padded to 8 for TMA): the kernel's slots take
-    # them at the top, and the missing rows up to N cost no copies.
-    h_rows = -(-(b1 - b0) // 8) * 8
-    h_chunk = jnp.pad(hidden[b0:b1], ((0, h_rows - (b1 - b0)), (0, 0)))
+    # Per-row arrays by block: [nb, ..., n] (one block alone: [..., n]).
+    by_block = lambda x: (x.reshape(blocks, n, -1).transpose(0, 2, 1)
+                          if blocks > 1 else x.T)
+    mask_t = by_block(pad_rows(mask)) if mask is not None else None
+    if blocks > 1:
+      h_chunk = pad_rows(hidden)
+    else:
+      # H keeps its own rows (padded to 8 for TMA): the kernel's slots take
+      # them at the top, and the missing rows up to N cost no copies.
+      h_rows = -(-(b1 - b0) // 8) * 8
+      h_chunk = jnp.pad(hidden[b0:b1], ((0, h_rows - (b1 - b0)), (0, 0)))
     parts = []
     for g0 in range(0, samples, MAX_KERNEL_SAMPLES):
       g1 = min(samples, g0 + MAX_KERNEL_SAMPLES)
@@ -501,14 +548,15 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       spec = Spec(samples=g1 - g0, softcap=softcap,
                   bias=bias is not None, mask=mask is not None,
                   lse=first and need_lse, lists=first and lists,
-                  t_best=return_logprobs, noise=noise)
+                  t_best=return_logprobs, noise=noise,
+                  candidates=_wg_candidates(blocks))
       # This group's counters after the shared fields (RowLayout order).
       ctr0 = RowLayout.FIXED
       rowdata = jnp.concatenate([rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]])
       rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
-      rowdata = pad_rows(rowdata.T).T
+      rowdata = by_block(pad_rows(rowdata.T))
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
-                       mask_t, cfg=cfg, spec=spec, layout=layout,
+                       mask_t, cfg=launch_cfg, spec=spec, layout=layout,
                        rows_valid=n_rows, vocab_size=vocab_size, n=n,
                        target=target)
       # Padding rows leave the merge (and the top-M sort) before it starts.

@@ -42,10 +42,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import rules, sm90_common as common, threefry
 from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.sm90_config import (
-    ROWDATA_ROWS, Schedule, TuningConfig, batch_chunks, batch_side, pick_config,
+    BLOCK_ROWS, BLOCKED_MIN_ROWS, MAX_BLOCKS, ROWDATA_ROWS, Schedule,
+    TuningConfig, batch_chunks, batch_side, pick_blocked_config, pick_config,
     wg_scratch_elems)
 
 __all__ = ["candidates"]
+
 
 # The plain kernels draw one sample per row.
 _ROWS = RowLayout(samples=1)
@@ -307,12 +309,27 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
   Streaming, slots, barriers and the shared accumulator buffer as in
   :func:`_kernel_pingpong`.
+
+  With ``cfg.batch_blocks = nb > 1`` the launch holds ``nb`` blocks of N
+  rows: ``h_ref`` [nb * N, D], ``rowdata_ref`` [nb, 8, N], outputs [nb, N,
+  2 * num_ctas], and ``num_ctas`` is the CTAs of one block. CTA ``c`` of
+  the grid serves block ``c % nb`` over the tiles of CTA ``c // nb`` of its
+  block: the nb CTAs that read one tile's weight rows are neighbours in the
+  grid and run at the same time, so all but the first find them in L2.
   """
   vt = cfg.tile_v
   epi = cfg.epi_cols
   n_chunks = vt // epi
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
+  nb = cfg.batch_blocks
+  cta = block = None
+  if nb > 1:
+    sm = lax.axis_index("sm")
+    block, cta = lax.rem(sm, nb), sm // nb
+    h_ref = h_ref.at[pl.ds(block * n, n)]
+    rowdata_ref = rowdata_ref.at[block]
+    score_ref, index_ref = score_ref.at[block], index_ref.at[block]
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
     rl = _ROWS
@@ -360,14 +377,14 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     # Reduce the column slots inside each warp (axis 1: lanes of a quad
     # and registers, no shared scratch, so trap 1 does not apply).
     m, idx = rules.first_best(best_s, best_i, 1)
-    out = lax.axis_index("sm") * 2 + wg
+    out = (lax.axis_index("sm") if cta is None else cta) * 2 + wg
     score_ref[:, out] = m
     index_ref[:, out] = idx
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref,
+      rowdata_ref=rowdata_ref, cta=cta,
       rowdata_smem=plgpu.SMEM((_ROWS.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32))
 
@@ -379,16 +396,20 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
 def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
             rows_valid: int, vocab_size: int, target: common.Target):
-  """Runs the kernel on one batch chunk (``h`` [N, D], N <= 256 padded).
+  """Runs the kernel on one batch chunk (``h`` [N * batch_blocks, D], N <=
+  256 padded; ``rowdata`` [batch_blocks, 8, N] when batch_blocks > 1).
 
-  Returns ``(score, index)``, both ``[N, n_out]``: each row's candidates
-  (one per tile or per compute warpgroup) along the minor axis.
+  Returns ``(score, index)``, both ``[N * batch_blocks, n_out]``: each
+  row's candidates (one per tile or per compute warpgroup) along the minor
+  axis.
   """
-  n, dim = h.shape
+  nb = cfg.batch_blocks
+  n, dim = h.shape[0] // nb, h.shape[1]
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
-  num_ctas = min(cfg.num_ctas or target.sms(), n_tiles)
+  # With batch blocks, num_ctas counts the CTAs of one block.
+  num_ctas = max(1, min((cfg.num_ctas or target.sms()) // nb, n_tiles))
   kernel = _KERNELS[cfg.schedule]
   body = functools.partial(kernel, cfg=cfg, layout=layout, n=n, dim=dim,
                            rows=rows, rows_valid=rows_valid,
@@ -400,14 +421,14 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   # axis it took three (max, select, min; PERF_LOG c9).
   if cfg.schedule.batch_major:  # one candidate per compute warpgroup
     n_out = 2 * num_ctas
-    shape = (n, n_out)
+    shape = (nb, n, n_out) if nb > 1 else (n, n_out)
   else:  # one per tile (or per warpgroup's part of a tile)
     n_out = n_tiles * cfg.wg_share
     shape = (n // cfg.epi_cols, cfg.epi_cols, n_out)
   out_type = (jax.ShapeDtypeStruct(shape, jnp.float32),
               jax.ShapeDtypeStruct(shape, jnp.int32))
   f = plgpu.kernel(
-      body, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
+      body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
       kernel_name="flashsample_sm90",  # the name profilers show
       compiler_params=plgpu.CompilerParams(
@@ -415,7 +436,7 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
           lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=target.interpret)
   s, i = f(offset, rowdata, h, w)
-  return s.reshape(n, n_out), i.reshape(n, n_out)
+  return s.reshape(nb * n, n_out), i.reshape(nb * n, n_out)
 
 
 _KERNELS = {
@@ -423,6 +444,44 @@ _KERNELS = {
     Schedule.PINGPONG_VOCAB_M: _kernel_pingpong,
     Schedule.PINGPONG_BATCH_M: _kernel_batch_major,
 }
+
+
+def launches(batch: int, dim: int, rows: int, itemsize: int,
+             config: TuningConfig | None = None):
+  """``[(b0, b1, cfg, n), ...]``: the launches for ``batch`` rows, each
+  with its config and its (per-block) batch side ``n``.
+
+  The heuristic's launches: up to ``BLOCKED_MIN_ROWS - 1`` rows, one
+  launch (:func:`pick_config`); more, launches of up to ``MAX_BLOCKS``
+  blocks of 128 rows (:func:`pick_blocked_config`), one pass over W each.
+  A given ``config`` runs every launch; with ``batch_blocks = nb > 1`` one
+  launch takes up to ``nb x 128`` rows in nb equal blocks (each a multiple
+  of 64 rows), else launches cover :func:`batch_chunks` of up to 256 rows.
+  """
+  if config is None and batch >= BLOCKED_MIN_ROWS and rows >= 128:
+    out = []
+    step = BLOCK_ROWS * MAX_BLOCKS
+    for b0 in range(0, batch, step):
+      b1 = min(batch, b0 + step)
+      if b1 - b0 < BLOCKED_MIN_ROWS:  # a short tail: one launch of its own
+        out += [(b0 + a, b0 + b, c, k) for a, b, c, k in
+                launches(b1 - b0, dim, rows, itemsize)]
+      else:
+        out.append((b0, b1, pick_blocked_config(b1 - b0, dim, rows, itemsize),
+                    BLOCK_ROWS))
+    return out
+  if config is not None and config.batch_blocks > 1:
+    nb = config.batch_blocks
+    per = -(-batch // nb)
+    n = config.batch_pad(batch_side(min(per, BLOCK_ROWS)))
+    step = min(batch, n * nb)
+    return [(b0, min(batch, b0 + step), config, n) for b0 in range(0, batch, step)]
+  out = []
+  for b0, b1 in batch_chunks(batch):
+    n = batch_side(b1 - b0)
+    cfg = config or pick_config(n, dim, rows, itemsize)
+    out.append((b0, b1, cfg, cfg.batch_pad(n)))
+  return out
 
 
 def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
@@ -454,18 +513,19 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   n_rows = weight.shape[0 if layout == "vd" else 1]
   w, rows_k = common.pad_vocab(weight, layout)
   batch, dim = hidden.shape
+  itemsize = jnp.dtype(weight.dtype).itemsize
   scores, tokens = [], []
-  for b0, b1 in batch_chunks(batch):
+  for b0, b1, cfg, n in launches(batch, dim, rows_k, itemsize, config):
     nb = b1 - b0
-    n = batch_side(nb)
-    cfg = config or pick_config(n, dim, rows_k, jnp.dtype(weight.dtype).itemsize)
-    n = cfg.batch_pad(n)
-    rowdata = jnp.pad(rows[:, b0:b1], [(0, 0), (0, n - nb)])
-    if not cfg.schedule.batch_major:
+    blocks = cfg.batch_blocks
+    rowdata = jnp.pad(rows[:, b0:b1], [(0, 0), (0, n * blocks - nb)])
+    if blocks > 1:  # [8, nb * N] -> [nb, 8, N]: one block per CTA group
+      rowdata = rowdata.reshape(_ROWS.rows, blocks, n).transpose(1, 0, 2)
+    elif not cfg.schedule.batch_major:
       # [8, N] -> [nc, 8, C]: one contiguous block per epilogue chunk.
       rowdata = rowdata.reshape(_ROWS.rows, n // cfg.epi_cols, cfg.epi_cols)
       rowdata = rowdata.transpose(1, 0, 2)
-    h = jnp.pad(hidden[b0:b1], [(0, n - nb), (0, 0)])
+    h = jnp.pad(hidden[b0:b1], [(0, n * blocks - nb), (0, 0)])
     s, i = _launch(offset, rowdata, h, w, cfg=cfg, layout=layout,
                    rows_valid=n_rows, vocab_size=vocab_size, target=target)
     s, i = rules.argbest(s[:nb], i[:nb], axis=1)

@@ -120,6 +120,11 @@ _CONFIGS = [
     TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=64, tile_d=64,
                  max_concurrent_steps=3, epi_cols=8, epi_passes=2,
                  num_ctas=3, mma_in_flight=0),
+    # Batch on M in 2 blocks of 64 rows (N=21 in the first, the second all
+    # padding), 11 tiles over 2 CTAs per block (num_ctas 5 -> 2 x 2).
+    TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=64,
+                 max_concurrent_steps=2, epi_cols=8, mma_in_flight=0,
+                 batch_blocks=2, num_ctas=5),
 ]
 
 
@@ -135,7 +140,11 @@ def test_configs_match_xla_scores(cfg, layout):
   _assert_same_candidates(got, xla_backend.candidates(p), p)
 
 
-def test_batch_over_256_is_chunked():
+def test_batch_over_192_runs_in_blocks():
+  # 300 rows: the heuristic's one launch of 3 blocks of 128 rows.
+  from pallas_kernels import sm90_sampler
+  (launch,) = sm90_sampler.launches(300, 64, 136, 2)
+  assert launch[2].batch_blocks == 3 and launch[3] == 128
   b, d, v = 300, 64, 130
   h, w = inputs.exact_inputs(b, d, v, seed=4)
   t = inputs.pow2_temperatures(b, greedy_every=7, seed=4)
@@ -143,6 +152,34 @@ def test_batch_over_256_is_chunked():
     p = problem.prepare(h, w, key, temperature=t)
     _assert_same_candidates(_interpret_candidates(p), xla_backend.candidates(p),
                             p)
+
+
+@pytest.mark.parametrize("blocks,b", [(2, 150), (3, 130)])
+def test_batch_blocks_share_one_launch(blocks, b):
+  # Rows in blocks of 64 (the last partly padding), one launch; 11 tiles of
+  # 64 over 4 // blocks CTAs per block; scalar and per-row keys.
+  d, v = 64, 700
+  h, w = inputs.exact_inputs(b, d, v, seed=8)
+  t = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
+  cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=64,
+                     max_concurrent_steps=2, epi_cols=8, mma_in_flight=0,
+                     batch_blocks=blocks)
+  from pallas_kernels import sm90_sampler
+  assert len(sm90_sampler.launches(b, d, v, 2, cfg)) == 1
+  for key in (jax.random.key(8), inputs.row_keys(b, seed=8)):
+    p = problem.prepare(h, w, key, temperature=t, vocab_size=690)
+    got = _interpret_candidates(p, config=cfg)
+    _assert_same_candidates(got, xla_backend.candidates(p), p)
+
+
+def test_batch_blocks_lower_for_cuda():
+  cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
+                     max_concurrent_steps=4, epi_cols=8, mma_in_flight=0,
+                     batch_blocks=4)
+  for layout in ("vd", "dv"):
+    lowered = _lower_for_cuda(512, 4096, 151936, layout, jnp.bfloat16,
+                              backend=MosaicBackend(assume_sm90=True, config=cfg))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_traced_vocab_offset():
@@ -242,6 +279,16 @@ def test_heuristic_picks_the_measured_schedules():
               Schedule.PINGPONG_VOCAB_M, 64, 4, 64, 4, 1)
   # One compute warpgroup (V < 128): the cooperative schedule.
   assert sm90_config.pick_config(256, 4096, 64).schedule is Schedule.COOPERATIVE
+  # Batch blocks of 128 rows from B = 193 (PERF_LOG "Batch blocks"): Dt = 64
+  # in 4 slots for two blocks, Dt = 128 in 2 from three on (D permitting).
+  from pallas_kernels import sm90_sampler
+  launch = lambda b, d=4096: [(b0, b1, c.batch_blocks, c.tile_d, c.max_concurrent_steps)
+                              for b0, b1, c, _ in sm90_sampler.launches(b, d, rows, 2)]
+  assert launch(192)[0][2] == 1
+  assert launch(193) == [(0, 193, 2, 64, 4)]
+  assert launch(512) == [(0, 512, 4, 128, 2)]
+  assert launch(512, 2880) == [(0, 512, 4, 64, 4)]
+  assert launch(2100) == [(0, 2048, 16, 128, 2), (2048, 2100, 1, 128, 3)]   # N = 64
 
 
 def test_heuristic_configs_are_valid():
@@ -350,26 +397,33 @@ def test_unsupported_problems_raise_not_implemented():
 # -- the controls kernel (pallas_kernels/sm90_controls.py) -------------------
 
 
-@pytest.mark.parametrize("layout,b,d,v,kw,launch_rows", [
+@pytest.mark.parametrize("layout,b,d,v,kw,launch_rows,h_want", [
     # Truncation lists and log-sum-exp on the Qwen3-8B head.
     ("vd", 64, 4096, 151936, dict(top_k=50, top_p=0.9, return_logprobs=True),
-     [64]),
-    # Every control at once, two launches of samples (4 + 2) per 64 rows.
+     [(64, 1)], [64]),
+    # Every control at once, two blocks of 64 rows, two launches of samples
+    # (4 + 2).
     ("dv", 70, 192, 1000, dict(top_k=5, min_p=0.1, softcap=30.0, logit_bias=1,
                                allowed_mask=1, num_samples=6,
-                               return_logprobs=True), [64] * 4),
-    ("vd", 5, 8192, 128256, dict(softcap=30.0), [64]),
-    # Launches of 128 rows (no truncation, one sample), both layouts.
+                               return_logprobs=True), [(64, 2)] * 2, [128] * 2),
+    ("vd", 5, 8192, 128256, dict(softcap=30.0), [(64, 1)], [8]),
+    # Blocks of 128 rows (no truncation, one sample), both layouts.
     ("vd", 200, 4096, 151936, dict(softcap=30.0, logit_bias=1, allowed_mask=1,
-                                   return_logprobs=True), [128, 128]),
-    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [128]),
+                                   return_logprobs=True), [(128, 2)], [256]),
+    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [(128, 1)],
+     [104]),
+    # 17 blocks of 64 with lists: 4 launches of MAX_LIST_BLOCKS, then one of 1.
+    ("vd", 1030, 256, 1000, dict(top_k=5), [(64, 4)] * 4 + [(64, 1)], [256] * 4 + [8]),
+    # Without lists: one launch of MAX_BLOCKS blocks of 64 rows (two samples).
+    ("vd", 1024, 256, 1000, dict(softcap=3.0, num_samples=2), [(64, 16)], [1024]),
 ])
-def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
+def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows, h_want,
                                          monkeypatch):
   rows, h_rows = [], []
   real = sm90_controls._launch
   monkeypatch.setattr(sm90_controls, "_launch",
-                      lambda *a, **k: (rows.append(k["n"]), h_rows.append(a[2].shape[0]),
+                      lambda *a, **k: (rows.append((k["n"], k["cfg"].batch_blocks)),
+                                       h_rows.append(a[2].shape[0]),
                                        real(*a, **k))[-1])
   h = jax.ShapeDtypeStruct((b, d), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
@@ -390,13 +444,9 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows,
         lowering_platforms=("cuda",))
   assert "flashsample_sm90_controls" in lowered.as_text()
   assert rows == launch_rows
-  # H goes in with each batch chunk's own rows, padded to 8 only (not to
-  # the launch's N); a chunk's sample groups are consecutive launches.
-  n = launch_rows[0]
-  chunks = -(-b // n)
-  groups = len(launch_rows) // chunks
-  assert h_rows == [-(-min(n, b - c * n) // 8) * 8
-                    for c in range(chunks) for _ in range(groups)]
+  # A launch of one block takes H with its own rows padded to 8 only (not
+  # to N); one of several blocks all of theirs.
+  assert h_rows == h_want
 
 
 def test_mosaic_more_samples_than_one_launch():
@@ -430,9 +480,9 @@ def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
 
 
 def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
-  # B > 64 with one sample and no truncation rule: launches of 128 rows
+  # B > 64 with one sample and no truncation rule: a block of 128 rows
   # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
-  # rule: of 64. Tokens and log-probabilities as the reference's either way.
+  # rule: one launch of two blocks of 64. Tokens and log-probabilities as the reference's either way.
   b = 80
   h, w = inputs.exact_inputs(b, D, V, scale=1, seed=9)
   t = inputs.pow2_temperatures(b, greedy_every=7, seed=9) * 4
@@ -444,14 +494,15 @@ def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
   rows = []
   real = sm90_controls._launch
   monkeypatch.setattr(sm90_controls, "_launch",
-                      lambda *a, **k: (rows.append(k["n"]), real(*a, **k))[1])
+                      lambda *a, **k: (rows.append((k["n"], k["cfg"].batch_blocks)),
+                                       real(*a, **k))[1])
   jax.clear_caches()  # launches are recorded when the sampler is traced
   SUITE.check_controls(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t,
                        return_logprobs=True)
-  assert rows == [128]
+  assert rows == [(128, 1)]
   rows.clear()
   SUITE.check_controls(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t)
-  assert rows == [64, 64]
+  assert rows == [(64, 2)]
 
 
 def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():

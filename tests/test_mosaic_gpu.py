@@ -122,13 +122,13 @@ def test_configs_exact_scores(cfg, layout):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
-@pytest.mark.parametrize("t", [0.6, 0.7, 1.3])
-def test_controls_scores_with_common_temperatures(t):
-  # The controls kernel's best scores and tempered logits equal the xla
-  # backend's bit for bit at the temperatures people use.
-  b, d, v = 64, 512, 4001
-  h, w = inputs.exact_inputs(b, d, v, seed=8)
-  p = problem.prepare(h, w, jax.random.key(8), temperature=t)
+def _controls_best_matches_xla(h, w, key, t):
+  """The controls kernel's and the xla backend's states for top_k=40 with
+  log-probabilities (with the pass's noise: ``c``, not ``c.for_pass()``),
+  after checking that each row's best id, score and tempered logit agree
+  bit for bit."""
+  b, v = h.shape[0], w.shape[0]
+  p = problem.prepare(h, w, key, temperature=t)
   c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=40,
                                 return_logprobs=True)
   got = jax.jit(lambda p, c: MosaicBackend().controls_state(p, c))(p, c)
@@ -136,6 +136,16 @@ def test_controls_scores_with_common_temperatures(t):
   for name in ("best_id", "best_score", "best_t"):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)),
                                   np.asarray(getattr(want, name)), err_msg=name)
+  return got, want
+
+
+@pytest.mark.parametrize("t", [0.6, 0.7, 1.3])
+def test_controls_scores_with_common_temperatures(t):
+  # The controls kernel's best scores and tempered logits equal the xla
+  # backend's bit for bit at the temperatures people use.
+  b, d, v = 64, 512, 4001
+  h, w = inputs.exact_inputs(b, d, v, seed=8)
+  got, want = _controls_best_matches_xla(h, w, jax.random.key(8), t)
   # The kernel's candidate lists are bounded (values at or below its bound
   # are -inf); above the bound and above the last listed value (whose
   # equals may be cut at the list's end differently) they hold the exact
@@ -155,6 +165,42 @@ def test_controls_scores_with_common_temperatures(t):
       kernel = sorted_
   np.testing.assert_array_equal(kernel[0], sorted_[0])
   np.testing.assert_array_equal(kernel[1], sorted_[1])
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("b", [200, 512, 1024])
+def test_batch_blocks_exact_scores(layout, b):
+  # The heuristic's batch blocks (2, 4 and 8 blocks of 128 rows; Dt = 64
+  # and 128): tokens and scores bit for bit against the xla backend at the
+  # temperatures people use, with greedy rows.
+  d, v = 512, 5003
+  h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=b)
+  from pallas_kernels import sm90_sampler
+  assert sm90_sampler.launches(b, d, v + 5, 2)[0][2].batch_blocks == -(-b // 128)
+  for t in (0.6, 0.7, 1.3):
+    temp = jnp.full((b,), t, jnp.float32).at[::9].set(0.0)
+    p = problem.prepare(h, w, inputs.row_keys(b, seed=b), temperature=temp,
+                        weight_layout=layout, vocab_size=5000)
+    got = jax.jit(lambda p: MosaicBackend().candidates(p))(p)
+    want = jax.jit(lambda p: xla_backend.candidates(p))(p)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+@pytest.mark.parametrize("b", [130, 256])
+def test_controls_batch_blocks_match_xla(b):
+  # Truncation at B > 64: one launch of ceil(B / 64) blocks; the best of
+  # each row (with the noise: c itself, not c.for_pass()) equals the xla
+  # backend's, and the tokens (without the noise, and with it: rows with
+  # top-k off) the reference's.
+  d, v = 512, 4001
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  _controls_best_matches_xla(h, w, jax.random.key(b), 0.7)
+  some_off = jnp.asarray(np.where(np.arange(b) % 7 == 3, 0, 40), jnp.int32)
+  for kw in (dict(top_k=40, top_p=0.9), dict(top_k=some_off)):
+    np.testing.assert_array_equal(
+        fs.sample(h, w, jax.random.key(b), temperature=0.7, backend="mosaic", **kw),
+        fs.reference.sample(h, w, jax.random.key(b), temperature=0.7, **kw))
 
 
 def test_repeated_runs_identical():

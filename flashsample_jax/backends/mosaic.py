@@ -32,8 +32,8 @@ from pallas_kernels import rowdata
 # 64 rows and evaluates every sample's noise for each (PERF_LOG: S = 4 at
 # B = 1 took twice XLA's time that way).
 SAMPLES_AS_ROWS_MAX = 128
-# Rows (batch x samples) up to which auto prefers the kernels to the dense
-# route without truncation (see MosaicBackend.prefers).
+# Rows (batch x samples) up to which auto prefers the controls kernel to
+# the dense route without truncation (see MosaicBackend.prefers).
 ROUTE_MAX_ROWS = 192
 
 
@@ -119,10 +119,13 @@ class MosaicBackend(SamplerBackend):
 
   def prefers(self, p, c):
     # Measured against the dense route (XLA's GEMM writing the logits, then
-    # one fused noise pass) on the H100: with a truncation rule the kernel
-    # is faster at every batch (the dense route sorts [B, V]); otherwise up
-    # to ROUTE_MAX_ROWS rows per pass over W (PERF_LOG "Routes").
-    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
+    # one fused noise pass) on the H100: plain sampling in batch blocks is
+    # faster at every batch up to 1024 on the four benchmark heads, and so
+    # is a truncation rule (the dense route sorts [B, V]; PERF_LOG "Batch
+    # blocks"); other controls up to ROUTE_MAX_ROWS rows per pass over W
+    # (PERF_LOG "Routes"; not measured in blocks).
+    return (not c.active or c.truncates
+            or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS)
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
