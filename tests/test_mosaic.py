@@ -258,8 +258,10 @@ def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_lowering_other_shapes(layout):
-  # D = 64 * odd (Dt=64), V not a multiple of 64, B > 256 (two chunks).
-  for b, d, v in ((300, 192, 1000), (5, 8192, 128256), (256, 64, 64)):
+  # D = 64 * odd (Dt=64, 3 blocks), V not a multiple of 64, B > 256 with
+  # one warpgroup (V < 128: chunks of 256), B > 2048 (16 blocks and a tail).
+  for b, d, v in ((300, 192, 1000), (5, 8192, 128256), (300, 64, 64),
+                  (2100, 128, 1000)):
     _lower_for_cuda(b, d, v, layout, jnp.bfloat16)
 
 
@@ -503,6 +505,28 @@ def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
   rows.clear()
   SUITE.check_controls(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t)
   assert rows == [(64, 2)]
+
+
+def test_mosaic_wide_blocks_with_bias_mask_and_logprobs(monkeypatch):
+  # 136 rows, one sample, no lists: one launch of two blocks of 128 rows
+  # (the second nearly all padding), with the per-row mask and data split
+  # by block; tokens and log-probabilities as the reference's.
+  b = 136
+  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=10)
+  t = inputs.pow2_temperatures(b, greedy_every=7, seed=10) * 4
+  rng = np.random.default_rng(10)
+  kw = dict(logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
+            allowed_mask=jnp.asarray(rng.integers(0, 2**32, (b, -(-V // 32)),
+                                                  dtype=np.uint32)))
+  rows = []
+  real = sm90_controls._launch
+  monkeypatch.setattr(sm90_controls, "_launch",
+                      lambda *a, **k: (rows.append((k["n"], k["cfg"].batch_blocks)),
+                                       real(*a, **k))[1])
+  jax.clear_caches()
+  SUITE.check_controls(kw, inputs.row_keys(b, seed=10), h=h, w=w, t=t,
+                       return_logprobs=True)
+  assert rows == [(128, 2)]
 
 
 def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():
