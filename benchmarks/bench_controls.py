@@ -24,6 +24,7 @@ kernel on an sm90 GPU) and as an XLA baseline that materializes the
   history of 128 prompt + 128 output ids per row | counts scattered into
   ``[B, V]``, the penalties applied to the logits (vLLM's way), categorical.
 
+Each B also times the cuBLAS dot alone (``dot``: the f32 logits written).
 Also reports how many rows took the exact materialized fallback for top-k +
 top-p on these logits (``fallback_rows``). Writes ``controls_<gpu>.json`` /
 ``.md`` under ``--out``.
@@ -182,6 +183,9 @@ def main(argv=None):
     prompt = jax.random.randint(jax.random.fold_in(km, 2), (b, HISTORY), 0, v)
     output = jax.random.randint(jax.random.fold_in(km, 3), (b, HISTORY), 0, v)
     extra = dict(bias=bias, mask=mask, prompt=prompt, output=output)
+    # The cuBLAS dot alone (f32 logits written): what writing the logits
+    # costs, the mark that fused sampling aims to stay under.
+    row["dot_us"] = _timing.median_us(jax.jit(_logits), h, w, reps=reps, inner=inner)[0]
     for name, (fused, xla) in providers.items():
       f = jax.jit(lambda k, h, w, extra, f=fused: f(k, h, w, **extra))
       row[name + "_us"] = _timing.median_us(f, key, h, w, extra, reps=reps,
@@ -218,7 +222,8 @@ def _report(stem, meta, rows):
              f"top_p={meta['top_p']}, softcap={meta['softcap']}; median us over "
              f"{meta['reps']} blocks of {meta['inner']} async calls between host "
              "syncs, fused (backend auto) / XLA baseline that materializes the "
-             "logits (speedup).\n\n")
+             "logits (speedup); dot: the cuBLAS dot alone, f32 logits written "
+             "(runs before 2026-11-27's thirteenth session lack it).\n\n")
     ratios = [n for n in ("topk_topp", "top_logprobs20", "penalties256")
               if n + "_over_plain" in r0]
     fh.write("| B | backend | fallback rows | " + " | ".join(names) + " | "
