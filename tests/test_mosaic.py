@@ -481,24 +481,39 @@ def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
     assert above <= set(ids[b][vals[b] > bound[b]]), b
 
 
-def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
-  # B > 64 with one sample and no truncation rule: a block of 128 rows
-  # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
-  # rule: one launch of two blocks of 64. Tokens and log-probabilities as the reference's either way.
-  b = 80
-  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=9)
-  t = inputs.pow2_temperatures(b, greedy_every=7, seed=9) * 4
-  rng = np.random.default_rng(9)
-  kw = dict(softcap=8.0,
-            logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
+def _bias_mask_rows(b, seed):
+  """Exact inputs of ``b`` rows with a bias and a random allowed mask:
+  ``(h, w, t, controls kwargs)``."""
+  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=seed)
+  t = inputs.pow2_temperatures(b, greedy_every=7, seed=seed) * 4
+  rng = np.random.default_rng(seed)
+  kw = dict(logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
             allowed_mask=jnp.asarray(rng.integers(0, 2**32, (b, -(-V // 32)),
                                                   dtype=np.uint32)))
+  return h, w, t, kw
+
+
+def _record_launches(monkeypatch):
+  """A list that collects ``(n, batch_blocks)`` of every controls launch
+  traced from now on (caches cleared: launches are recorded at tracing)."""
   rows = []
   real = sm90_controls._launch
   monkeypatch.setattr(sm90_controls, "_launch",
                       lambda *a, **k: (rows.append((k["n"], k["cfg"].batch_blocks)),
                                        real(*a, **k))[1])
-  jax.clear_caches()  # launches are recorded when the sampler is traced
+  jax.clear_caches()
+  return rows
+
+
+def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
+  # B > 64 with one sample and no truncation rule: a block of 128 rows
+  # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
+  # rule: one launch of two blocks of 64. Tokens and log-probabilities as
+  # the reference's either way.
+  b = 80
+  h, w, t, kw = _bias_mask_rows(b, seed=9)
+  kw["softcap"] = 8.0
+  rows = _record_launches(monkeypatch)
   SUITE.check_controls(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t,
                        return_logprobs=True)
   assert rows == [(128, 1)]
@@ -512,18 +527,8 @@ def test_mosaic_wide_blocks_with_bias_mask_and_logprobs(monkeypatch):
   # (the second nearly all padding), with the per-row mask and data split
   # by block; tokens and log-probabilities as the reference's.
   b = 136
-  h, w = inputs.exact_inputs(b, D, V, scale=1, seed=10)
-  t = inputs.pow2_temperatures(b, greedy_every=7, seed=10) * 4
-  rng = np.random.default_rng(10)
-  kw = dict(logit_bias=jnp.asarray(rng.integers(-2, 3, V), jnp.float32),
-            allowed_mask=jnp.asarray(rng.integers(0, 2**32, (b, -(-V // 32)),
-                                                  dtype=np.uint32)))
-  rows = []
-  real = sm90_controls._launch
-  monkeypatch.setattr(sm90_controls, "_launch",
-                      lambda *a, **k: (rows.append((k["n"], k["cfg"].batch_blocks)),
-                                       real(*a, **k))[1])
-  jax.clear_caches()
+  h, w, t, kw = _bias_mask_rows(b, seed=10)
+  rows = _record_launches(monkeypatch)
   SUITE.check_controls(kw, inputs.row_keys(b, seed=10), h=h, w=w, t=t,
                        return_logprobs=True)
   assert rows == [(128, 2)]
