@@ -220,6 +220,26 @@ def tma_transforms(dtype):
 # ----------------------------------------------------------------------------
 
 
+def batch_block(nb: int, n: int, h_ref, *per_block):
+  """This CTA's part of a launch of ``nb`` batch blocks of ``n`` rows
+  (``TuningConfig.batch_blocks``): CTA ``c`` of the grid serves block
+  ``c % nb`` as CTA ``c // nb`` of that block's CTAs, so the ``nb`` CTAs
+  that read one weight tile are grid neighbours and run at the same time
+  (all but the first find the tile in L2).
+
+  Returns ``(cta, h_ref, per_block)``: the CTA's index among its block's
+  CTAs (the grid index when ``nb == 1``), ``h_ref`` [nb * n, D] narrowed to
+  the block's rows, and each ref of ``per_block`` (a leading block axis)
+  indexed by the block.
+  """
+  sm = lax.axis_index("sm")
+  if nb == 1:
+    return sm, h_ref, per_block
+  block = lax.rem(sm, nb)
+  return (sm // nb, h_ref.at[pl.ds(block * n, n)],
+          tuple(r.at[block] for r in per_block))
+
+
 def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
                    dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
                    h_ref, rowdata_ref, rowdata_smem, acc_smem,

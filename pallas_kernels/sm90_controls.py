@@ -169,16 +169,11 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   mask_ref = refs.pop(0) if spec.mask else None
   f_ref, i_ref = refs
   # Batch blocks (cfg.batch_blocks > 1): the per-row refs hold nb blocks of
-  # N rows; this CTA serves one (see sm90_sampler._kernel_batch_major).
-  nb = cfg.batch_blocks
-  cta = None
-  if nb > 1:
-    sm = lax.axis_index("sm")
-    block, cta = lax.rem(sm, nb), sm // nb
-    h_ref = h_ref.at[pl.ds(block * n, n)]
-    rowdata_ref = rowdata_ref.at[block]
-    mask_ref = mask_ref.at[block] if spec.mask else None
-    f_ref, i_ref = f_ref.at[block], i_ref.at[block]
+  # N rows; this CTA serves one (sm90_common.batch_block).
+  per_block = (rowdata_ref, f_ref, i_ref) + ((mask_ref,) if spec.mask else ())
+  cta, h_ref, per_block = common.batch_block(cfg.batch_blocks, n, h_ref, *per_block)
+  rowdata_ref, f_ref, i_ref = per_block[:3]
+  mask_ref = per_block[3] if spec.mask else None
   vt, epi = cfg.tile_v, cfg.epi_cols
   n_chunks = vt // epi
   words = vt // 32
@@ -300,7 +295,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
                                  prologue if n_aux else None)
 
     # Reduce the column slots inside each warp (no shared scratch).
-    out = (lax.axis_index("sm") if cta is None else cta) * 2 + wg
+    out = cta * 2 + wg
     for s, b in enumerate(best):
       m, idx = rules.first_best(b[0], b[1], 1)
       f_ref[:, s, out] = m

@@ -48,7 +48,6 @@ from pallas_kernels.sm90_config import (
 
 __all__ = ["candidates"]
 
-
 # The plain kernels draw one sample per row.
 _ROWS = RowLayout(samples=1)
 assert _ROWS.rows == ROWDATA_ROWS  # the SMEM budget counts this block
@@ -311,25 +310,17 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   :func:`_kernel_pingpong`.
 
   With ``cfg.batch_blocks = nb > 1`` the launch holds ``nb`` blocks of N
-  rows: ``h_ref`` [nb * N, D], ``rowdata_ref`` [nb, 8, N], outputs [nb, N,
-  2 * num_ctas], and ``num_ctas`` is the CTAs of one block. CTA ``c`` of
-  the grid serves block ``c % nb`` over the tiles of CTA ``c // nb`` of its
-  block: the nb CTAs that read one tile's weight rows are neighbours in the
-  grid and run at the same time, so all but the first find them in L2.
+  rows (:func:`~pallas_kernels.sm90_common.batch_block`): ``h_ref`` [nb *
+  N, D], ``rowdata_ref`` [nb, 8, N], outputs [nb, N, 2 * num_ctas], and
+  ``num_ctas`` is the CTAs of one block.
   """
   vt = cfg.tile_v
   epi = cfg.epi_cols
   n_chunks = vt // epi
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  nb = cfg.batch_blocks
-  cta = block = None
-  if nb > 1:
-    sm = lax.axis_index("sm")
-    block, cta = lax.rem(sm, nb), sm // nb
-    h_ref = h_ref.at[pl.ds(block * n, n)]
-    rowdata_ref = rowdata_ref.at[block]
-    score_ref, index_ref = score_ref.at[block], index_ref.at[block]
+  cta, h_ref, (rowdata_ref, score_ref, index_ref) = common.batch_block(
+      cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref)
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
     rl = _ROWS
@@ -377,7 +368,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     # Reduce the column slots inside each warp (axis 1: lanes of a quad
     # and registers, no shared scratch, so trap 1 does not apply).
     m, idx = rules.first_best(best_s, best_i, 1)
-    out = (lax.axis_index("sm") if cta is None else cta) * 2 + wg
+    out = cta * 2 + wg
     score_ref[:, out] = m
     index_ref[:, out] = idx
 

@@ -326,6 +326,8 @@ _PP, _BM = Schedule.PINGPONG_VOCAB_M, Schedule.PINGPONG_BATCH_M
     (dict(mma_in_flight=2), "mma_in_flight=2"),
     (dict(schedule=_BM, tile_v=64, epi_cols=16, epi_unroll=8),
      "must divide tile_v=64"),
+    (dict(schedule=_BM, batch_blocks=0), "batch_blocks=0"),
+    (dict(batch_blocks=2), "batch_blocks=2 needs PINGPONG_BATCH_M"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):

@@ -1,7 +1,8 @@
 """Large batches (issue #20) and truncation without the pass's noise.
 
 Part ``blocks``: plain sampling at B >= 128 on the Hopper kernel with the
-heuristic's launches against batch-major launches in blocks
+heuristic's launches (vocabulary-major N = 256 when the PERF_LOG runs were
+made; batch blocks since) against batch-major launches in blocks
 (``TuningConfig.batch_blocks``: one pass over W from HBM for all rows, work
 items of N x 128), next to XLA's dot + categorical, the cuBLAS dot alone and
 the dense route, in one process. Tokens of every kernel variant are checked
