@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rules, sm90_common as common, threefry
 from pallas_kernels.rowdata import RowLayout
-from pallas_kernels.state import ControlsState, top_m
+from pallas_kernels.state import ControlsState, pair_lists, top_m
 from pallas_kernels.sm90_config import SMEM_BUDGET, Schedule, TuningConfig
 
 __all__ = ["controls_state", "config", "BATCH", "BATCH_WIDE",
@@ -73,7 +73,7 @@ BATCH_WIDE = 128
 # registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
 _SLOT_DEPTH = 4
 # Candidates per row that each warpgroup writes out (popped from its slots);
-# stage 2 pairs each CTA's two lists into one of 7 (_pair_lists): 132 CTAs x
+# stage 2 pairs each CTA's two lists into one of 7 (state.pair_lists): 132 CTAs x
 # 7 = 924 >> the 128 candidates it keeps, and <= 1024, so XLA's bitonic sort
 # of them runs 55 compare-exchange steps, not the 66 of 1056 (8 per list,
 # padded to 2048). A CTA holds ~V / 132 ids (~1150 at V = 152k): more than 7
@@ -94,7 +94,7 @@ MAX_LIST_BLOCKS = 4
 
 def _wg_candidates(blocks: int) -> int:
   """Candidates per warpgroup (K) for a launch of ``blocks`` batch blocks:
-  the smallest K for which a CTA pair's list (K after :func:`_pair_lists`)
+  the smallest K for which a CTA pair's list (K after :func:`~pallas_kernels.state.pair_lists`)
   misses one of a row's top 50 with P < 2e-6 per row, for 132 / nb CTAs per
   block (binomial tail: K = 7, 9, 11, 11 for nb = 1 .. 4). Measured: with
   K = 7 at nb = 4, 1 row in 256 took the exact path (PERF_LOG)."""
@@ -414,7 +414,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
   if spec.lse:
     maxed.append(fo[:, 2 * S:2 * S + 1])
   if spec.lists:
-    vals, c_ids, lost = _pair_lists(fo[:, 2 * S + 3:], io[:, S:])
+    vals, c_ids, lost = pair_lists(fo[:, 2 * S + 3:], io[:, S:])
     # [N, K, W / 2] relabelled as [N, ceil(K / 2), W] (only their max
     # counts), to stack with the rows above.
     lost = jnp.pad(lost, ((0, 0), (0, lost.shape[1] % 2), (0, 0)),
@@ -441,32 +441,6 @@ def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
     vals, ids = top_m(vals, c_ids, bound, m)
     out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
   return out
-
-
-def _pair_lists(vals, ids):
-  """Halves the warpgroups' candidate lists before stage 2's top-M sort.
-
-  ``vals``/``ids`` ``[N, K, W]`` (W = 2 x CTAs, even): each warpgroup's K
-  largest t of each row, descending (ties: lower id first). Lists ``2 c``
-  and ``2 c + 1`` (one CTA's warpgroups) become one
-  list of the K best of their union, in the order (t descending, id
-  ascending), by one compare-exchange of list ``2 c``'s ``i``-th entry with
-  list ``2 c + 1``'s ``(K - 1 - i)``-th (a bitonic half-cleaner: the winners
-  are the top K as a set, not sorted, which the top-M sort does not need).
-  Returns ``(vals, ids, lost)``, all ``[N, K, W / 2]``: the kept lists and
-  the losers, whose largest value the caller folds into the bound (no
-  unlisted value is larger; :func:`_merge_outputs` takes that max in the
-  same reduction as its other maxima). With K = 7 on 132 SMs the sort
-  over 1848 candidates becomes one over 924. A row whose kept set has more
-  than K ids in one CTA (about 1150 ids at V = 152k; see _WG_CANDIDATES)
-  gets a higher bound: those rows take the exact path, as before for K per
-  warpgroup.
-  """
-  a_v, a_i = vals[..., 0::2], ids[..., 0::2]
-  b_v, b_i = vals[:, ::-1, 1::2], ids[:, ::-1, 1::2]
-  take_a = (a_v > b_v) | ((a_v == b_v) & (a_i < b_i))
-  return (jnp.where(take_a, a_v, b_v), jnp.where(take_a, a_i, b_i),
-          jnp.where(take_a, b_v, a_v))
 
 
 def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,

@@ -67,3 +67,83 @@ def top_m(vals, ids, bound, m: int):
     ids = jnp.pad(ids, pad, constant_values=INT_MAX)
   vals, j = lax.top_k(vals, m)
   return vals, jnp.take_along_axis(ids, j, axis=1)
+
+
+def _first(a_v, a_i, b_v, b_i):
+  """Where ``(a_v, a_i)`` comes first in the lists' order: larger value,
+  then lower id."""
+  return (a_v > b_v) | ((a_v == b_v) & (a_i < b_i))
+
+
+def pair_lists(vals, ids):
+  """Halves sorted candidate lists by keeping the better half of each pair.
+
+  ``vals``/``ids`` ``[B, K, P]`` (P even): part ``p``'s K largest values of
+  each row, descending (ties: lower id first). Parts ``2 c`` and ``2 c + 1``
+  become one list of the K best of their union, by one compare-exchange of
+  list ``2 c``'s ``i``-th entry with list ``2 c + 1``'s ``(K - 1 - i)``-th (a
+  bitonic half-cleaner: the winners are the top K as a set, in bitonic
+  order, not sorted; :func:`sort_bitonic` sorts them where that matters).
+
+  Returns:
+    ``(vals, ids, lost)``, all ``[B, K, P / 2]``: the kept lists and the
+    losers' values, whose largest the caller folds into the pair's bound
+    (no value it did not keep is larger).
+  """
+  a_v, a_i = vals[..., 0::2], ids[..., 0::2]
+  b_v, b_i = vals[:, ::-1, 1::2], ids[:, ::-1, 1::2]
+  take_a = _first(a_v, a_i, b_v, b_i)
+  return (jnp.where(take_a, a_v, b_v), jnp.where(take_a, a_i, b_i),
+          jnp.where(take_a, b_v, a_v))
+
+
+def sort_bitonic(vals, ids):
+  """Sorts bitonic lists ``[B, K, P]`` (K a power of two, e.g. what
+  :func:`pair_lists` keeps) into the lists' order along axis 1: log2(K)
+  rounds of half-cleaners, elementwise work XLA fuses with its neighbours."""
+  k = vals.shape[1]
+  if k & (k - 1):
+    raise ValueError(f"sort_bitonic needs lists of a power-of-two length, got {k}")
+  half = k // 2
+  while half:
+    shape = (vals.shape[0], k // (2 * half), 2, half, vals.shape[2])
+    v, i = vals.reshape(shape), ids.reshape(shape)
+    a_v, b_v, a_i, b_i = v[:, :, 0], v[:, :, 1], i[:, :, 0], i[:, :, 1]
+    take_a = _first(a_v, a_i, b_v, b_i)
+    vals = jnp.stack([jnp.where(take_a, a_v, b_v), jnp.where(take_a, b_v, a_v)],
+                     axis=2).reshape(vals.shape)
+    ids = jnp.stack([jnp.where(take_a, a_i, b_i), jnp.where(take_a, b_i, a_i)],
+                    axis=2).reshape(ids.shape)
+    half //= 2
+  return vals, ids
+
+
+def halve_parts(vals, ids, bound, rounds: int):
+  """``rounds`` pairings of neighbouring parts' sorted lists, each halving
+  what stage 2's top-M sort reads.
+
+  ``vals``/``ids`` ``[B, K, P]`` sorted lists (K a power of two when
+  ``rounds > 1``), ``bound`` ``[B, P]`` (no unlisted value of a part is
+  larger). Parts are padded with empty lists to a multiple of
+  ``2 ** rounds``. Returns ``(vals, ids, bound)`` over ``P / 2 ** rounds``
+  parts: each new part's list holds the K best of its ``2 ** rounds`` parts
+  and its bound their bounds' and losers' largest. A row that had more
+  than K of its kept set in those parts gets a higher bound, and stage 2
+  takes its exact path, as it did for more than K in one part.
+  """
+  if rounds <= 0:
+    return vals, ids, bound
+  p = vals.shape[2]
+  step = 1 << rounds
+  pad = -p % step
+  if pad:
+    vals = jnp.pad(vals, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, pad)), constant_values=INT_MAX)
+    bound = jnp.pad(bound, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+  for r in range(rounds):
+    if r:
+      vals, ids = sort_bitonic(vals, ids)
+    vals, ids, lost = pair_lists(vals, ids)
+    bound = jnp.maximum(jnp.maximum(bound[:, 0::2], bound[:, 1::2]),
+                        jnp.max(lost, axis=1))
+  return vals, ids, bound

@@ -536,40 +536,6 @@ def test_mosaic_wide_blocks_with_bias_mask_and_logprobs(monkeypatch):
   assert rows == [(128, 2)]
 
 
-def test_pairing_of_warpgroup_lists_keeps_the_top_of_each_pair():
-  # _pair_lists against a brute-force merge: for each pair of lists the K
-  # best of the union in the order (t descending, id ascending), and a
-  # bound at least every value dropped. Ties across and within lists,
-  # -inf padding, and a bound already above some entries.
-  rng = np.random.default_rng(5)
-  w, k, n = 6, 4, 9
-  vals = rng.integers(-3, 3, size=(w, k, n)).astype(np.float32)
-  vals[rng.random((w, k, n)) < 0.2] = -np.inf
-  ids = np.stack([rng.permutation(50)[:w * k].reshape(w, k) for _ in range(n)], -1)
-  # Each list descending, ties by lower id first (as the kernel pops them).
-  for i in range(w):
-    for j in range(n):
-      order = np.lexsort((ids[i, :, j], -vals[i, :, j]))
-      vals[i, :, j], ids[i, :, j] = vals[i, order, j], ids[i, order, j]
-  bound = rng.integers(-4, 1, size=n).astype(np.float32)
-  # _pair_lists takes the kernel's layout, [N, K, W].
-  got_v, got_i, lost = (np.asarray(a).transpose(2, 1, 0) for a in sm90_controls._pair_lists(
-      jnp.asarray(vals.transpose(2, 1, 0)), jnp.asarray(ids.transpose(2, 1, 0), jnp.int32)))
-  got_b = np.maximum(bound, lost.max(axis=(0, 1)))   # as _merge_outputs folds it
-  assert got_v.shape == (w // 2, k, n)
-  want_b = bound.copy()
-  for c in range(w // 2):
-    for j in range(n):
-      v = np.r_[vals[2 * c, :, j], vals[2 * c + 1, :, j]]
-      i = np.r_[ids[2 * c, :, j], ids[2 * c + 1, :, j]]
-      order = np.lexsort((i, -v))
-      keep, drop = order[:k], order[k:]
-      assert sorted(zip(-v[keep], i[keep])) == sorted(
-          zip(-got_v[c, :, j], got_i[c, :, j])), (c, j)
-      want_b[j] = max(want_b[j], v[drop].max())
-  np.testing.assert_array_equal(got_b, want_b)
-
-
 @pytest.mark.parametrize("key", sorted(KEYS))
 def test_samples_only_run_as_rows_of_the_plain_kernel(key, monkeypatch):
   # num_samples with temperature only: S * B <= SAMPLES_AS_ROWS_MAX rows of

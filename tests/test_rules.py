@@ -1,4 +1,5 @@
-"""The tie rule (pallas_kernels.rules) and the reductions built on it."""
+"""The tie rule (pallas_kernels.rules), the reductions built on it, and the
+candidate lists' pairing (pallas_kernels.state)."""
 
 import functools
 
@@ -6,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import rules
+from pallas_kernels import rules, state
 
 
 def _fold(score, index, axis):
@@ -86,3 +87,78 @@ def test_greedy_rule():
   x = jnp.asarray([3.0, 3.0])
   got = rules.perturb(x, x / t_safe, jnp.asarray([10.0, 10.0]), greedy)
   np.testing.assert_array_equal(np.asarray(got), [3.0, 16.0])
+
+
+def _sorted_lists(rng, p, k, n, ids_from=50):
+  """Lists ``[n, k, p]`` as the kernels write them: each descending, ties by
+  lower id first, ids distinct per row; few distinct values (ties across
+  and within lists) and some -inf padding."""
+  vals = rng.integers(-3, 3, size=(n, k, p)).astype(np.float32)
+  vals[rng.random((n, k, p)) < 0.2] = -np.inf
+  ids = np.stack([rng.permutation(ids_from)[:p * k].reshape(k, p) for _ in range(n)])
+  for j in range(n):
+    for q in range(p):
+      order = np.lexsort((ids[j, :, q], -vals[j, :, q]))
+      vals[j, :, q], ids[j, :, q] = vals[j, order, q], ids[j, order, q]
+  return vals, ids.astype(np.int32)
+
+
+def _best_k(v, i, k):
+  """The k first of (v, i) in the lists' order, and the largest value left."""
+  order = np.lexsort((i, -v))
+  rest = v[order[k:]]
+  return v[order[:k]], i[order[:k]], (rest.max() if rest.size else -np.inf)
+
+
+def test_pair_lists_keeps_the_top_of_each_pair():
+  # Against a brute-force merge: for each pair of lists the K best of the
+  # union (as a set), and losers whose largest is every value dropped.
+  rng = np.random.default_rng(5)
+  n, k, p = 9, 4, 6
+  vals, ids = _sorted_lists(rng, p, k, n)
+  got_v, got_i, lost = map(np.asarray, state.pair_lists(jnp.asarray(vals), jnp.asarray(ids)))
+  assert got_v.shape == lost.shape == (n, k, p // 2)
+  for j in range(n):
+    for c in range(p // 2):
+      v, i, dropped = _best_k(np.r_[vals[j, :, 2 * c], vals[j, :, 2 * c + 1]],
+                              np.r_[ids[j, :, 2 * c], ids[j, :, 2 * c + 1]], k)
+      assert sorted(zip(-v, i)) == sorted(zip(-got_v[j, :, c], got_i[j, :, c])), (j, c)
+      assert lost[j, :, c].max() == dropped
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_sort_bitonic_sorts_what_pair_lists_keeps(k):
+  rng = np.random.default_rng(k)
+  vals, ids = _sorted_lists(rng, 8, k, 7, ids_from=200)
+  kept_v, kept_i, _ = state.pair_lists(jnp.asarray(vals), jnp.asarray(ids))
+  got_v, got_i = map(np.asarray, state.sort_bitonic(kept_v, kept_i))
+  for j in range(7):
+    for c in range(4):
+      order = np.lexsort((np.asarray(kept_i)[j, :, c], -np.asarray(kept_v)[j, :, c]))
+      np.testing.assert_array_equal(got_v[j, :, c], np.asarray(kept_v)[j, order, c])
+      np.testing.assert_array_equal(got_i[j, :, c], np.asarray(kept_i)[j, order, c])
+  with pytest.raises(ValueError, match="power-of-two"):
+    state.sort_bitonic(jnp.zeros((1, 3, 2)), jnp.zeros((1, 3, 2), jnp.int32))
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2, 3])
+def test_halve_parts_keeps_the_top_k_of_each_group_of_parts(rounds):
+  # 13 parts: padded to a multiple of 2 ** rounds with empty lists. Each
+  # group of 2 ** rounds neighbouring parts keeps exactly its K best (as a
+  # set), and its bound is the largest of its parts' bounds and of every
+  # value it dropped; the kept lists' top M over all groups is the lists'.
+  rng = np.random.default_rng(rounds)
+  n, k, p = 6, 4, 13
+  vals, ids = _sorted_lists(rng, p, k, n, ids_from=400)
+  bound = rng.integers(-5, 0, size=(n, p)).astype(np.float32)
+  got_v, got_i, got_b = map(np.asarray, state.halve_parts(
+      jnp.asarray(vals), jnp.asarray(ids), jnp.asarray(bound), rounds))
+  step = 1 << rounds
+  groups = -(-p // step)
+  assert got_v.shape == (n, k, groups) and got_b.shape == (n, groups)
+  for j in range(n):
+    for g in range(groups):
+      parts = slice(g * step, min(p, (g + 1) * step))
+      v, i, dropped = _best_k(vals[j, :, parts].T.ravel(), ids[j, :, parts].T.ravel(), k)
+      assert sorted(zip(-v, i)) == sorted(zip(-got_v[j, :, g], got_i[j, :, g])), (j, g)
+      assert got_b[j, g] == max(bound[j, parts].max(), dropped), (j, g)

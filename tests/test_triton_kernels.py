@@ -854,6 +854,8 @@ def xla_controls_reference(h, w, rows_arr, offset, ctl, *, layout, vocab_size,
     c_hi, c_lo = RowLayout(ctl.samples).ctr(s_)
     g = xla_gumbel(k0, k1, rows_arr[c_hi][:, None], rows_arr[c_lo][:, None], gid)
     sc = jnp.where(valid, jnp.where(temp == 0, x, t + g), -jnp.inf)
+    if not ctl.noise:  # every row's best is that of x
+      sc = x
     m, idx = xla_best(xla_tiles(sc, block_v, -jnp.inf), vt, ids)
     out["best_score"].append(m)
     out["best_index"].append(idx)

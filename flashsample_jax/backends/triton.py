@@ -22,12 +22,21 @@ from flashsample_jax import stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from pallas_kernels import rules
 from pallas_kernels.rowdata import pack_rows
+from pallas_kernels.state import halve_parts
 
 # Largest tempered logits each vocabulary tile lists for truncation. A tile
 # holds 64-128 ids, so a row's kept set (top-k 50 of ~150k ids, say) rarely
 # has more than a few in one tile; a tile that does raises the bound, and a
 # row whose kept set reaches below it takes stage 2's exact path.
 TILE_CANDIDATES = 4
+# Rounds of pairing neighbouring tiles' lists before stage 2's top-M sort
+# (pallas_kernels.state.halve_parts): each halves the candidates the sort
+# reads (9496 per row at V = 152k and 64-id tiles, sorted padded to 16384,
+# against the mosaic kernel's 924). After r rounds a row takes the exact
+# path when more than TILE_CANDIDATES of its kept set fall in 2 ** r
+# neighbouring tiles (top-k 50 of 152k ids, r = 2: 256 ids, P ~ 2e-5 per
+# row).
+LIST_PAIRINGS = 2
 # Samples per controls launch (each re-reads W); more take further launches.
 MAX_KERNEL_SAMPLES = 4
 # Several samples alone are drawn as S * B rows of one plain launch while
@@ -67,10 +76,13 @@ class TritonBackend(SamplerBackend):
   Attributes:
     config: a ``pallas_kernels.triton_sampler.TritonConfig`` for every plain
       launch instead of the per-GPU table's (tests, benchmarks).
+    list_pairings: rounds of pairing the tiles' candidate lists before
+      stage 2 (:data:`LIST_PAIRINGS`; 0 sorts every tile's list).
   """
 
   name: ClassVar[str] = "triton"
   config: Any = None
+  list_pairings: int = LIST_PAIRINGS
 
   def check(self, p, c):
     del c  # every control is implemented
@@ -120,12 +132,14 @@ class TritonBackend(SamplerBackend):
           vocab_size=p.vocab_size, controls=spec, bias=c.logit_bias,
           allowed_mask=c.allowed_mask))
     first = parts[0]
+    lists = (first.cand_vals, first.cand_ids, first.bound)
+    if c.lists:
+      lists = halve_parts(*lists, self.list_pairings)
     cat = lambda name: jnp.concatenate([getattr(q, name) for q in parts], axis=1)
     return stage2.state_from_parts(
         cat("best_score"), cat("best_index"),
         cat("best_t") if c.return_logprobs else None,
-        first.lse_max, first.lse_sum, first.cand_vals, first.cand_ids,
-        first.bound, m=stage2.candidate_count(p, c))
+        first.lse_max, first.lse_sum, *lists, m=stage2.candidate_count(p, c))
 
   def prefers(self, p, c):
     # As the mosaic backend's (PERF_LOG "Routes"): with truncation always,

@@ -1,0 +1,133 @@
+"""The ``triton`` backend's adapter on a CPU, its kernels replaced by their
+XLA references.
+
+tests/test_triton_kernels.py checks those references against the kernels
+(under Triton's interpreter, compiled to PTX, and on the GPU). Here the rest
+of the backend runs in CI: packing the rows, grouping samples into launches,
+pairing the tiles' candidate lists, and stage 2, against
+``flashsample_jax.reference`` through the shared backend suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+import flashsample_jax as fs  # noqa: E402
+from flashsample_jax import controls, problem  # noqa: E402
+from flashsample_jax.backends import triton as triton_backend  # noqa: E402
+from pallas_kernels import triton_controls  # noqa: E402
+from tests import inputs  # noqa: E402
+from tests.backend_suite import BackendSuite  # noqa: E402
+from tests.test_triton_kernels import (  # noqa: E402
+    xla_controls_reference, xla_tile_reference)
+
+# The kernels' tile width at small B (the lists' pairing groups 2 ** r tiles).
+BLOCK_V = 64
+
+
+def _rows(weight, layout):
+  return weight.shape[0] if layout == "vd" else weight.shape[1]
+
+
+class _Sampler:
+  """``triton_sampler.candidates``'s outputs, computed by XLA."""
+
+  @staticmethod
+  def candidates(hidden, weight, rows, vocab_offset=0, *, layout, vocab_size,
+                 config=None):
+    del config
+    return xla_tile_reference(hidden, weight, rows, vocab_offset, layout=layout,
+                              vocab_size=vocab_size,
+                              rows_valid=_rows(weight, layout), block_v=BLOCK_V)
+
+
+class _Controls:
+  """``triton_controls.control_candidates``'s outputs, computed by XLA."""
+
+  Controls = triton_controls.Controls
+
+  @staticmethod
+  def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout,
+                         vocab_size, controls, bias=None, allowed_mask=None):
+    triton_controls.check_controls(controls)
+    out = xla_controls_reference(
+        hidden, weight, rows, vocab_offset, controls, layout=layout,
+        vocab_size=vocab_size, rows_valid=_rows(weight, layout),
+        block_v=BLOCK_V, bias=bias, mask=allowed_mask)
+    stack = lambda name: jnp.stack(out[name], axis=1)
+    lists = controls.top_k > 0
+    return triton_controls.ControlsCandidates(
+        stack("best_score"), stack("best_index"),
+        stack("best_t") if controls.t_best else None,
+        out["lse_max"] if controls.lse else None,
+        out["lse_sum"] if controls.lse else None,
+        stack("cand_vals") if lists else None,
+        stack("cand_ids") if lists else None,
+        out["bound"] if lists else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTritonBackend(triton_backend.TritonBackend):
+  """The triton backend with no GPU check (its kernels are patched)."""
+
+  def check(self, p, c):
+    del p, c
+
+
+@pytest.fixture(autouse=True)
+def _xla_kernels(monkeypatch):
+  monkeypatch.setattr(triton_backend, "_kernels", lambda: (_Sampler, _Controls))
+
+
+class TestTritonAdapter(BackendSuite):
+  backend = CpuTritonBackend()
+  dtypes = [jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("pairings", [0, 1, 2, 3])
+def test_list_pairings_leave_the_certified_lists_unchanged(pairings):
+  # More pairing rounds only drop candidates below a row's M best or raise
+  # its bound: a row whose kept lists are certified with every round count
+  # lists the same values and ids. V = 4096 (64 tiles), top-k 8.
+  b, d, v = 24, 64, 4096
+  h, w = inputs.exact_inputs(b, d, v, seed=3)
+  key = jax.random.key(4)
+  p = problem.prepare(h, w, key, temperature=jnp.full((b,), 0.5, jnp.float32))
+  c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=8)
+  base, got = [CpuTritonBackend(list_pairings=r).controls_state(p, c)
+               for r in (0, pairings)]
+  m = 8
+  # A row is certified when its m-th value lies above the bound.
+  ok = np.asarray(got.cand_vals[:, m - 1] > got.cand_bound)
+  assert ok.mean() > 0.5, ok.mean()
+  # Equal values may come in another order (stage 2 does not rely on it),
+  # and the m-th value's ties may be another of its equals: the values must
+  # agree, and the ids above the m-th value as a set.
+  gv, gi = np.asarray(got.cand_vals)[:, :m], np.asarray(got.cand_ids)[:, :m]
+  bv, bi = np.asarray(base.cand_vals)[:, :m], np.asarray(base.cand_ids)[:, :m]
+  np.testing.assert_array_equal(gv[ok], bv[ok])
+  for row in np.flatnonzero(ok):
+    above = lambda v, i: sorted(i[v > v[m - 1]])
+    assert above(gv[row], gi[row]) == above(bv[row], bi[row]), row
+  assert np.all(np.asarray(got.cand_bound) >= np.asarray(base.cand_bound))
+
+
+def test_truncation_with_pairings_equals_reference_on_crowded_rows():
+  # Rows whose top ids crowd into neighbouring tiles (the exact path must
+  # take them) next to rows spread out: every pairing count gives the
+  # reference's tokens.
+  b, d, v = 8, 64, 2048
+  h, w = inputs.exact_inputs(b, d, v, seed=7)
+  w = w.at[64:72].multiply(8)     # ids 64..71 large for every row
+  for r in (0, 1, 2, 3):
+    got = fs.sample(h, w, jax.random.key(1), temperature=0.5, top_k=10,
+                    backend=CpuTritonBackend(list_pairings=r))
+    want = fs.reference.sample(h, w, jax.random.key(1), temperature=0.5, top_k=10)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
