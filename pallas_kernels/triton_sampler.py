@@ -54,7 +54,10 @@ __all__ = [
     "RowData",
     "pack_rowdata",
     "gpu_family",
+    "config_table",
+    "DEVICE_TABLES",
     "device_capability",
+    "device_kind",
     "pick_config",
     "candidates",
     "compile_for_inspection",
@@ -173,11 +176,24 @@ _C = TritonConfig
 #   vocabulary tile next to each other, so all but the first read the W
 #   tile from L2 (HBM reads W once); each block re-reads H from L2.
 CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
-    # Measured on an H200 (shape D 4096 x V 151936, PERF_LOG "Triton"): the
-    # fastest of the configs tried at B = 1, 16, 64 (B = 128 and 256 were
-    # slower than XLA's dot + categorical with every config tried; auto
-    # takes the dense route there).
+    # Measured on an H100 80GB HBM3 (D 4096 x V 151936, PERF_LOG "Triton on
+    # the H100"): the fastest of the configs tried at B = 1, 16, 64, 128,
+    # 256 (one config for B <= 16; at B = 128 two batch blocks of 64 beat
+    # one of 128 by 9%).
     "sm90": (
+        (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),
+        (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
+        (64, _C(block_v=64, block_b=64, block_d=64, num_warps=4, num_stages=4,
+                vocab_on_m=False)),
+        (128, _C(block_v=128, block_b=64, block_d=64, num_warps=8, num_stages=3,
+                 vocab_on_m=False)),
+        (2**31, _C(block_v=128, block_b=128, block_d=64, num_warps=16,
+                   num_stages=3, vocab_on_m=False)),
+    ),
+    # Measured on an H200 (PERF_LOG "Triton"): there the B = 1 and B = 128
+    # rows differ from the H100's (6 stages of 128-id tiles: 313 us against
+    # 323; one 128-row block: 566 us against 744). Chosen by DEVICE_TABLES.
+    "sm90-h200": (
         (1, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=6)),
         (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),
         (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
@@ -212,6 +228,12 @@ CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
     ),
 }
 del _C
+
+# Devices whose measured table differs from their family's: a device whose
+# kind (jax's ``device_kind``) is a key, or starts with a key and a space
+# ("NVIDIA H200 NVL"), uses the CONFIGS table named; others (GH200 and H20
+# are not measured) keep their family's.
+DEVICE_TABLES: dict[str, str] = {"NVIDIA H200": "sm90-h200"}
 
 
 def gpu_family(capability: tuple[int, int]) -> str:
@@ -260,18 +282,41 @@ def _fit_block_d(block_d: int, dim: int) -> int:
   return b if dim % b == 0 else block_d
 
 
+def config_table(capability: tuple[int, int], kind: str | None = None) -> str:
+  """The :data:`CONFIGS` key for a device: its entry in
+  :data:`DEVICE_TABLES` if its kind (default: the first GPU's, ``""``
+  without one) matches one, else its family (:func:`gpu_family`)."""
+  family = gpu_family(capability)
+  if kind is None:
+    kind = device_kind()
+  for name, table in DEVICE_TABLES.items():
+    if ((kind == name or kind.startswith(name + " ")) and table in CONFIGS
+        and table.split("-")[0] == family):
+      return table
+  return family
+
+
+def device_kind() -> str:
+  """The first GPU's ``device_kind`` (``""`` without a GPU)."""
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:
+    return ""
+
+
 def pick_config(batch: int, dim: int, rows: int,
-                capability: tuple[int, int]) -> TritonConfig:
+                capability: tuple[int, int], kind: str | None = None) -> TritonConfig:
   """The heuristic config for ``batch`` rows, hidden ``D = dim``, ``V = rows``.
 
-  The row of :data:`CONFIGS` for the GPU family and batch, with ``block_d``
+  The row of :data:`CONFIGS` for the device (:func:`config_table`: the GPU
+  family, or a measured device's own table) and batch, with ``block_d``
   fitted to divide ``D`` and ``block_v`` shrunk for tiny vocabularies. No
-  autotuning at call time. Extend the table (``CONFIGS["sm90"] = ...`` or a
-  new family) to change it.
+  autotuning at call time. Extend the table (``CONFIGS["sm90"] = ...``, a
+  new family, or a device's table named in :data:`DEVICE_TABLES`) to
+  change it.
   """
-  family = gpu_family(capability)
   cfg = None
-  for max_batch, c in CONFIGS[family]:
+  for max_batch, c in CONFIGS[config_table(capability, kind)]:
     cfg = c
     if batch <= max_batch:
       break

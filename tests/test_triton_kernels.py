@@ -683,14 +683,32 @@ def test_config_validation(kwargs, err, match):
     C(**kwargs)
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("capability,kind", [
+    ((8, 0), ""), ((8, 6), ""), ((8, 9), ""), ((9, 0), "NVIDIA H100 80GB HBM3"),
+    ((9, 0), "NVIDIA H200"), ((10, 0), ""), ((12, 0), "")])
 @pytest.mark.parametrize("batch", [1, 16, 17, 64, 100, 128, 256, 1024])
-def test_pick_config_fits(capability, batch):
-  cfg = ts.pick_config(batch, 2880, 201088, capability)
+def test_pick_config_fits(capability, kind, batch):
+  cfg = ts.pick_config(batch, 2880, 201088, capability, kind)
   assert 2880 % cfg.block_d == 0
   assert cfg.smem_bytes() <= ts.SMEM_BYTES[ts.gpu_family(capability)]
   if batch <= 32:  # one batch block: W streamed once
     assert cfg.block_b >= batch and cfg.vocab_on_m
+
+
+def test_config_table_by_device_kind():
+  # A measured device's own table; others of its family, and a kind that
+  # only contains the name (GH200), keep the family's.
+  assert ts.config_table((9, 0), "NVIDIA H200") == "sm90-h200"
+  assert ts.config_table((9, 0), "NVIDIA H200 NVL") == "sm90-h200"
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", "NVIDIA H20", ""):
+    assert ts.config_table((9, 0), kind) == "sm90", kind
+  assert ts.config_table((8, 0), "NVIDIA H200") == "sm80"
+  assert ts.config_table((10, 0), "NVIDIA B200") == "sm100"
+  # The two sm90 tables differ where they were measured to.
+  h100 = ts.pick_config(1, 4096, 151936, (9, 0), "NVIDIA H100 80GB HBM3")
+  h200 = ts.pick_config(1, 4096, 151936, (9, 0), "NVIDIA H200")
+  assert (h100.block_v, h100.num_stages) == (64, 4)
+  assert (h200.block_v, h200.num_stages) == (128, 6)
 
 
 def test_pick_config_tiny_vocab_and_old_gpus():
