@@ -221,7 +221,8 @@ def _report(stem, meta, rows):
              f"shape D={r0['D']} V={r0['V']} bf16, logits std ~3; top_k={meta['top_k']}, "
              f"top_p={meta['top_p']}, softcap={meta['softcap']}; median us over "
              f"{meta['reps']} blocks of {meta['inner']} async calls between host "
-             "syncs, fused (backend auto) / XLA baseline that materializes the "
+             f"syncs, fused (backend {meta.get('backend', 'auto')}) / XLA "
+             "baseline that materializes the "
              "logits (speedup); dot: the cuBLAS dot alone, f32 logits written "
              "(runs before 2026-11-27's thirteenth session lack it).\n\n")
     ratios = [n for n in ("topk_topp", "top_logprobs20", "penalties256")

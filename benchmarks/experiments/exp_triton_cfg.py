@@ -24,9 +24,9 @@ from flashsample_jax.backends.triton import TritonBackend
 from pallas_kernels.triton_sampler import TritonConfig as C
 
 CANDIDATES = {
-    128: [None, C(128, 128, 64, 16, 3, False), C(128, 64, 64, 8, 3, False),
-          C(128, 128, 64, 8, 3, False), C(256, 64, 64, 8, 3, False),
-          C(64, 64, 64, 4, 4, False), C(128, 64, 64, 4, 3, False)],
+    128: [None, C(128, 128, 64, 16, 3, False), C(128, 64, 128, 8, 3, False),
+          C(128, 64, 128, 8, 4, False), C(128, 128, 128, 16, 3, False),
+          C(64, 64, 128, 4, 4, False), C(128, 64, 64, 8, 4, False)],
     256: [None, C(128, 64, 64, 8, 3, False), C(128, 128, 64, 8, 3, False)],
 }
 
