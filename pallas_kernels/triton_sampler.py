@@ -176,16 +176,17 @@ _C = TritonConfig
 #   vocabulary tile next to each other, so all but the first read the W
 #   tile from L2 (HBM reads W once); each block re-reads H from L2.
 CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
-    # Measured on an H100 80GB HBM3 (D 4096 x V 151936, PERF_LOG "Triton on
-    # the H100"): the fastest of the configs tried at B = 1, 16, 64, 128,
-    # 256 (one config for B <= 16; at B = 128 two batch blocks of 64 beat
-    # one of 128 by 9%).
+    # Measured on an H100 80GB HBM3 (S: D 4096 x V 151936, and L: D 8192 x
+    # V 128256 at B = 128; PERF_LOG "Triton on the H100"): the fastest of
+    # the configs tried at B = 1, 16, 64, 128, 256 (one config for B <= 16;
+    # at B = 128 steps of 128 along D: 553 / 833 us on S / L against 576 /
+    # 914 with steps of 64).
     "sm90": (
         (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),
         (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
         (64, _C(block_v=64, block_b=64, block_d=64, num_warps=4, num_stages=4,
                 vocab_on_m=False)),
-        (128, _C(block_v=128, block_b=64, block_d=64, num_warps=8, num_stages=3,
+        (128, _C(block_v=128, block_b=128, block_d=128, num_warps=16, num_stages=3,
                  vocab_on_m=False)),
         (2**31, _C(block_v=128, block_b=128, block_d=64, num_warps=16,
                    num_stages=3, vocab_on_m=False)),
