@@ -15,6 +15,8 @@ import enum
 
 import jax.numpy as jnp
 
+from pallas_kernels import devices
+
 __all__ = [
     "Schedule",
     "TuningConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "MAX_N",
     "SMEM_BUDGET",
     "pick_blocked_config",
+    "wide_d_min_blocks",
     "BLOCKED_MIN_ROWS",
     "BLOCK_ROWS",
     "MAX_BLOCKS",
@@ -410,22 +413,43 @@ MAX_BLOCKS = 16
 
 
 def pick_blocked_config(batch: int, dim: int, rows: int,
-                        itemsize: int = 2) -> TuningConfig:
+                        itemsize: int = 2, kind: str | None = None) -> TuningConfig:
   """The config of one launch of ``batch <= BLOCK_ROWS * MAX_BLOCKS`` rows in
   ``ceil(batch / 128)`` blocks: the N = 128 settings of the table, with
-  ``Dt = 128`` in 2 slots from three blocks on where D allows (measured
-  faster there; with two blocks ``Dt = 64`` in 4 slots was)."""
+  ``Dt = 128`` in 2 slots where D allows from :func:`wide_d_min_blocks`
+  blocks on (the device kind ``kind``: default the first GPU's)."""
   blocks = max(1, -(-batch // BLOCK_ROWS))
   if blocks > MAX_BLOCKS:
     raise ValueError(f"{batch=} rows need {blocks} blocks, more than {MAX_BLOCKS}")
   base = pick_config(BLOCK_ROWS, dim, rows, itemsize)
-  if blocks > 2 and dim % 128 == 0:
+  if blocks >= wide_d_min_blocks(kind) and dim % 128 == 0:
     fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(BLOCK_ROWS, itemsize)
              - 2 * (base.tile_v + BLOCK_ROWS) * base.tile_d * itemsize)
     steps = (SMEM_BUDGET - fixed) // ((base.tile_v + BLOCK_ROWS) * 128 * itemsize)
     if steps >= 2:
       base = dataclasses.replace(base, tile_d=128, max_concurrent_steps=int(min(8, steps)))
   return dataclasses.replace(base, batch_blocks=blocks)
+
+
+# The fewest batch blocks whose launch takes Dt = 128 in 2 slots, for the
+# devices where that differs from WIDE_D_MIN_BLOCKS. Measured at B = 256
+# (two blocks; PERF_LOG "Batch blocks" and the fourteenth session): on an
+# H200 Dt = 128 took 626-663 / 1086-1113 us on shapes S / L against
+# 714-725 / 1175-1197 with Dt = 64 in 4 slots; on an H100 Dt = 64 was as
+# fast on L and 0-4% faster on S. From three blocks Dt = 128 won on both.
+WIDE_D_MIN_BLOCKS = 3
+WIDE_D_MIN_BLOCKS_BY_KIND: dict[str, int] = {"NVIDIA H200": 2}
+
+
+def wide_d_min_blocks(kind: str | None = None) -> int:
+  """:data:`WIDE_D_MIN_BLOCKS` for the device kind ``kind`` (default: the
+  first GPU's)."""
+  if kind is None:
+    kind = devices.device_kind()
+  for name, n in WIDE_D_MIN_BLOCKS_BY_KIND.items():
+    if devices.is_kind(kind, name):
+      return n
+  return WIDE_D_MIN_BLOCKS
 
 
 def supported_dtype(dtype) -> bool:

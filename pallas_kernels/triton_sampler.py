@@ -43,6 +43,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from pallas_kernels import devices
 from pallas_kernels import triton_noise as noise
 from pallas_kernels.rowdata import RowLayout, pack_rows
 
@@ -57,7 +58,6 @@ __all__ = [
     "config_table",
     "DEVICE_TABLES",
     "device_capability",
-    "device_kind",
     "pick_config",
     "candidates",
     "compile_for_inspection",
@@ -289,20 +289,12 @@ def config_table(capability: tuple[int, int], kind: str | None = None) -> str:
   without one) matches one, else its family (:func:`gpu_family`)."""
   family = gpu_family(capability)
   if kind is None:
-    kind = device_kind()
+    kind = devices.device_kind()
   for name, table in DEVICE_TABLES.items():
-    if ((kind == name or kind.startswith(name + " ")) and table in CONFIGS
+    if (devices.is_kind(kind, name) and table in CONFIGS
         and table.split("-")[0] == family):
       return table
   return family
-
-
-def device_kind() -> str:
-  """The first GPU's ``device_kind`` (``""`` without a GPU)."""
-  try:
-    return jax.devices("gpu")[0].device_kind
-  except RuntimeError:
-    return ""
 
 
 def pick_config(batch: int, dim: int, rows: int,

@@ -154,6 +154,24 @@ def test_batch_over_192_runs_in_blocks():
                             p)
 
 
+def test_blocked_config_by_device_kind():
+  # Two blocks take Dt = 128 in 2 slots on an H200 (measured faster there),
+  # Dt = 64 elsewhere; from three blocks every sm90 device takes Dt = 128.
+  from pallas_kernels import devices, sm90_config
+  cfg = lambda b, kind: sm90_config.pick_blocked_config(b, 4096, 151936, 2, kind)
+  for kind in ("NVIDIA H200", "NVIDIA H200 NVL"):
+    assert cfg(256, kind).tile_d == 128 and cfg(256, kind).max_concurrent_steps >= 2
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", ""):
+    assert cfg(256, kind).tile_d == 64, kind
+  for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+    assert cfg(384, kind).tile_d == 128 and cfg(384, kind).batch_blocks == 3
+  # D not a multiple of 128 keeps Dt = 64 on every device.
+  assert sm90_config.pick_blocked_config(256, 2880, 201088, 2, "NVIDIA H200").tile_d == 64
+  assert devices.is_kind("NVIDIA H200", "NVIDIA H200")
+  assert not devices.is_kind("NVIDIA GH200 480GB", "NVIDIA H200")
+  assert isinstance(devices.device_kind(), str)   # "" without a GPU
+
+
 @pytest.mark.parametrize("blocks,b", [(2, 150), (3, 130)])
 def test_batch_blocks_share_one_launch(blocks, b):
   # Rows in blocks of 64 (the last partly padding), one launch; 11 tiles of
