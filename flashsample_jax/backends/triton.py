@@ -43,8 +43,10 @@ MAX_KERNEL_SAMPLES = 4
 # those fit one batch block of the plain kernel's widest config.
 SAMPLES_AS_ROWS_MAX = 64
 # Rows (batch x samples) up to which auto prefers the kernels to the dense
-# route without truncation (see TritonBackend.prefers): at B = 128 the
-# kernel measured 0.87x XLA's time on an H200 (PERF_LOG "Triton").
+# route without truncation (see TritonBackend.prefers). At B = 128 the kernel
+# measured 1.06-1.10x faster than XLA's dot + categorical on an H100 but
+# 0.82-0.88x on an H200 (PERF_LOG, fourteenth session), and it is not
+# measured on the GPUs it is meant for (sm80, sm89, sm100): 64 until it is.
 ROUTE_MAX_ROWS = 64
 
 
