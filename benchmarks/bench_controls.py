@@ -2,10 +2,11 @@
 
 Run on the GPU (one process, one run)::
 
-    python3 -m benchmarks.bench_controls [--out DIR] [--smoke] [--backend NAME]
+    python3 -m benchmarks.bench_controls [--out DIR] [--smoke] [--backend NAME] [--shape L]
     python3 -m benchmarks.bench_controls --report RESULTS.json  # table + plot again
 
-Shape S (D 4096, V 151936, bf16), logits with std ~3, B in {1, 16, 64, 128,
+Shape S (D 4096, V 151936, bf16; ``--shape`` another of
+``benchmarks.shapes.HEADS``), logits with std ~3, B in {1, 16, 64, 128,
 256}. Each control is timed fused (``fs.sample``, backend auto: the mosaic
 kernel on an sm90 GPU) and as an XLA baseline that materializes the
 ``[B, V]`` logits and applies the same filter, in the same run:
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import flashsample_jax as fs
 from benchmarks import _timing
 from benchmarks._fallback import exact_path_rows
+from benchmarks.shapes import HEADS
 
 TOP_K, TOP_P, SOFTCAP = 50, 0.9, 30.0
 TOP_N = 20
@@ -151,6 +153,8 @@ def main(argv=None):
                   help="a subset of the controls (default: all; plain and "
                        "topk_topp are always timed, the table's ratios need them)")
   ap.add_argument("--batches", nargs="+", type=int, help="default 1 16 64 128 256")
+  ap.add_argument("--shape", default="S", choices=sorted(HEADS),
+                  help="the LM head (benchmarks.shapes.HEADS; default S, Qwen3-8B's)")
   ap.add_argument("--report", metavar="JSON",
                   help="only rewrite the table and plot of a saved run")
   args = ap.parse_args(argv)
@@ -160,7 +164,7 @@ def main(argv=None):
   inner = args.inner or (3 if args.smoke else 50)
   providers = {k: v for k, v in PROVIDERS.items()
                if not args.providers or k in args.providers or k in ("plain", "topk_topp")}
-  d, v = (256, 8192) if args.smoke else (4096, 151936)
+  d, v = (256, 8192) if args.smoke else HEADS[args.shape]
   batches = args.batches or ((1, 16) if args.smoke else (1, 16, 64, 128, 256))
   reps = 3 if args.smoke else 15
   kw, kh, kb, km = jax.random.split(jax.random.key(0), 4)
@@ -205,7 +209,8 @@ def main(argv=None):
               top_k=TOP_K, top_p=TOP_P, softcap=SOFTCAP, inner=inner, reps=reps,
               backend=args.backend)
   os.makedirs(args.out, exist_ok=True)
-  suffix = "" if args.backend == "auto" else "_" + args.backend
+  suffix = ("" if args.backend == "auto" else "_" + args.backend) + (
+      "" if args.shape == "S" or args.smoke else "_" + args.shape)
   stem = os.path.join(args.out, "controls_" + _timing.slug(meta["gpu"]) + suffix)
   with open(stem + ".json", "w") as fh:
     json.dump(dict(meta, rows=rows), fh, indent=1)
