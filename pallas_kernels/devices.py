@@ -10,7 +10,12 @@ __all__ = ["device_kind", "is_kind"]
 
 
 def device_kind() -> str:
-  """The first GPU's ``device_kind`` (``""`` without a GPU)."""
+  """The abstract mesh's device kind if one is set (tracing for a device
+  that is not here, as the CUDA-lowering tests do), else the first GPU's,
+  else ``""``."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None and getattr(device, "device_kind", None):
+    return str(device.device_kind)
   try:
     return jax.devices("gpu")[0].device_kind
   except RuntimeError:

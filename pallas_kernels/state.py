@@ -90,6 +90,8 @@ def pair_lists(vals, ids):
     losers' values, whose largest the caller folds into the pair's bound
     (no value it did not keep is larger).
   """
+  if vals.shape[2] % 2:
+    raise ValueError(f"pair_lists needs an even number of parts, got {vals.shape[2]}")
   a_v, a_i = vals[..., 0::2], ids[..., 0::2]
   b_v, b_i = vals[:, ::-1, 1::2], ids[:, ::-1, 1::2]
   take_a = _first(a_v, a_i, b_v, b_i)

@@ -322,9 +322,9 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   list drawn next to the noise, several samples or the best's t; more warps
   first (up to 16), then smaller batch blocks (W's extra reads then come
   from L2). A list without the noise is light (B = 128, 32 elements: 99
-  registers). Measured on an H100 at B = 128 (S, log-probabilities, from
-  64-row blocks on 8 warps): 64-row blocks on 16 warps 790 us, 32-row
-  blocks on 8 warps 911.
+  registers). A table row of 64-row blocks on 8 warps (tried for B = 128 on
+  an H100) would become 64-row blocks on 16 warps here, not 32-row blocks
+  on 8: for log-probabilities 790 us against 911 (S).
   """
   cfg = base.pick_config(batch, dim, rows, capability)
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1

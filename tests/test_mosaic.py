@@ -169,7 +169,12 @@ def test_blocked_config_by_device_kind():
   assert sm90_config.pick_blocked_config(256, 2880, 201088, 2, "NVIDIA H200").tile_d == 64
   assert devices.is_kind("NVIDIA H200", "NVIDIA H200")
   assert not devices.is_kind("NVIDIA GH200 480GB", "NVIDIA H200")
-  assert isinstance(devices.device_kind(), str)   # "" without a GPU
+  # Without a kind the abstract mesh's device decides (as for the SM count).
+  h200 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+  with jax.sharding.use_abstract_mesh(h200):
+    assert devices.device_kind() == "NVIDIA H200"
+    assert sm90_config.pick_blocked_config(256, 4096, 151936).tile_d == 128
 
 
 @pytest.mark.parametrize("blocks,b", [(2, 150), (3, 130)])
@@ -301,14 +306,17 @@ def test_heuristic_picks_the_measured_schedules():
   assert sm90_config.pick_config(256, 4096, 64).schedule is Schedule.COOPERATIVE
   # Batch blocks of 128 rows from B = 193 (PERF_LOG "Batch blocks"): Dt = 64
   # in 4 slots for two blocks, Dt = 128 in 2 from three on (D permitting).
-  from pallas_kernels import sm90_sampler
+  # On an H100 (the abstract mesh's device: on a GPU host the heuristic
+  # would otherwise follow the local GPU's kind).
+  from pallas_kernels import sm90_common, sm90_sampler
   launch = lambda b, d=4096: [(b0, b1, c.batch_blocks, c.tile_d, c.max_concurrent_steps)
                               for b0, b1, c, _ in sm90_sampler.launches(b, d, rows, 2)]
-  assert launch(192)[0][2] == 1
-  assert launch(193) == [(0, 193, 2, 64, 4)]
-  assert launch(512) == [(0, 512, 4, 128, 2)]
-  assert launch(512, 2880) == [(0, 512, 4, 64, 4)]
-  assert launch(2100) == [(0, 2048, 16, 128, 2), (2048, 2100, 1, 128, 3)]   # N = 64
+  with jax.sharding.use_abstract_mesh(sm90_common.h100_abstract_mesh()):
+    assert launch(192)[0][2] == 1
+    assert launch(193) == [(0, 193, 2, 64, 4)]
+    assert launch(512) == [(0, 512, 4, 128, 2)]
+    assert launch(512, 2880) == [(0, 512, 4, 64, 4)]
+    assert launch(2100) == [(0, 2048, 16, 128, 2), (2048, 2100, 1, 128, 3)]   # N = 64
 
 
 def test_heuristic_configs_are_valid():

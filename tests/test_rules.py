@@ -126,6 +126,11 @@ def test_pair_lists_keeps_the_top_of_each_pair():
       assert lost[j, :, c].max() == dropped
 
 
+def test_pair_lists_needs_an_even_number_of_parts():
+  with pytest.raises(ValueError, match="even"):
+    state.pair_lists(jnp.zeros((1, 4, 3)), jnp.zeros((1, 4, 3), jnp.int32))
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_sort_bitonic_sorts_what_pair_lists_keeps(k):
   rng = np.random.default_rng(k)

@@ -91,11 +91,11 @@ class TestTritonAdapter(BackendSuite):
   dtypes = [jnp.bfloat16, jnp.float16]
 
 
-@pytest.mark.parametrize("pairings", [0, 1, 2, 3])
+@pytest.mark.parametrize("pairings", [1, 2, 3])
 def test_list_pairings_leave_the_certified_lists_unchanged(pairings):
-  # More pairing rounds only drop candidates below a row's M best or raise
-  # its bound: a row whose kept lists are certified with every round count
-  # lists the same values and ids. V = 4096 (64 tiles), top-k 8.
+  # Pairing rounds only drop candidates below a row's M best or raise its
+  # bound: a row whose kept lists are certified with and without them lists
+  # the same values and ids. V = 4096 (64 tiles), top-k 8.
   b, d, v = 24, 64, 4096
   h, w = inputs.exact_inputs(b, d, v, seed=3)
   key = jax.random.key(4)
@@ -117,15 +117,17 @@ def test_list_pairings_leave_the_certified_lists_unchanged(pairings):
     above = lambda v, i: sorted(i[v > v[m - 1]])
     assert above(gv[row], gi[row]) == above(bv[row], bi[row]), row
   assert np.all(np.asarray(got.cand_bound) >= np.asarray(base.cand_bound))
+  # The rounds did drop candidates: some row's bound rose.
+  assert np.any(np.asarray(got.cand_bound) > np.asarray(base.cand_bound))
 
 
 def test_truncation_with_pairings_equals_reference_on_crowded_rows():
-  # Rows whose top ids crowd into neighbouring tiles (the exact path must
-  # take them) next to rows spread out: every pairing count gives the
-  # reference's tokens.
+  # Rows whose top ids crowd into one tile (where those scaled logits come
+  # out positive: the exact path must take them) next to rows spread out:
+  # every pairing count gives the reference's tokens.
   b, d, v = 8, 64, 2048
   h, w = inputs.exact_inputs(b, d, v, seed=7)
-  w = w.at[64:72].multiply(8)     # ids 64..71 large for every row
+  w = w.at[64:72].multiply(8)     # ids 64..71: logits 8x larger in magnitude
   for r in (0, 1, 2, 3):
     got = fs.sample(h, w, jax.random.key(1), temperature=0.5, top_k=10,
                     backend=CpuTritonBackend(list_pairings=r))

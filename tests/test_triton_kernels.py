@@ -194,6 +194,9 @@ _COMPILE_CASES = [
     ((9, 0), "dv", jnp.bfloat16, 128, None),
     ((8, 0), "vd", jnp.bfloat16, 16, None),
     ((8, 0), "dv", jnp.float16, 64, None),
+    # The H200's own rows where they differ from the H100's (a CPU has no
+    # device kind, so the heuristic above picks the H100's table).
+    ((9, 0), "vd", jnp.bfloat16, 1, ts.CONFIGS["sm90-h200"][0][1]),
 ]
 
 

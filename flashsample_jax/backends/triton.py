@@ -35,7 +35,9 @@ TILE_CANDIDATES = 4
 # against the mosaic kernel's 924). After r rounds a row takes the exact
 # path when more than TILE_CANDIDATES of its kept set fall in 2 ** r
 # neighbouring tiles (top-k 50 of 152k ids, r = 2: 256 ids, P ~ 2e-5 per
-# row).
+# row if the kept ids fell at random; a vocabulary that keeps related or
+# frequent tokens at neighbouring ids makes it likelier: not yet measured
+# on a trained model's logits).
 LIST_PAIRINGS = 2
 # Samples per controls launch (each re-reads W); more take further launches.
 MAX_KERNEL_SAMPLES = 4
