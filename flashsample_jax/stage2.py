@@ -30,7 +30,7 @@ from pallas_kernels import rules
 from pallas_kernels.state import ControlsState, top_m
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
-           "perturbed", "state_combine", "state_from_parts", "topm_merge",
+           "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
            "History", "history", "pass_controls", "excluded_mask", "history_state", "finish",
            "samples_as_rows", "per_sample"]
 
@@ -83,6 +83,15 @@ def perturbed(p: Problem, x, t, gid, samples: int):
   g = noise.gumbel(p.k0[:, None, None], p.k1[:, None, None], hi, lo)
   greedy = p.temperature[:, None, None] == 0
   return rules.perturb(x[:, None], t[:, None], g, greedy)
+
+
+def pass_scores(p: Problem, c: controls.Controls, x, t, gid):
+  """The scores ``[B, S, W]`` of a pass with controls ``c`` whose argmax is
+  each sample's best: :func:`perturbed`, or ``x`` itself where the pass
+  draws no noise (``Controls.for_pass``: one best serves every sample)."""
+  if not c.noise:
+    return x[:, None, :]
+  return perturbed(p, x, t, gid, c.samples)
 
 
 def _lse_merge(a, b):
@@ -251,8 +260,7 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
                          history=(ok, hist.count))
   x = jnp.where(ok, x, -jnp.inf)
   t = tempered(p, x)
-  sc = (perturbed(p, x, t, jnp.where(ok, hist.ids, 0), c.samples)  # [B, S, H]
-        if c.noise else x[:, None, :])
+  sc = pass_scores(p, c, x, t, jnp.where(ok, hist.ids, 0))          # [B, S, H]
   score, tok, best_t = rules.argbest(sc, gid[:, None, :], axis=2, carry=t[:, None, :])
   mx = jnp.max(t, axis=1)
   st = ControlsState(

@@ -320,11 +320,9 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   233; all controls (2 samples, K = 8) at 16 elements 188, at 64 elements
   255 with 1.2 KB of spills. So: at most 32 elements per thread, 16 with a
   list drawn next to the noise, several samples or the best's t; more warps
-  first (up to 16), then smaller batch blocks (W's extra reads then come
+  first (up to 8), then smaller batch blocks (W's extra reads then come
   from L2). A list without the noise is light (B = 128, 32 elements: 99
-  registers). A table row of 64-row blocks on 8 warps (tried for B = 128 on
-  an H100) would become 64-row blocks on 16 warps here, not 32-row blocks
-  on 8: for log-probabilities 790 us against 911 (S).
+  registers).
   """
   cfg = base.pick_config(batch, dim, rows, capability)
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
@@ -332,7 +330,7 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   limit = 16 if heavy else 32
   block_b, num_warps = cfg.block_b, cfg.num_warps
   while cfg.block_v * block_b // (32 * num_warps) > limit:
-    if num_warps < 16:
+    if num_warps < 8:
       num_warps *= 2
     elif block_b > 16:
       block_b //= 2

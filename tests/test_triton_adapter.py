@@ -133,3 +133,9 @@ def test_truncation_with_pairings_equals_reference_on_crowded_rows():
                     backend=CpuTritonBackend(list_pairings=r))
     want = fs.reference.sample(h, w, jax.random.key(1), temperature=0.5, top_k=10)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_list_pairings_must_be_a_count(bad):
+  with pytest.raises(ValueError, match="list_pairings"):
+    triton_backend.TritonBackend(list_pairings=bad)

@@ -88,6 +88,11 @@ class TritonBackend(SamplerBackend):
   config: Any = None
   list_pairings: int = LIST_PAIRINGS
 
+  def __post_init__(self):
+    if (isinstance(self.list_pairings, bool) or not isinstance(self.list_pairings, int)
+        or self.list_pairings < 0):
+      raise ValueError(f"list_pairings={self.list_pairings!r} must be an int >= 0")
+
   def check(self, p, c):
     del c  # every control is implemented
     major, minor = _cuda_capability()

@@ -138,8 +138,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     gid = offset + start + lax.iota(jnp.int32, width)
     x = controls.transform(problem.logits(hidden, w, p.layout), gid, c, p.vocab_size)
     t = stage2.tempered(p, x)
-    sc = (stage2.perturbed(p, x, t, gid, samples) if c.noise      # [B, S, W]
-          else x[:, None, :])
+    sc = stage2.pass_scores(p, c, x, t, gid)                       # [B, S, W]
     j = jnp.argmax(sc, axis=2)                                     # [B, S]
     mx = jnp.max(t, axis=1)
     st = ControlsState(
