@@ -86,7 +86,7 @@ def run(p: problem.Problem, c: _controls.Controls, *,
     return token.reshape(c.samples, p.batch)
   # Where every row truncates, the pass draws no noise (Controls.for_pass).
   pc = c.for_pass()
-  if c.penalizes:
+  if c.penalizes and not backend.fuses_penalties(p, c):
     # The fused pass skips the history ids (their logits change); their
     # penalized scores come from their own weight rows, then one merge.
     hist = stage2.history(c)

@@ -27,11 +27,14 @@ from jax import lax
 from flashsample_jax import controls, mesh, noise, problem
 from flashsample_jax.problem import Problem
 from pallas_kernels import rules
+from pallas_kernels.rowdata import Penalties
 from pallas_kernels.state import ControlsState, top_m
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
-           "History", "history", "pass_controls", "excluded_mask", "history_state", "finish",
+           "History", "history", "history_bits", "penalty_rows", "pass_controls",
+           "excluded_mask",
+           "history_state", "finish",
            "samples_as_rows", "per_sample"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
@@ -208,6 +211,70 @@ def history(c: controls.Controls) -> History:
   return History(jnp.where(first, key, -1), jnp.where(first, count, 0))
 
 
+def _id_bits(ids, flags, words: int):
+  """uint32 ``[B, P, words]``: plane ``k`` has the bit of each id of ``ids``
+  (int32 ``[B, H]``, distinct per row, ``-1`` for none) where ``flags``
+  (bool ``[B, H, P]``) holds. One scatter-add: distinct ids have distinct
+  bits, so adding them is OR-ing them."""
+  b, h, planes = flags.shape
+  bit = jnp.uint32(1) << (jnp.maximum(ids, 0) % 32).astype(jnp.uint32)
+  add = jnp.where(flags & (ids >= 0)[:, :, None], bit[:, :, None], jnp.uint32(0))
+  return jnp.zeros((b, planes, words), jnp.uint32).at[
+      jnp.arange(b)[:, None, None], jnp.arange(planes)[None, None, :],
+      jnp.maximum(ids, 0)[:, :, None] // 32].add(add)
+
+
+# Histories up to this many (row, id, id) pairs find their distinct ids by
+# comparing every pair (one fusion); longer ones sort (history(): a sort
+# and a few scans, ~15 us at B = 64 on an H100, PERF_LOG "Penalties in the
+# kernel").
+PAIRWISE_MAX = 2**25
+
+
+def history_bits(c: controls.Controls):
+  """Each row's history for a kernel that applies the penalties per element
+  from bit-planes (:class:`~pallas_kernels.rowdata.Penalties` says what
+  plane ``k`` holds): ``(ids int32 [B, H], flags bool [B, H, P],
+  Penalties)``, each id once per row (``-1`` for repeats and padding) and
+  its bit in each plane. ``P`` may be 0 (the penalties change nothing)."""
+  out_width = 0 if c.output_ids is None else c.output_ids.shape[1]
+  pen = Penalties(
+      repetition=c.repetition_penalty is not None,
+      presence=c.presence_penalty is not None and out_width > 0,
+      frequency=c.frequency_penalty is not None and out_width > 0,
+      count_bits=(0 if not out_width else
+                  out_width.bit_length() if c.frequency_penalty is not None else
+                  1 if c.presence_penalty is not None else 0))
+  parts = [(a, flag) for a, flag in ((c.prompt_ids, False), (c.output_ids, True))
+           if a is not None]
+  ids = jnp.concatenate([a for a, _ in parts], axis=1)
+  b, h = ids.shape
+  if b * h * h <= PAIRWISE_MAX:
+    is_out = jnp.concatenate([jnp.full(a.shape, f) for a, f in parts], axis=1)
+    eq = (ids[:, :, None] == ids[:, None, :]) & (ids >= 0)[:, :, None]  # [B, i, j]
+    pos = lax.broadcasted_iota(jnp.int32, (h, h), 0)
+    earlier = pos < lax.broadcasted_iota(jnp.int32, (h, h), 1)        # i < j
+    first = (ids >= 0) & ~jnp.any(eq & earlier, axis=1)
+    count = jnp.sum(eq & is_out[:, :, None], axis=1, dtype=jnp.int32)  # outputs equal to j
+    ids, count = jnp.where(first, ids, -1), jnp.where(first, count, 0)
+  else:
+    ids, count = history(c)
+  count = count if pen.frequency else jnp.minimum(count, 1)
+  flags = ([ids >= 0] if pen.repetition else []) + [
+      ((count >> k) & 1) == 1 for k in range(pen.count_bits)]
+  flags = (jnp.stack(flags, axis=2) if flags else jnp.zeros((b, h, 0), bool))
+  return ids, flags & (ids >= 0)[:, :, None], pen
+
+
+def penalty_rows(c: controls.Controls, batch: int):
+  """``(repetition, presence, frequency)`` f32 ``[B]`` each, the values
+  that change nothing where a penalty is off (``pack_rows``' penalties)."""
+  value = lambda x, off: (jnp.full((batch,), off, jnp.float32) if x is None
+                          else jnp.asarray(x, jnp.float32))
+  return (value(c.repetition_penalty, 1.0), value(c.presence_penalty, 0.0),
+          value(c.frequency_penalty, 0.0))
+
+
 def pass_controls(c: controls.Controls, hist: History, vocab_size: int):
   """The controls of the fused pass of a call with penalties: ``c`` without
   them, its allowed mask without the history ids (:func:`excluded_mask`)."""
@@ -223,12 +290,7 @@ def excluded_mask(c: controls.Controls, hist: History, vocab_size: int):
   b, words = hist.ids.shape[0], -(-vocab_size // 32)
   base = (c.allowed_mask if c.allowed_mask is not None
           else jnp.full((b, words), 0xFFFFFFFF, jnp.uint32))
-  valid = hist.ids >= 0
-  bit = jnp.where(valid, jnp.uint32(1) << (hist.ids % 32).astype(jnp.uint32), 0)
-  # The ids are distinct, so their bits are: adding them is OR-ing them.
-  clear = jnp.zeros((b, words), jnp.uint32).at[
-      jnp.arange(b)[:, None], jnp.where(valid, hist.ids // 32, 0)].add(bit.astype(jnp.uint32))
-  return base & ~clear
+  return base & ~_id_bits(hist.ids, (hist.ids >= 0)[:, :, None], words)[:, 0]
 
 
 def history_state(p: Problem, c: controls.Controls, hist: History, *,

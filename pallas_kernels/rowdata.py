@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["RowLayout", "pack_rows"]
+__all__ = ["RowLayout", "Penalties", "pack_rows"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -30,12 +30,16 @@ class RowLayout:
   (controls kernels only); ``inv_temperature``: the bits of ``1 / T`` as
   the device's XLA computes it (1 for greedy rows), see :func:`pack_rows`;
   then the 64-bit base counter ``(hi, lo)`` of each of ``samples`` samples
-  (element ``v`` of sample ``s`` draws its noise at counter ``ctr(s) + v``).
-  Padded to a multiple of 8 rows, so a block of N rows is a multiple of 128
-  bytes (Lane-semantics copies need that).
+  (element ``v`` of sample ``s`` draws its noise at counter ``ctr(s) + v``);
+  with ``penalties``, then the bits of the row's repetition penalty ``r``,
+  of ``1 / r`` as XLA computes it (as ``inv_temperature``), of its presence
+  and of its frequency penalty (:attr:`penalty_rows`). Padded to a
+  multiple of 8 rows, so a block of N rows is a multiple of 128 bytes
+  (Lane-semantics copies need that).
   """
 
   samples: int = 1
+  penalties: bool = False
 
   K0 = 0
   K1 = 1
@@ -49,26 +53,63 @@ class RowLayout:
     return self.FIXED + 2 * sample, self.FIXED + 1 + 2 * sample
 
   @property
+  def penalty_rows(self) -> tuple[int, int, int, int]:
+    """Rows of ``(r, 1 / r, presence, frequency)`` (``penalties`` only)."""
+    assert self.penalties
+    first = self.FIXED + 2 * self.samples
+    return first, first + 1, first + 2, first + 3
+
+  @property
   def rows(self) -> int:
-    return _round_up(self.FIXED + 2 * self.samples, 8)
+    return _round_up(self.FIXED + 2 * self.samples + 4 * self.penalties, 8)
 
   @property
   def zero(self) -> int:
-    """A row that is always 0 (padding: ``FIXED + 2 S`` is odd, so the
-    block always ends in one), read where a kernel needs a zero the
+    """A row that is always 0 (padding: ``FIXED + 2 S (+ 4)`` is odd, so
+    the block always ends in one), read where a kernel needs a zero the
     compiler cannot see."""
     return self.rows - 1
 
 
-def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None):
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+  """Which penalties a kernel applies, and the bit-planes (one bit per row
+  and id) that carry each row's history to it: with ``repetition`` first
+  the plane of ids in the prompt or the output, then ``count_bits`` planes,
+  bit ``k`` of the id's count in the output (with ``frequency``; else of
+  ``min(count, 1)``, all that ``presence`` needs)."""
+
+  repetition: bool
+  presence: bool
+  frequency: bool
+  count_bits: int
+
+  @property
+  def planes(self) -> int:
+    return int(self.repetition) + self.count_bits
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+
+
+def _reciprocal(x):
+  """``1 / x`` (1 where ``x`` is 0), computed by XLA: on a GPU XLA divides
+  as ``div.full.f32``, and ``l * (1 / x)`` with this reciprocal equals XLA's
+  own ``l / x`` bit for bit (every one of 33.5M quotients on an H200,
+  PERF_LOG "Division"); on a CPU XLA divides in IEEE, and a kernel run
+  there divides by ``x``."""
+  x = jnp.asarray(x, jnp.float32)
+  return 1.0 / jnp.where(x == 0, 1.0, x)
+
+
+def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None,
+              penalties=None):
   """The per-row block ``uint32 [RowLayout(S).rows, B]``.
 
-  ``1 / T`` is computed here, by XLA: on a GPU XLA divides as
-  ``div.full.f32``, and ``l * (1 / T)`` with that reciprocal equals XLA's own
-  ``l / T`` bit for bit (every one of 33.5M quotients on an H200, PERF_LOG
-  "Division"), so a kernel that multiplies by this row tempers exactly as
-  the reference does on the device. (On a CPU XLA divides in IEEE, and a
-  kernel run there divides by ``temperature``.)
+  ``1 / T`` (and ``1 / r``) are computed here, by XLA: a kernel that
+  multiplies by them divides exactly as the reference does on the device
+  (:func:`_reciprocal`).
 
   Args:
     k0, k1: uint32 ``[B]`` key words.
@@ -76,15 +117,19 @@ def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None):
     ctr_hi, ctr_lo: uint32 ``[S, B]`` (or ``[B]`` for one sample): each
       sample's base counter.
     softcap: f32 scalar or ``[B]``, or None (the row holds 0).
+    penalties: None, or f32 ``(repetition, presence, frequency)``, each
+      ``[B]`` (1, 0, 0 where off): the rows of ``RowLayout(S, True)``.
   """
   b = k0.shape[0]
   ctr_hi, ctr_lo = (jnp.asarray(x, jnp.uint32).reshape(-1, b) for x in (ctr_hi, ctr_lo))
-  bits = lambda x: lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
   cap = (jnp.zeros((b,), jnp.uint32) if softcap is None
-         else jnp.broadcast_to(bits(softcap), (b,)))
+         else jnp.broadcast_to(_bits(softcap), (b,)))
   t = jnp.asarray(temperature, jnp.float32)
-  inv = 1.0 / jnp.where(t == 0, 1.0, t)
   counters = jnp.stack([ctr_hi, ctr_lo], axis=1).reshape(-1, b)   # hi0, lo0, hi1, ..
-  block = jnp.concatenate([jnp.stack([k0, k1, bits(t), cap, bits(inv)]), counters])
-  layout = RowLayout(samples=ctr_hi.shape[0])
+  parts = [jnp.stack([k0, k1, _bits(t), cap, _bits(_reciprocal(t))]), counters]
+  if penalties is not None:
+    r, pres, freq = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,)) for x in penalties)
+    parts.append(jnp.stack([_bits(r), _bits(_reciprocal(r)), _bits(pres), _bits(freq)]))
+  block = jnp.concatenate(parts)
+  layout = RowLayout(samples=ctr_hi.shape[0], penalties=penalties is not None)
   return jnp.pad(block, [(0, layout.rows - block.shape[0]), (0, 0)])

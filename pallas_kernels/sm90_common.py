@@ -190,24 +190,39 @@ def approx_exp(x, *, interpret: bool):
   return fast(x)
 
 
-def tempered(x, t_safe, inv_t, zero, *, interpret: bool):
-  """``x / T`` as XLA computes it in the same program.
+def rounded(x, zero):
+  """``x`` with its bits ORed with ``zero`` (uint32 0 read from the per-row
+  data, opaque to the compiler): Mosaic GPU marks multiplies and adds
+  contractible, and ptxas would fuse the op that made ``x`` and an add
+  after it into one fma, where XLA rounds twice (docs/design.md,
+  "Division"). One integer op keeps the two roundings."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32) | zero
+  return lax.bitcast_convert_type(bits, jnp.float32)
 
-  On a GPU: ``x`` times the reciprocal XLA computed (``RowLayout``'s
-  ``INV_TEMPERATURE``): XLA's own ``x / T`` is ``div.full.f32``, equal to
-  ``x * rcp.approx(T)``, and a ``T`` that is a constant of the program has
-  its reciprocal folded at compile time, in XLA's ``x / T`` and in the row
-  alike (docs/design.md, "Division"). XLA rounds the quotient before the
-  noise is added; Mosaic GPU marks multiplies contractible and ptxas would
-  fuse the multiply and that add into one fma, so the product's bits pass
-  an OR with ``zero`` (uint32 0 read from the per-row data, opaque to the
-  compiler), which costs one integer op and keeps the two roundings. In
-  interpret mode, where the reference runs on XLA:CPU, an IEEE division.
+
+def divided(x, d, inv_d, zero, *, interpret: bool):
+  """``x / d`` as XLA computes it in the same program.
+
+  On a GPU: ``x`` times the reciprocal XLA computed (a row of the per-row
+  data, :func:`~pallas_kernels.rowdata.pack_rows`): XLA's own ``x / d`` is
+  ``div.full.f32``, equal to ``x * rcp.approx(d)``, and a ``d`` that is a
+  constant of the program has its reciprocal folded at compile time, in
+  XLA's ``x / d`` and in the row alike (docs/design.md, "Division"). The
+  product is :func:`rounded`: XLA rounds the quotient before adding to it.
+  In interpret mode an IEEE division (what XLA:CPU computes in most
+  programs; in some it multiplies by ``1 / d`` instead, 1 ulp away for a
+  few quotients, so CPU tests that compare scores bit for bit compute the
+  expected ones in NumPy).
   """
   if interpret:
-    return x / t_safe
-  bits = lax.bitcast_convert_type(x * inv_t, jnp.uint32) | zero
-  return lax.bitcast_convert_type(bits, jnp.float32)
+    return x / d
+  return rounded(x * inv_d, zero)
+
+
+def tempered(x, t_safe, inv_t, zero, *, interpret: bool):
+  """``x / T`` as XLA computes it (:func:`divided`; ``RowLayout``'s
+  ``INV_TEMPERATURE``)."""
+  return divided(x, t_safe, inv_t, zero, interpret=interpret)
 
 
 def tma_transforms(dtype):

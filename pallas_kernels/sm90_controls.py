@@ -11,7 +11,8 @@ order of the package's controls (``flashsample_jax.controls``)::
     x = l                                   f32 accumulator
     x = c * tanh(x / c)                     softcap
     x = x + bias[gid]                       logit_bias (per-tile SMEM copy)
-    x = -inf unless allowed[row, gid]       allowed_mask (per-tile SMEM copy)
+    x = penalized x                         penalties (history bit-planes)
+    x = -inf unless allowed[row, gid]       allowed_mask (a bit-plane)
     t = x / T                               (greedy rows: T = 1)
     score_s = t + gumbel(key, ctr_s + gid)  per sample s (greedy: x)
 
@@ -36,10 +37,14 @@ the top candidates; a row whose kept set is not certified, because a list
 overflowed above the threshold or a nucleus is wider than the candidates,
 takes the exact materialized path).
 
-Bias and mask tiles are copied to SMEM by TMA, issued by the compute
+Bias and bit-plane tiles are copied to SMEM by TMA, issued by the compute
 warpgroup before its tile's wgmma (so their latency hides under the weight
-stream). The mask is passed transposed, ``[rows / 32, N]``: a chunk of 16
-columns lies in one 32-id word, one word per batch row.
+stream). The bit-planes hold one bit per (row, id): the allowed mask, and
+for penalties each row's history (:class:`~pallas_kernels.rowdata.Penalties`:
+whether the id is in the prompt or the output, and the bits of its count
+in the output). They are passed transposed, ``[rows / 32, planes, N]``: a
+chunk of 16 columns lies in one 32-id word of each plane, one word per
+batch row. A penalty's division is XLA's (:func:`~pallas_kernels.sm90_common.divided`).
 """
 
 from __future__ import annotations
@@ -54,9 +59,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rules, sm90_common as common, threefry
-from pallas_kernels.rowdata import RowLayout
+from pallas_kernels.rowdata import Penalties, RowLayout
 from pallas_kernels.state import ControlsState, pair_lists, top_m
-from pallas_kernels.sm90_config import SMEM_BUDGET, Schedule, TuningConfig
+from pallas_kernels.sm90_config import ROWDATA_ROWS, SMEM_BUDGET, Schedule, TuningConfig
 
 __all__ = ["controls_state", "config", "BATCH", "BATCH_WIDE",
            "MAX_KERNEL_SAMPLES"]
@@ -112,7 +117,8 @@ class Spec:
   samples: int
   softcap: bool = False
   bias: bool = False
-  mask: bool = False
+  mask: bool = False         # bit-plane 0 is the allowed mask
+  penalties: Penalties | None = None   # the history planes after it
   lse: bool = False          # online log-sum-exp
   lists: bool = False    # candidate lists (truncation or top-N)
   t_best: bool = False       # t of each sample's best (log-probabilities)
@@ -130,24 +136,31 @@ class Spec:
     return self.samples + (self.candidates if self.lists else 0)
 
   @property
+  def planes(self) -> int:
+    """Bit-planes per tile: the mask's, then the penalties'."""
+    return int(self.mask) + (self.penalties.planes if self.penalties else 0)
+
+  @property
   def rows(self) -> RowLayout:
-    return RowLayout(samples=self.samples)
+    return RowLayout(samples=self.samples, penalties=self.penalties is not None)
 
 
-def config(dim: int, rows: int, itemsize: int = 2,
-           n: int = BATCH) -> TuningConfig:
+def config(dim: int, rows: int, itemsize: int = 2, n: int = BATCH,
+           planes: int = 1, row_rows: int = 16) -> TuningConfig:
   """The launch config for ``n`` rows per launch: batch-major ping-pong,
   tiles of 128 (64 when the weight has fewer rows). N = 64: chunks of
   [64, 16], Dt = 128 when D allows, one wgmma in flight. N = 128: chunks of
   [128, 8], Dt = 64, each slot released at once (the plain kernel's N = 128
-  settings). As many slots as fit next to the bias and mask tiles (>= 2)."""
+  settings). As many slots as fit next to the bias tiles, ``planes``
+  bit-plane tiles and a per-row block of ``row_rows`` rows (>= 2)."""
   tile_v = 128 if rows >= 128 else 64
   wide = n > BATCH
   tile_d = 128 if dim % 128 == 0 and not wide else 64
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=tile_v,
                      tile_d=tile_d, max_concurrent_steps=2,
                      epi_cols=8 if wide else _EPI, mma_in_flight=0 if wide else 1)
-  aux = 2 * tile_v * 4 + 2 * (tile_v // 32) * n * 4 + 8 * n * 4
+  aux = (2 * tile_v * 4 + 2 * (tile_v // 32) * planes * n * 4
+         + (row_rows - ROWDATA_ROWS) * n * 4)
   fixed = cfg.smem_bytes(n, itemsize) - 2 * (tile_v + n) * tile_d * itemsize
   steps = (SMEM_BUDGET - fixed - aux) // ((tile_v + n) * tile_d * itemsize)
   return dataclasses.replace(cfg, max_concurrent_steps=int(max(2, min(8, steps))))
@@ -159,39 +172,40 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   """One CTA of the controls kernel (see the module docstring).
 
   Refs: ``rowdata_ref`` uint32 ``[spec.rows.rows, N]`` (``RowLayout``); optional
-  ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``mask_ref`` uint32
-  ``[rows / 32, N]``; outputs ``f_ref`` f32 ``[N,
+  ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``planes_ref`` uint32
+  ``[rows / 32, spec.planes, N]``; outputs ``f_ref`` f32 ``[N,
   spec.f_rows, 2 * num_ctas]`` and ``i_ref`` int32 ``[N, spec.i_rows, 2 *
   num_ctas]``, one column per compute warpgroup.
   """
   refs = list(refs)
   bias_ref = refs.pop(0) if spec.bias else None
-  mask_ref = refs.pop(0) if spec.mask else None
+  planes_ref = refs.pop(0) if spec.planes else None
   f_ref, i_ref = refs
   # Batch blocks (cfg.batch_blocks > 1): the per-row refs hold nb blocks of
   # N rows; this CTA serves one (sm90_common.batch_block).
-  per_block = (rowdata_ref, f_ref, i_ref) + ((mask_ref,) if spec.mask else ())
+  per_block = (rowdata_ref, f_ref, i_ref) + ((planes_ref,) if spec.planes else ())
   cta, h_ref, per_block = common.batch_block(cfg.batch_blocks, n, h_ref, *per_block)
   rowdata_ref, f_ref, i_ref = per_block[:3]
-  mask_ref = per_block[3] if spec.mask else None
+  planes_ref = per_block[3] if spec.planes else None
   vt, epi = cfg.tile_v, cfg.epi_cols
   n_chunks = vt // epi
   words = vt // 32
   S = spec.samples
+  pen = spec.penalties
   wgmma = plgpu.Layout.WGMMA
   row_layout = wgmma.reduce(1)
   col_layout = wgmma.reduce(0)
-  n_aux = int(spec.bias) + int(spec.mask)
+  n_aux = int(spec.bias) + int(spec.planes > 0)
   aux = {}
   if spec.bias:
     aux["bias_smem"] = plgpu.SMEM((2, n_chunks, epi), jnp.float32)
-  if spec.mask:
-    aux["mask_smem"] = plgpu.SMEM((2, words, n), jnp.uint32)
+  if spec.planes:
+    aux["planes_smem"] = plgpu.SMEM((2, words, spec.planes, n), jnp.uint32)
   if n_aux:
     aux["aux_bar"] = plgpu.Barrier(num_arrivals=n_aux, num_barriers=2)
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, bias_smem=None,
-              mask_smem=None, aux_bar=None):
+              planes_smem=None, aux_bar=None):
     rl = spec.rows
     bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
     row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
@@ -201,6 +215,10 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     inv_t, zero = f32(row(rl.INV_TEMPERATURE)), row(rl.zero)
     cap = f32(row(rl.SOFTCAP)) if spec.softcap else None
     ctr = [tuple(row(i) for i in rl.ctr(s)) for s in range(S)]
+    if pen:
+      rep_r, rep_inv, pres, freq = (f32(row(i)) for i in rl.penalty_rows)
+    # A product or sum whose next op XLA rounds separately (not an fma).
+    rnd = (lambda v: v) if interpret else (lambda v: common.rounded(v, zero))
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
     off = off_ref[0]
 
@@ -209,9 +227,9 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       if spec.bias:
         plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(start // epi, n_chunks)],
                                 bias_smem.at[wg], aux_bar.at[wg])
-      if spec.mask:
-        plgpu.copy_gmem_to_smem(mask_ref.at[pl.ds(start // 32, words)],
-                                mask_smem.at[wg], aux_bar.at[wg])
+      if spec.planes:
+        plgpu.copy_gmem_to_smem(planes_ref.at[pl.ds(start // 32, words)],
+                                planes_smem.at[wg], aux_bar.at[wg])
 
     def chunk(c, start, first_new, state):
       best, lse, lists = state
@@ -226,11 +244,19 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       if spec.bias:
         b = plgpu.load(bias_smem.at[wg, c], layout=col_layout)
         x = x + lax.broadcast_in_dim(b, (n, epi), (1,))
-      if spec.mask:
-        word = bcast(plgpu.load(mask_smem.at[wg, (c * epi) // 32],
-                                layout=row_layout))
+      if spec.planes:
         shift = (col + (c * epi) % 32).astype(jnp.uint32)
-        valid = valid & (((word >> shift) & jnp.uint32(1)) == 1)
+
+        def bit(plane):   # uint32 0 / 1: this element's bit of the plane
+          word = bcast(plgpu.load(planes_smem.at[wg, (c * epi) // 32, plane],
+                                  layout=row_layout))
+          return (word >> shift) & jnp.uint32(1)
+      if pen:
+        x = _penalized(x, bit, int(spec.mask), pen, rep_r, rep_inv, pres, freq,
+                       rnd=rnd, divide=lambda a, d, inv: common.divided(
+                           a, d, inv, zero, interpret=interpret))
+      if spec.mask:
+        valid = valid & (bit(0) == 1)
       x = jnp.where(valid, x, -jnp.inf)
       t = common.tempered(x, t_safe, inv_t, zero, interpret=interpret)
       idx = jnp.where(valid, gid, rules.INT_MAX)
@@ -337,7 +363,27 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
 
 
-def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
+def _penalized(x, bit, first: int, pen: Penalties, r, inv_r, pres, freq, *,
+               rnd, divide):
+  """``flashsample_jax.controls.penalize`` on a chunk, with XLA's roundings:
+  ``bit(plane)`` reads the history planes from plane ``first`` on."""
+  if pen.repetition:
+    seen = bit(first) == 1
+    x = jnp.where(seen, jnp.where(x > 0, divide(x, r, inv_r), rnd(x * r)), x)
+    first += 1
+  if not pen.count_bits:
+    return x
+  count = bit(first)
+  for k in range(1, pen.count_bits):
+    count = count | (bit(first + k) << jnp.uint32(k))
+  count = count.astype(jnp.int32)
+  sub = rnd(freq * count.astype(jnp.float32)) if pen.frequency else None
+  if pen.presence:   # presence x (count > 0) is presence where it applies
+    sub = pres if sub is None else sub + pres
+  return x if sub is None else jnp.where(count > 0, x - sub, x)
+
+
+def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str,
             rows_valid: int, vocab_size: int, n: int, target: common.Target):
   dim = h.shape[1]
   nb = cfg.batch_blocks
@@ -363,7 +409,7 @@ def _launch(offset, rowdata, h, w, bias, mask, *, cfg, spec: Spec, layout: str,
           reduction_scratch_bytes=common.REDUCTION_SCRATCH_BYTES,
           lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=target.interpret)
-  extra = [a for a in (bias, mask) if a is not None]
+  extra = [a for a in (bias, planes) if a is not None]
   fo, io = f(offset, rowdata, h, w, *extra)
   return (fo.reshape(nb * n, spec.f_rows, 2 * num_ctas),
           io.reshape(nb * n, spec.i_rows, 2 * num_ctas))
@@ -379,19 +425,52 @@ def _local_bias(logit_bias, offset, rows_k: int, total_rows: int, epi: int):
   return lax.dynamic_slice_in_dim(bias, offset, rows_k).reshape(-1, epi)
 
 
-def _local_mask(allowed_mask, offset, rows_k: int, total_rows: int):
-  """uint32 ``[B, rows_k / 32]``: the allowed bits of this weight's rows,
-  realigned so that word ``j`` holds local ids ``32 j .. 32 j + 31`` (bits
-  past the mask's words are 0: not allowed)."""
-  mask = allowed_mask
+def _local_planes(planes, offset, rows_k: int, total_rows: int):
+  """uint32 ``[..., rows_k / 32]``: the bits of this weight's rows of bit-planes
+  ``[..., ceil(total_rows / 32)]`` (global ids), realigned so that word ``j``
+  holds local ids ``32 j .. 32 j + 31`` (bits past the planes' words are 0:
+  not allowed, no history)."""
   n_words = rows_k // 32
   total_words = -(-total_rows // 32) + n_words + 1
-  mask = jnp.pad(mask, ((0, 0), (0, total_words - mask.shape[1])))
+  planes = jnp.pad(planes, [(0, 0)] * (planes.ndim - 1)
+                   + [(0, total_words - planes.shape[-1])])
   q, r = offset // 32, (offset % 32).astype(jnp.uint32)
-  a = lax.dynamic_slice_in_dim(mask, q, n_words + 1, axis=1)
+  a = lax.dynamic_slice_in_dim(planes, q, n_words + 1, axis=planes.ndim - 1)
   hi = jnp.where(r == 0, jnp.uint32(0),
-                 a[:, 1:] << jnp.where(r == 0, jnp.uint32(0), jnp.uint32(32) - r))
-  return (a[:, :-1] >> r) | hi
+                 a[..., 1:] << jnp.where(r == 0, jnp.uint32(0), jnp.uint32(32) - r))
+  return (a[..., :-1] >> r) | hi
+
+
+def _planes(allowed_mask, history, offset, rows_k: int, total_rows: int, n: int):
+  """The bit-planes of every row in the kernel's layout, uint32 ``[ceil(B /
+  n), rows_k / 32, P, n]`` (block, word, plane, row), or None: the allowed
+  mask realigned to this weight's rows (:func:`_local_planes`), then the
+  history's planes, scattered straight into this layout from the local
+  ids (ids outside this weight's rows set no bit). One scatter-add of a
+  [P] window per id: each id is once per row, so adding is OR-ing."""
+  if allowed_mask is None and history is None:
+    return None
+  batch = (allowed_mask if history is None else history[0]).shape[0]
+  blocks, words = -(-batch // n), rows_k // 32
+  pad = lambda x: jnp.pad(x, [(0, blocks * n - batch)] + [(0, 0)] * (x.ndim - 1))
+  parts = []
+  if allowed_mask is not None:
+    mask = pad(_local_planes(allowed_mask, offset, rows_k, total_rows))   # [B, words]
+    parts.append(mask.reshape(blocks, n, words).transpose(0, 2, 1)[:, :, None])
+  if history is not None:
+    ids, flags = history
+    parts.append(jnp.zeros((blocks, words, flags.shape[2], n), jnp.uint32))
+  planes = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+  if history is None:
+    return planes
+  local = ids - offset
+  ok = (ids >= 0) & (local >= 0) & (local < rows_k)
+  local = jnp.where(ok, local, 0)
+  bit = jnp.uint32(1) << (local % 32).astype(jnp.uint32)
+  add = jnp.where(flags & ok[:, :, None], bit[:, :, None], jnp.uint32(0))   # [B, H, P]
+  row = jnp.arange(batch)[:, None]
+  first = int(allowed_mask is not None)
+  return planes.at[row // n, local // 32, first:, row % n].add(add)
 
 
 def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
@@ -447,6 +526,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    layout: str, vocab_size: int, total_rows: int, candidates: int,
                    lists: bool, return_logprobs: bool, softcap: bool,
                    noise: bool = True, logit_bias=None, allowed_mask=None,
+                   penalties: Penalties | None = None, history=None,
                    target: common.Target = common.Target()) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
@@ -476,6 +556,12 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       ``Controls.for_pass``).
     logit_bias: f32 ``[vocab_size]`` (global ids) or None.
     allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]`` or None.
+    penalties: the penalties to apply, or None; ``rows`` then has their
+      rows (``RowLayout(S, penalties=True)``).
+    history: with ``penalties``, ``(ids int32 [B, H], flags bool [B, H,
+      penalties.planes])``: each row's history ids (global, each once, -1
+      for none) and their bits in the planes
+      (:class:`~pallas_kernels.rowdata.Penalties`).
     target: where the kernels run.
   """
   batch, dim = hidden.shape
@@ -483,13 +569,17 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   n_rows = weight.shape[0 if layout == "vd" else 1]
   w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
   n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
-  cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n)
+  planes = _planes(allowed_mask, history if penalties else None, offset, rows_k,
+                   total_rows, n)                             # [blocks, words, P, n]
+  n_planes = 0 if planes is None else planes.shape[2]
+  full_rows = RowLayout(samples, penalties is not None)
+  cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n, planes=n_planes,
+               row_rows=max(16, RowLayout(min(samples, MAX_KERNEL_SAMPLES),
+                                          penalties is not None).rows))
   # Rows per launch: up to MAX_BLOCKS blocks of n rows, one pass over W.
   step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
   bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
           if logit_bias is not None else None)
-  mask = (_local_mask(allowed_mask, offset, rows_k, total_rows)
-          if allowed_mask is not None else None)
   # The log-sum-exp feeds log-probabilities and the truncation rules.
   need_lse = return_logprobs or lists
   states = []
@@ -499,10 +589,14 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     launch_cfg = dataclasses.replace(cfg, batch_blocks=blocks)
     pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n * blocks - (b1 - b0))]
                                  + [(0, 0)] * (x.ndim - 1))
-    # Per-row arrays by block: [nb, ..., n] (one block alone: [..., n]).
+    # Per-row arrays by block, the rows last: [nb, ..., n] (one block
+    # alone: [..., n]).
     by_block = lambda x: (x.reshape(blocks, n, -1).transpose(0, 2, 1)
                           if blocks > 1 else x.T)
-    mask_t = by_block(pad_rows(mask)) if mask is not None else None
+    planes_t = None
+    if planes is not None:
+      planes_t = planes[b0 // n:b0 // n + blocks]
+      planes_t = planes_t if blocks > 1 else planes_t[0]
     if blocks > 1:
       h_chunk = pad_rows(hidden)
     else:
@@ -515,17 +609,23 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       g1 = min(samples, g0 + MAX_KERNEL_SAMPLES)
       first = g0 == 0
       spec = Spec(samples=g1 - g0, softcap=softcap,
-                  bias=bias is not None, mask=mask is not None,
+                  bias=bias is not None, mask=allowed_mask is not None,
+                  penalties=penalties,
                   lse=first and need_lse, lists=first and lists,
                   t_best=return_logprobs, noise=noise,
                   candidates=_wg_candidates(blocks))
-      # This group's counters after the shared fields (RowLayout order).
+      # This group's counters after the shared fields, then the penalties'
+      # rows (RowLayout order).
       ctr0 = RowLayout.FIXED
-      rowdata = jnp.concatenate([rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]])
+      fields = [rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]]
+      if penalties is not None:
+        pen0 = full_rows.penalty_rows[0]
+        fields.append(rows[pen0:pen0 + 4])
+      rowdata = jnp.concatenate(fields)
       rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
       rowdata = by_block(pad_rows(rowdata.T))
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
-                       mask_t, cfg=launch_cfg, spec=spec, layout=layout,
+                       planes_t, cfg=launch_cfg, spec=spec, layout=layout,
                        rows_valid=n_rows, vocab_size=vocab_size, n=n,
                        target=target)
       # Padding rows leave the merge (and the top-M sort) before it starts.

@@ -318,6 +318,98 @@ class BackendSuite:
     np.testing.assert_array_equal(f(*args), g(*args))
 
 
+def penalty_kwargs(b: int, v: int, seed: int, *, out_width: int = 30):
+  """Penalties whose arithmetic rounds (repetition 0.7 / 1.3 divides by a
+  non-power of two, presence and frequency are not quarters) and boost the
+  history (r < 1 scales positive logits up, negative presence adds), so
+  that history ids win rows and fill the top lists; outputs over the first
+  50 ids repeat (counts up to ~out_width / 10), some entries are -1."""
+  r = np.random.default_rng(seed)
+  prompt = r.integers(-1, v, (b, 40)).astype(np.int32)
+  output = np.where(r.random((b, out_width)) < 0.6, r.integers(0, 50, (b, out_width)),
+                    r.integers(-1, v, (b, out_width))).astype(np.int32)
+  return dict(
+      repetition_penalty=jnp.asarray(r.choice([0.7, 1.3, 0.55, 1.0], b), jnp.float32),
+      presence_penalty=jnp.asarray(r.choice([-2.3, 0.6, -0.7], b), jnp.float32),
+      frequency_penalty=jnp.asarray(r.choice([0.3, -0.45, 0.0], b), jnp.float32),
+      prompt_ids=jnp.asarray(prompt), output_ids=jnp.asarray(output))
+
+
+def _ieee_penalized(p, c, seen, count):
+  """The penalized, tempered logits ``t`` and scores of ``p``'s exact inputs
+  in NumPy f32 (IEEE division, every op rounded), with the package's noise:
+  what an interpret-mode kernel computes (XLA:CPU's own dense program may
+  multiply by a reciprocal instead, 1 ulp away for a few quotients)."""
+  from flashsample_jax import noise
+  h = np.asarray(p.hidden, np.float64)
+  w = np.asarray(p.weight, np.float64)
+  x = (h @ (w.T if p.layout == "vd" else w)).astype(np.float32)   # exact
+  col = lambda a, off: (np.full((x.shape[0], 1), off, np.float32) if a is None
+                        else np.asarray(a, np.float32)[:, None])
+  r = col(c.repetition_penalty, 1.0)
+  x = np.where(seen, np.where(x > 0, x / r, x * r), x).astype(np.float32)
+  n = count.astype(np.float32)
+  sub = None
+  if c.frequency_penalty is not None:
+    sub = (col(c.frequency_penalty, 0.0) * n).astype(np.float32)
+  if c.presence_penalty is not None:
+    pres = np.broadcast_to(col(c.presence_penalty, 0.0), x.shape)
+    sub = pres if sub is None else (sub + pres).astype(np.float32)
+  if sub is not None:
+    x = np.where(count > 0, x - sub, x).astype(np.float32)
+  temp = np.asarray(p.temperature)[:, None]
+  t = (x / np.where(temp == 0, np.float32(1), temp)).astype(np.float32)
+  gid = jnp.arange(x.shape[1], dtype=jnp.uint32)
+  hi, lo = noise.add_u32(p.ctr_hi[:, None], p.ctr_lo[:, None], gid[None, :])
+  g = np.asarray(noise.gumbel(p.k0[:, None], p.k1[:, None], hi, lo))
+  return t, np.where(temp == 0, x, (t + g).astype(np.float32))
+
+
+def check_fused_penalties(backend, h, w, key, t, kw, *, top_n: int = 16,
+                          ieee: bool = False):
+  """A backend that applies penalties in its pass (``fuses_penalties``):
+  each row's best id, score and tempered logit, and its listed candidates
+  above the list's bound, equal bit for bit those of the penalized logits
+  computed densely: by XLA in one program (the reference's arithmetic, on
+  a GPU), or with ``ieee`` in NumPy (interpret mode on a CPU).
+
+  Returns the number of rows whose best id is in the row's history.
+  """
+  from flashsample_jax import controls, problem, stage2
+  b, v = h.shape[0], w.shape[0]
+  p = problem.prepare(h, w, key, temperature=t)
+  c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_logprobs=top_n,
+                                return_logprobs=True, **kw)
+  assert backend.fuses_penalties(p, c)
+  got = jax.jit(lambda p, c: backend.controls_state(p, c))(p, c)
+  seen, count = controls.dense_history(c, b, v)
+
+  def dense(p, c):
+    l = problem.logits(p.hidden, p.weight, p.layout)
+    gid = jax.lax.iota(jnp.int32, v)
+    x = controls.transform(l, gid, c, v, history=(seen, count))
+    t = stage2.tempered(p, x)
+    return t, stage2.perturbed(p, x, t, gid, 1)[:, 0]
+
+  if ieee:
+    t_all, sc = _ieee_penalized(p, c, np.asarray(seen), np.asarray(count))
+  else:
+    t_all, sc = (np.asarray(a) for a in jax.jit(dense)(p, c))
+  best = np.argmax(sc, axis=1)                       # first max: the tie rule
+  rows = np.arange(b)
+  np.testing.assert_array_equal(np.asarray(got.best_id)[:, 0], best)
+  np.testing.assert_array_equal(np.asarray(got.best_score)[:, 0], sc[rows, best])
+  np.testing.assert_array_equal(np.asarray(got.best_t)[:, 0], t_all[rows, best])
+  vals, ids = np.asarray(got.cand_vals), np.asarray(got.cand_ids)
+  bound = np.maximum(np.asarray(got.cand_bound), vals[:, -1])
+  for i in range(b):
+    above = vals[i] > bound[i]
+    np.testing.assert_array_equal(vals[i, above], t_all[i, ids[i, above]])
+    want = np.sort(t_all[i][t_all[i] > bound[i]])[::-1]
+    np.testing.assert_array_equal(np.sort(vals[i, above])[::-1], want)
+  return int(np.asarray(seen)[np.arange(b), best].sum())
+
+
 def device_random_inputs(b, d, v, seed, logit_std=3.0):
   """Gaussian ``hidden [B, D]`` and ``weight [V, D]`` bf16, drawn on the
   device (NumPy would need gigabytes of float64 for real heads)."""

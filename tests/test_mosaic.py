@@ -23,7 +23,7 @@ from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
 from pallas_kernels import sm90_config, sm90_controls
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
-from tests.backend_suite import BackendSuite
+from tests.backend_suite import BackendSuite, check_fused_penalties, penalty_kwargs
 from tests.cases import B, CASES, D, H, KEYS, T, V, W
 from tests.conftest import has_gpu
 
@@ -411,6 +411,21 @@ def test_auto_picks_xla_on_cpu_and_mosaic_raises():
     assert fs.which_backend(h, w, jax.random.key(0), **kw) == "xla"
 
 
+@pytest.mark.parametrize("b,d,ctl,want", [
+    (256, 8192, {}, False),      # PLAIN_DENSE: the dense route measured faster
+    (128, 8192, {}, True), (512, 8192, {}, True), (256, 4096, {}, True),
+    (256, 8192, dict(top_k=5), True),      # truncation: the kernel at every B
+    (256, 4096, dict(softcap=30.0), False),  # other controls: <= ROUTE_MAX_ROWS
+    (192, 4096, dict(softcap=30.0), True),
+])
+def test_mosaic_route_preferences(b, d, ctl, want):
+  h = jnp.zeros((b, d), jnp.bfloat16)
+  w = jnp.zeros((256, d), jnp.bfloat16)
+  p = problem.prepare(h, w, jax.random.key(0))
+  c = controls.prepare_controls(batch=b, vocab_size=256, rows=256, **ctl)
+  assert LOWER.prefers(p, c) is want
+
+
 def test_unsupported_problems_raise_not_implemented():
   h, w = inputs.exact_inputs(4, 96, 128)  # D not a multiple of 64
   with pytest.raises(NotImplementedError, match="D=96"):
@@ -446,6 +461,17 @@ def test_unsupported_problems_raise_not_implemented():
     ("vd", 1030, 256, 1000, dict(top_k=5), [(64, 4)] * 4 + [(64, 1)], [256] * 4 + [8]),
     # Without lists: one launch of MAX_BLOCKS blocks of 64 rows (two samples).
     ("vd", 1024, 256, 1000, dict(softcap=3.0, num_samples=2), [(64, 16)], [1024]),
+    # Penalties in the kernel: the benchmark's (1 + 8 bit-planes of 128
+    # output ids), with lists; with the mask, two blocks and two sample
+    # groups; presence alone in blocks of 128 rows.
+    ("vd", 64, 4096, 151936, dict(repetition_penalty=1.2, presence_penalty=0.5,
+                                  frequency_penalty=0.3, prompt_ids=128, output_ids=128,
+                                  top_logprobs=20), [(64, 1)], [64]),
+    ("dv", 70, 192, 1000, dict(allowed_mask=1, repetition_penalty=1.3,
+                               frequency_penalty=0.5, output_ids=7, top_k=5,
+                               num_samples=6), [(64, 2)] * 2, [128] * 2),
+    ("vd", 200, 4096, 151936, dict(presence_penalty=0.5, output_ids=16),
+     [(128, 2)], [256]),
 ])
 def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows, h_want,
                                          monkeypatch):
@@ -466,6 +492,9 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows, h_wan
       kk["logit_bias"] = jnp.zeros((v,), jnp.float32)
     if "allowed_mask" in kk:
       kk["allowed_mask"] = jnp.zeros((b, -(-v // 32)), jnp.uint32)
+    for name in ("prompt_ids", "output_ids"):
+      if name in kk:
+        kk[name] = jnp.zeros((b, kk[name]), jnp.int32)
     c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, **kk)
     return LOWER.controls_state(p, c)
 
@@ -477,6 +506,75 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows, h_wan
   # A launch of one block takes H with its own rows padded to 8 only (not
   # to N); one of several blocks all of theirs.
   assert h_rows == h_want
+
+
+@pytest.mark.parametrize("b,d,v", [(5, 64, 700), (37, 128, 1000)])
+def test_penalties_in_the_kernel_bit_for_bit(b, d, v):
+  # The kernel applies the penalties per element from the history planes:
+  # best scores, tempered logits and listed candidates equal the dense
+  # penalized logits' bit for bit (in NumPy: IEEE division, as the kernel
+  # in interpret mode), with penalties that round and history ids among
+  # the winners.
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  t = jnp.asarray(np.resize([0.7, 0.6, 1.3, 0.0, 1.0], b), jnp.float32)
+  kw = penalty_kwargs(b, v, seed=b)
+  won = check_fused_penalties(INTERPRET, h, w, jax.random.key(b), t, kw, ieee=True)
+  assert won >= b // 4
+  # Each penalty alone, and repetition on a prompt only (no count planes).
+  for part in (dict(repetition_penalty=kw["repetition_penalty"]),
+               dict(presence_penalty=kw["presence_penalty"]),
+               dict(frequency_penalty=kw["frequency_penalty"])):
+    check_fused_penalties(INTERPRET, h, w, jax.random.key(b), t,
+                          dict(part, prompt_ids=kw["prompt_ids"], output_ids=kw["output_ids"]),
+                          ieee=True)
+  check_fused_penalties(INTERPRET, h, w, jax.random.key(b), t,
+                        dict(repetition_penalty=1.3, prompt_ids=kw["prompt_ids"]), ieee=True)
+
+
+@pytest.mark.parametrize("pairwise_max", [stage2.PAIRWISE_MAX, 0])
+def test_history_bits_and_planes(pairwise_max, monkeypatch):
+  # Distinct ids per row (by comparing pairs, or by sorting), their planes'
+  # bits (in the history; bits of the output count), and the kernel's
+  # bit-planes: the mask first, then the history, by (block, word, plane,
+  # row), for this weight's rows only.
+  monkeypatch.setattr(stage2, "PAIRWISE_MAX", pairwise_max)
+  prompt = jnp.asarray([[5, 70, -1], [-1, -1, -1], [99, 99, 0]], jnp.int32)
+  output = jnp.asarray([[70, 70, 3, 70, 31, -1], [64, -1, -1, -1, -1, -1],
+                        [-1] * 6], jnp.int32)
+  c = controls.prepare_controls(batch=3, vocab_size=100, rows=100, prompt_ids=prompt,
+                                output_ids=output, repetition_penalty=1.5,
+                                frequency_penalty=0.5)
+  ids, flags, pen = stage2.history_bits(c)
+  assert (pen.repetition, pen.frequency, pen.presence, pen.count_bits) == (True, True, False, 3)
+  ids, flags = np.asarray(ids), np.asarray(flags)
+  # id -> its flags: in the history; count bits 0, 1, 2 (70: 3, others 1 or 0).
+  got = [{int(i): tuple(f) for i, f in zip(ids[r], flags[r]) if i >= 0} for r in range(3)]
+  assert got[0] == {5: (1, 0, 0, 0), 70: (1, 1, 1, 0), 3: (1, 1, 0, 0), 31: (1, 1, 0, 0)}
+  assert got[1] == {64: (1, 1, 0, 0)} and got[2] == {99: (1, 0, 0, 0), 0: (1, 0, 0, 0)}
+  mask = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, (3, 4)), jnp.uint32)
+  for offset, rows_k in ((0, 128), (32, 64), (37, 64)):
+    planes = np.asarray(sm90_controls._planes(mask, (jnp.asarray(ids), jnp.asarray(flags)),
+                                              jnp.int32(offset), rows_k, 100, 2))
+    assert planes.shape == (2, rows_k // 32, 5, 2)
+    bits = lambda r, k: {offset + 32 * wd + i for wd in range(rows_k // 32) for i in range(32)
+                         if planes[r // 2, wd, k, r % 2] >> i & 1}
+    for r in range(3):
+      window = set(range(offset, offset + rows_k))
+      allowed = {v for v in range(100) if np.asarray(mask)[r, v // 32] >> (v % 32) & 1}
+      # (bits past V are the mask's own; the kernel masks ids >= V anyway)
+      assert bits(r, 0) & set(range(100)) == allowed & window
+      for k in range(4):
+        assert bits(r, 1 + k) == {i for i, f in got[r].items() if f[k]} & window
+  # Presence alone needs one count plane (count > 0); without output ids
+  # the penalties have no plane.
+  c = controls.prepare_controls(batch=3, vocab_size=100, rows=100, output_ids=output,
+                                presence_penalty=0.5)
+  ids, flags, pen = stage2.history_bits(c)
+  assert pen.planes == 1 and flags.shape == (3, 6, 1)
+  assert {int(i) for i, f in zip(ids[0], flags[0]) if f[0]} == {3, 31, 70}
+  c = controls.prepare_controls(batch=3, vocab_size=100, rows=100, prompt_ids=prompt,
+                                presence_penalty=0.5)
+  assert stage2.history_bits(c)[2].planes == 0
 
 
 def test_mosaic_more_samples_than_one_launch():

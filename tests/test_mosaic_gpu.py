@@ -20,7 +20,8 @@ from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
-from tests.backend_suite import BackendSuite, GpuSuite, device_random_inputs
+from tests.backend_suite import (BackendSuite, GpuSuite, check_fused_penalties,
+                                 device_random_inputs, penalty_kwargs)
 
 pytestmark = pytest.mark.gpu
 
@@ -120,6 +121,21 @@ def test_configs_exact_scores(cfg, layout):
     want = jax.jit(lambda p: xla_backend.candidates(p))(p)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+@pytest.mark.parametrize("b,out_width", [(1, 30), (64, 256), (200, 30)])
+def test_penalties_in_the_kernel_bit_for_bit(b, out_width):
+  # The kernel's penalties divide and round as XLA does on the GPU
+  # (div.full.f32, no fma): best scores, tempered logits and listed
+  # candidates equal the dense penalized logits' bit for bit, at common
+  # temperatures, with history ids among the winners; B = 200 runs in
+  # blocks of 64 with lists.
+  d, v = 512, 4001
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  t = jnp.asarray(np.resize([0.7, 0.6, 1.3, 0.0, 1.0], b), jnp.float32)
+  kw = penalty_kwargs(b, v, seed=b, out_width=out_width)
+  won = check_fused_penalties(MosaicBackend(), h, w, jax.random.key(b), t, kw)
+  assert won >= b // 4
 
 
 def _controls_best_matches_xla(h, w, key, t):

@@ -14,7 +14,10 @@ per-row results for the shared stage 2 (:mod:`flashsample_jax.stage2`):
 * :meth:`SamplerBackend.controls_state`: sampling controls, a
   :class:`~pallas_kernels.state.ControlsState` per row;
 * :meth:`SamplerBackend.samples_as_rows`: an optional fast path (draw
-  several samples as rows of one plain pass).
+  several samples as rows of one plain pass);
+* :meth:`SamplerBackend.fuses_penalties`: whether ``controls_state``
+  applies the penalties itself (else the shared route scores the history
+  ids from their weight rows, :func:`flashsample_jax.stage2.history_state`).
 
 A new backend is one adapter module in this package and one entry in
 ``_REGISTRY``; the API names no backend, and the shared test suite and the
@@ -81,6 +84,14 @@ class SamplerBackend(abc.ABC):
     (False where another backend measured faster)."""
     del p, c
     return True
+
+  def fuses_penalties(self, p: Problem, c: Controls) -> bool:
+    """Whether :meth:`controls_state` applies ``c``'s penalties per element
+    (asked only when ``c.penalizes``). If False, the pass runs without the
+    history ids (:func:`flashsample_jax.stage2.pass_controls`) and stage 2
+    scores them from their own weight rows."""
+    del p, c
+    return False
 
   def samples_as_rows(self, p: Problem, c: Controls) -> bool:
     """Whether to draw ``c.samples`` samples as rows of one plain pass

@@ -35,6 +35,12 @@ SAMPLES_AS_ROWS_MAX = 128
 # Rows (batch x samples) up to which auto prefers the controls kernel to
 # the dense route without truncation (see MosaicBackend.prefers).
 ROUTE_MAX_ROWS = 192
+# Plain sampling where the dense route measured faster than the kernel:
+# (smallest D, fewest rows, most rows). At D = 8192 and B = 256 the kernel
+# runs at 0.92-0.99x XLA's dot + categorical on the H100 and 0.97x on the
+# H200, the dense route at 0.99-1.00x; at B = 128 and 512 the kernel wins
+# on both (PERF_LOG "Routes at large B").
+PLAIN_DENSE = ((8192, 193, 320),)
 
 
 def _kernels():
@@ -107,25 +113,42 @@ class MosaicBackend(SamplerBackend):
   def controls_state(self, p, c, *, vocab_offset=0):
     _, _, _, controls_kernel = _kernels()
     ctr_hi, ctr_lo = p.counters(c.samples)
-    rows = rowdata.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
-                            ctr_hi=ctr_hi, ctr_lo=ctr_lo, softcap=c.softcap)
+    penalties = history = None
+    if c.penalizes:
+      *history, penalties = stage2.history_bits(c)
+      if not penalties.planes:   # nothing to penalize
+        penalties = history = None
+    rows = rowdata.pack_rows(
+        k0=p.k0, k1=p.k1, temperature=p.temperature, ctr_hi=ctr_hi, ctr_lo=ctr_lo,
+        softcap=c.softcap,
+        penalties=stage2.penalty_rows(c, p.batch) if penalties else None)
     return controls_kernel.controls_state(
         p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
         layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
         candidates=stage2.candidate_count(p, c), lists=c.lists,
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
         noise=c.noise, logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
-        target=self._target())
+        penalties=penalties, history=history, target=self._target())
 
   def prefers(self, p, c):
     # Measured against the dense route (XLA's GEMM writing the logits, then
     # one fused noise pass) on the H100: plain sampling in batch blocks is
-    # faster at every batch up to 1024 on the four benchmark heads, and so
-    # is a truncation rule (the dense route sorts [B, V]; PERF_LOG "Batch
-    # blocks"); other controls up to ROUTE_MAX_ROWS rows per pass over W
-    # (PERF_LOG "Routes"; not measured in blocks).
-    return (not c.active or c.truncates
-            or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS)
+    # faster at every batch up to 1024 on the four benchmark heads but the
+    # points of PLAIN_DENSE, and so is a truncation rule (the dense route
+    # sorts [B, V]; PERF_LOG "Batch blocks"); other controls up to
+    # ROUTE_MAX_ROWS rows per pass over W (PERF_LOG "Routes"; not measured
+    # in blocks).
+    if not c.active:
+      return not any(p.hidden_dim >= d and lo <= p.batch <= hi
+                     for d, lo, hi in PLAIN_DENSE)
+    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
+
+  def fuses_penalties(self, p, c):
+    # Bit-planes of the history beside the allowed mask: a few bits per id
+    # instead of gathering B x (P + O) weight rows (PERF_LOG "Penalties
+    # in the kernel").
+    del p, c
+    return True
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
