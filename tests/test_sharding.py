@@ -551,11 +551,12 @@ def test_top_p_boundary_rows_same_on_any_shard_count():
       _check_controls(_controls_in_shard_map(hr, w, key, t, make_mesh(1, n), ctl), want)
 
 
-@pytest.mark.parametrize("case", ["transforms", "truncation"])
+@pytest.mark.parametrize("case", ["transforms", "truncation", "penalties_top_logprobs"])
 def test_mosaic_controls_on_shards_not_multiple_of_32(case):
   # The mosaic controls kernel on vocabulary shards of 500 and 250 rows:
   # shard offsets that are not multiples of 32, so the bias and the mask
-  # words are realigned per shard. Interpret mode cannot run a Mosaic GPU
+  # words are realigned per shard (and the history's planes hold each
+  # shard's own ids). Interpret mode cannot run a Mosaic GPU
   # kernel on several devices at once (its shared-memory bookkeeping
   # reports barriers left allocated, for the plain kernel too), so the
   # shards run one after another on one device, each with its own offset,
@@ -567,10 +568,14 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
   t = inputs.pow2_temperatures(_CB, greedy_every=5, seed=9) * 4
   r = np.random.default_rng(9)
   ctl = dict(_CONTROLS[case])
-  if case == "transforms":
-    ctl["logit_bias"] = jnp.asarray(r.integers(-3, 4, v), jnp.float32)
+  if case != "truncation":
     ctl["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, (_CB, -(-v // 32)),
                                                  dtype=np.uint32))
+  if case == "transforms":
+    ctl["logit_bias"] = jnp.asarray(r.integers(-3, 4, v), jnp.float32)
+  for name in ("prompt_ids", "output_ids"):
+    if name in ctl:
+      ctl[name] = jnp.where(ctl[name] >= 0, ctl[name] % v, -1)
   key = jax.random.key(9)
   want = fs.reference.sample(h, w, key, temperature=t, **ctl)
   for n in (2, 4):
@@ -588,8 +593,14 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
     # Decided on the whole head: the rare materialized rows read all of W,
     # as the gathered logits inside shard_map do.
     whole = problem.prepare(h, w, key, temperature=t)
-    tokens, _, _ = stage2.finish(whole, c, st)
-    np.testing.assert_array_equal(tokens[0], want, err_msg=f"{n} shards")
+    tokens, out, _ = stage2.finish(whole, c, st)
+    if isinstance(want, fs.SampleOutput):
+      out = out.first_sample()
+      np.testing.assert_array_equal(out.top_ids, want.top_ids, err_msg=f"{n} shards")
+      np.testing.assert_allclose(out.top_logprobs, want.top_logprobs, rtol=2e-5, atol=2e-5)
+      np.testing.assert_array_equal(out.tokens, want.tokens, err_msg=f"{n} shards")
+    else:
+      np.testing.assert_array_equal(tokens[0], want, err_msg=f"{n} shards")
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
