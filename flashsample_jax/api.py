@@ -167,9 +167,10 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     frequency_penalty: float or ``[B]`` (0 = off): times the number of
       occurrences in ``output_ids``, subtracted from the logit.
     prompt_ids, output_ids: int ``[B, P]`` / ``[B, O]``: each row's prompt
-      and generated ids, padded with ``-1`` (ids may repeat). The fused pass
-      skips these ids and scores them from their own weight rows (``B x
-      (P + O)`` rows read on top of the pass). Concrete ids outside
+      and generated ids, padded with ``-1`` (ids may repeat). The mosaic
+      kernel reads them as a few bits per id beside the allowed mask; the
+      other backends skip them in the pass and score them from their own
+      weight rows (``B x (P + O)`` rows read on top of it). Concrete ids outside
       ``[-1, vocab_size)`` raise ``ValueError``; traced ones are ignored, as
       the reference ignores them.
     num_samples: S samples per row from one pass over W: tokens ``[S, B]``
