@@ -14,7 +14,6 @@ then a profile of the ``bench`` call: device kernels and host events.
 
   PYTHONPATH=. python3 benchmarks/exp_call_overhead.py [B ...]
 """
-import os
 import sys
 
 import jax

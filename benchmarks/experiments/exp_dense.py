@@ -28,7 +28,7 @@ import numpy as np
 
 import flashsample_jax as fs
 from benchmarks._timing import median_us
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 from flashsample_jax import problem, stage2
 
 
@@ -62,8 +62,7 @@ def main(points):
   for spec in points:
     head, batches = spec.split(":")
     d, v = HEADS[head]
-    w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32) * (3.0 / np.sqrt(d))
-         ).astype(jnp.bfloat16)
+    w = random_head(head)
     key = jax.random.key(7)
     for b in map(int, batches.split(",")):
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)

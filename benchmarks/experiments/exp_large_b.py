@@ -30,16 +30,9 @@ import numpy as np
 
 import flashsample_jax as fs
 from benchmarks._timing import median_us
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import Schedule, TuningConfig
-
-
-def _weights(head):
-  d, v = HEADS[head]
-  kw = jax.random.key(1)
-  return (jax.random.normal(kw, (v, d), jnp.float32) * (1.3 / np.sqrt(d))
-          ).astype(jnp.bfloat16)
 
 
 def _blocked(n: int, blocks: int, tile_d: int, steps: int, mif=None) -> TuningConfig:
@@ -53,7 +46,7 @@ def _blocked(n: int, blocks: int, tile_d: int, steps: int, mif=None) -> TuningCo
 
 def blocks(heads, batches):
   for head in heads:
-    w = _weights(head)
+    w = random_head(head, 1.3)
     d, v = HEADS[head]
     for b in batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
@@ -100,7 +93,7 @@ def blocks(heads, batches):
 
 def trunc(heads, batches, backends=("mosaic", "triton")):
   for head in heads:
-    w = _weights(head)
+    w = random_head(head, 1.3)
     d, _ = HEADS[head]
     for b in batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)

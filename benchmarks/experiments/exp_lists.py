@@ -21,7 +21,7 @@ import numpy as np
 import flashsample_jax as fs
 from benchmarks._fallback import exact_path_rows
 from benchmarks._timing import median_us
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.triton import TritonBackend
 
 TOP_K, TOP_P, T = 50, 0.9, 0.7
@@ -29,8 +29,7 @@ TOP_K, TOP_P, T = 50, 0.9, 0.7
 
 def main(head, batches, pairings):
   d, v = HEADS[head]
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32) * (3.0 / np.sqrt(d))
-       ).astype(jnp.bfloat16)
+  w = random_head(head)
   key = jax.random.key(7)
   for b in batches:
     h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)

@@ -17,12 +17,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import flashsample_jax as fs
 from benchmarks import _timing
 from benchmarks.bench_controls import HISTORY, PENALTIES
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 
 
 def _profile(f, *args):
@@ -39,8 +38,7 @@ def _profile(f, *args):
 
 def main(batches, profile):
   d, v = HEADS["S"]
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32) * (3.0 / np.sqrt(d))
-       ).astype(jnp.bfloat16)
+  w = random_head("S")
   key = jax.random.key(7)
   for b in batches:
     h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)

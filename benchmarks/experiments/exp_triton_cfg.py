@@ -19,7 +19,7 @@ import numpy as np
 
 import flashsample_jax as fs
 from benchmarks._timing import median_us
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.triton import TritonBackend
 from pallas_kernels.triton_sampler import TritonConfig as C
 
@@ -33,8 +33,7 @@ CANDIDATES = {
 
 def main(head, b):
   d, v = HEADS[head]
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32) * (1.3 / np.sqrt(d))
-       ).astype(jnp.bfloat16)
+  w = random_head(head, 1.3)
   h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
   key = jax.random.key(3)
   xla = jax.jit(lambda h, w, k: jax.random.categorical(

@@ -23,15 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 
 
 def main(specs):
   for spec in specs:
     head, batches = spec.split(":")
     d, v = HEADS[head]
-    w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32) * (1.3 / np.sqrt(d))
-         ).astype(jnp.bfloat16)
+    w = random_head(head, 1.3)
     for b in (int(x) for x in batches.split(",")):
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
       f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend="mosaic"))

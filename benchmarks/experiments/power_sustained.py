@@ -15,16 +15,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import flashsample_jax as fs
-from benchmarks.shapes import HEADS
+from benchmarks.shapes import HEADS, random_head
 
 
 def main(seconds: float = 8.0):
   d, v = HEADS["S"]
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32) * (1.3 / np.sqrt(d))
-       ).astype(jnp.bfloat16)
+  w = random_head("S", 1.3)
   h = jax.random.normal(jax.random.key(2), (256, d), jnp.bfloat16)
   fused = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend="mosaic"))
   xla = jax.jit(lambda h, w, k: jax.random.categorical(
