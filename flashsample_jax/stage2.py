@@ -32,7 +32,8 @@ from pallas_kernels.state import ControlsState, top_m
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
-           "History", "history", "history_bits", "penalty_rows", "pass_controls",
+           "History", "history", "history_bits", "penalty_planes", "penalty_rows",
+           "pass_controls",
            "excluded_mask",
            "history_state", "finish",
            "samples_as_rows", "per_sample"]
@@ -231,20 +232,27 @@ def _id_bits(ids, flags, words: int):
 PAIRWISE_MAX = 2**25
 
 
-def history_bits(c: controls.Controls):
-  """Each row's history for a kernel that applies the penalties per element
-  from bit-planes (:class:`~pallas_kernels.rowdata.Penalties` says what
-  plane ``k`` holds): ``(ids int32 [B, H], flags bool [B, H, P],
-  Penalties)``, each id once per row (``-1`` for repeats and padding) and
-  its bit in each plane. ``P`` may be 0 (the penalties change nothing)."""
+def penalty_planes(c: controls.Controls) -> Penalties:
+  """The bit-planes that carry ``c``'s penalties to a kernel (static): what
+  :func:`history_bits` makes. Their number grows with the output ids'
+  width (``O.bit_length()`` count planes with a frequency penalty)."""
   out_width = 0 if c.output_ids is None else c.output_ids.shape[1]
-  pen = Penalties(
+  return Penalties(
       repetition=c.repetition_penalty is not None,
       presence=c.presence_penalty is not None and out_width > 0,
       frequency=c.frequency_penalty is not None and out_width > 0,
       count_bits=(0 if not out_width else
                   out_width.bit_length() if c.frequency_penalty is not None else
                   1 if c.presence_penalty is not None else 0))
+
+
+def history_bits(c: controls.Controls):
+  """Each row's history for a kernel that applies the penalties per element
+  from bit-planes (:class:`~pallas_kernels.rowdata.Penalties` says what
+  plane ``k`` holds): ``(ids int32 [B, H], flags bool [B, H, P],
+  Penalties)``, each id once per row (``-1`` for repeats and padding) and
+  its bit in each plane. ``P`` may be 0 (the penalties change nothing)."""
+  pen = penalty_planes(c)
   parts = [(a, flag) for a, flag in ((c.prompt_ids, False), (c.output_ids, True))
            if a is not None]
   ids = jnp.concatenate([a for a, _ in parts], axis=1)

@@ -569,6 +569,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   n_rows = weight.shape[0 if layout == "vd" else 1]
   w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
   n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
+  if penalties is not None and not penalties.planes:   # they change nothing
+    penalties = None
   planes = _planes(allowed_mask, history if penalties else None, offset, rows_k,
                    total_rows, n)                             # [blocks, words, P, n]
   n_planes = 0 if planes is None else planes.shape[2]

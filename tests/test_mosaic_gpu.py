@@ -123,8 +123,15 @@ def test_configs_exact_scores(cfg, layout):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
+_PENALTY_SETS = {"all": ("repetition_penalty", "presence_penalty", "frequency_penalty"),
+                 "frequency": ("frequency_penalty",),
+                 "repetition_frequency": ("repetition_penalty", "frequency_penalty"),
+                 "presence": ("presence_penalty",)}
+
+
+@pytest.mark.parametrize("penalties", list(_PENALTY_SETS))
 @pytest.mark.parametrize("b,out_width", [(1, 30), (64, 256), (200, 30)])
-def test_penalties_in_the_kernel_bit_for_bit(b, out_width):
+def test_penalties_in_the_kernel_bit_for_bit(b, out_width, penalties):
   # The kernel's penalties divide and round as XLA does on the GPU
   # (div.full.f32, no fma): best scores, tempered logits and listed
   # candidates equal the dense penalized logits' bit for bit, at common
@@ -134,8 +141,11 @@ def test_penalties_in_the_kernel_bit_for_bit(b, out_width):
   h, w = inputs.exact_inputs(b, d, v, seed=b)
   t = jnp.asarray(np.resize([0.7, 0.6, 1.3, 0.0, 1.0], b), jnp.float32)
   kw = penalty_kwargs(b, v, seed=b, out_width=out_width)
+  kw = {k: x for k, x in kw.items()
+        if k.endswith("_ids") or k in _PENALTY_SETS[penalties]}
   won = check_fused_penalties(MosaicBackend(), h, w, jax.random.key(b), t, kw)
-  assert won >= b // 4
+  if b >= 64:   # history ids among the winners (many where r < 1 boosts them)
+    assert won >= (b // 8 if "repetition_penalty" in kw else 1)
 
 
 def _controls_best_matches_xla(h, w, key, t):

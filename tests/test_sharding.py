@@ -573,9 +573,11 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
                                                  dtype=np.uint32))
   if case == "transforms":
     ctl["logit_bias"] = jnp.asarray(r.integers(-3, 4, v), jnp.float32)
-  for name in ("prompt_ids", "output_ids"):
+  # History ids over every shard's rows (the outputs, drawn below 200 with
+  # repeats, spread by 5 keeping their repeats).
+  for name, scale in (("prompt_ids", 1), ("output_ids", 5)):
     if name in ctl:
-      ctl[name] = jnp.where(ctl[name] >= 0, ctl[name] % v, -1)
+      ctl[name] = jnp.where(ctl[name] >= 0, ctl[name] * scale % v, -1)
   key = jax.random.key(9)
   want = fs.reference.sample(h, w, key, temperature=t, **ctl)
   for n in (2, 4):

@@ -41,6 +41,11 @@ ROUTE_MAX_ROWS = 192
 # H200, the dense route at 0.99-1.00x; at B = 128 and 512 the kernel wins
 # on both (PERF_LOG "Routes at large B").
 PLAIN_DENSE = ((8192, 193, 320),)
+# Bit-planes (allowed mask and history) a launch holds in shared memory
+# next to its pipeline: at most 16, i.e. penalties in the kernel for up to
+# 16383 output ids per row (a frequency penalty's count planes grow with
+# their bit length); longer histories take the gathered-rows route.
+MAX_PLANES = 16
 
 
 def _kernels():
@@ -147,8 +152,9 @@ class MosaicBackend(SamplerBackend):
     # Bit-planes of the history beside the allowed mask: a few bits per id
     # instead of gathering B x (P + O) weight rows (PERF_LOG "Penalties
     # in the kernel").
-    del p, c
-    return True
+    del p
+    planes = stage2.penalty_planes(c).planes + int(c.allowed_mask is not None)
+    return planes <= MAX_PLANES
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
