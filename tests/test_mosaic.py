@@ -520,6 +520,8 @@ def test_penalties_in_the_kernel_bit_for_bit(b, d, v):
   kw = penalty_kwargs(b, v, seed=b)
   won = check_fused_penalties(INTERPRET, h, w, jax.random.key(b), t, kw, ieee=True)
   assert won >= max(1, b // 4)
+  if b > 8:
+    return   # the variants below once, on the small shape (CI time)
   # Each penalty alone, and repetition on a prompt only (no count planes).
   for part in (dict(repetition_penalty=kw["repetition_penalty"]),
                dict(presence_penalty=kw["presence_penalty"]),
