@@ -33,9 +33,7 @@ from pallas_kernels.state import ControlsState, top_m
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
            "History", "history", "history_bits", "penalty_planes", "penalty_rows",
-           "pass_controls",
-           "excluded_mask",
-           "history_state", "finish",
+           "pass_controls", "excluded_mask", "history_state", "finish",
            "samples_as_rows", "per_sample"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
@@ -212,19 +210,6 @@ def history(c: controls.Controls) -> History:
   return History(jnp.where(first, key, -1), jnp.where(first, count, 0))
 
 
-def _id_bits(ids, flags, words: int):
-  """uint32 ``[B, P, words]``: plane ``k`` has the bit of each id of ``ids``
-  (int32 ``[B, H]``, distinct per row, ``-1`` for none) where ``flags``
-  (bool ``[B, H, P]``) holds. One scatter-add: distinct ids have distinct
-  bits, so adding them is OR-ing them."""
-  b, h, planes = flags.shape
-  bit = jnp.uint32(1) << (jnp.maximum(ids, 0) % 32).astype(jnp.uint32)
-  add = jnp.where(flags & (ids >= 0)[:, :, None], bit[:, :, None], jnp.uint32(0))
-  return jnp.zeros((b, planes, words), jnp.uint32).at[
-      jnp.arange(b)[:, None, None], jnp.arange(planes)[None, None, :],
-      jnp.maximum(ids, 0)[:, :, None] // 32].add(add)
-
-
 # Histories up to this many (row, id, id) pairs find their distinct ids by
 # comparing every pair (one fusion); longer ones sort (history(): a sort
 # and a few scans, ~15 us at B = 64 on an H100, PERF_LOG "Penalties in the
@@ -298,7 +283,12 @@ def excluded_mask(c: controls.Controls, hist: History, vocab_size: int):
   b, words = hist.ids.shape[0], -(-vocab_size // 32)
   base = (c.allowed_mask if c.allowed_mask is not None
           else jnp.full((b, words), 0xFFFFFFFF, jnp.uint32))
-  return base & ~_id_bits(hist.ids, (hist.ids >= 0)[:, :, None], words)[:, 0]
+  valid = hist.ids >= 0
+  bit = jnp.where(valid, jnp.uint32(1) << (hist.ids % 32).astype(jnp.uint32), 0)
+  # The ids are distinct, so their bits are: adding them is OR-ing them.
+  clear = jnp.zeros((b, words), jnp.uint32).at[
+      jnp.arange(b)[:, None], jnp.where(valid, hist.ids // 32, 0)].add(bit.astype(jnp.uint32))
+  return base & ~clear
 
 
 def history_state(p: Problem, c: controls.Controls, hist: History, *,

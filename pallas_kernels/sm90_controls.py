@@ -425,26 +425,25 @@ def _local_bias(logit_bias, offset, rows_k: int, total_rows: int, epi: int):
   return lax.dynamic_slice_in_dim(bias, offset, rows_k).reshape(-1, epi)
 
 
-def _local_planes(planes, offset, rows_k: int, total_rows: int):
-  """uint32 ``[..., rows_k / 32]``: the bits of this weight's rows of bit-planes
-  ``[..., ceil(total_rows / 32)]`` (global ids), realigned so that word ``j``
-  holds local ids ``32 j .. 32 j + 31`` (bits past the planes' words are 0:
-  not allowed, no history)."""
+def _local_mask(allowed_mask, offset, rows_k: int, total_rows: int):
+  """uint32 ``[B, rows_k / 32]``: the allowed bits of this weight's rows,
+  realigned so that word ``j`` holds local ids ``32 j .. 32 j + 31`` (bits
+  past the mask's words are 0: not allowed)."""
+  mask = allowed_mask
   n_words = rows_k // 32
   total_words = -(-total_rows // 32) + n_words + 1
-  planes = jnp.pad(planes, [(0, 0)] * (planes.ndim - 1)
-                   + [(0, total_words - planes.shape[-1])])
+  mask = jnp.pad(mask, ((0, 0), (0, total_words - mask.shape[1])))
   q, r = offset // 32, (offset % 32).astype(jnp.uint32)
-  a = lax.dynamic_slice_in_dim(planes, q, n_words + 1, axis=planes.ndim - 1)
+  a = lax.dynamic_slice_in_dim(mask, q, n_words + 1, axis=1)
   hi = jnp.where(r == 0, jnp.uint32(0),
-                 a[..., 1:] << jnp.where(r == 0, jnp.uint32(0), jnp.uint32(32) - r))
-  return (a[..., :-1] >> r) | hi
+                 a[:, 1:] << jnp.where(r == 0, jnp.uint32(0), jnp.uint32(32) - r))
+  return (a[:, :-1] >> r) | hi
 
 
 def _planes(allowed_mask, history, offset, rows_k: int, total_rows: int, n: int):
   """The bit-planes of every row in the kernel's layout, uint32 ``[ceil(B /
   n), rows_k / 32, P, n]`` (block, word, plane, row), or None: the allowed
-  mask realigned to this weight's rows (:func:`_local_planes`), then the
+  mask realigned to this weight's rows (:func:`_local_mask`), then the
   history's planes, scattered straight into this layout from the local
   ids (ids outside this weight's rows set no bit). One scatter-add of a
   [P] window per id: each id is once per row, so adding is OR-ing."""
@@ -455,7 +454,7 @@ def _planes(allowed_mask, history, offset, rows_k: int, total_rows: int, n: int)
   pad = lambda x: jnp.pad(x, [(0, blocks * n - batch)] + [(0, 0)] * (x.ndim - 1))
   parts = []
   if allowed_mask is not None:
-    mask = pad(_local_planes(allowed_mask, offset, rows_k, total_rows))   # [B, words]
+    mask = pad(_local_mask(allowed_mask, offset, rows_k, total_rows))   # [B, words]
     parts.append(mask.reshape(blocks, n, words).transpose(0, 2, 1)[:, :, None])
   if history is not None:
     ids, flags = history

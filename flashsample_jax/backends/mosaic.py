@@ -121,12 +121,10 @@ class MosaicBackend(SamplerBackend):
     penalties = history = None
     if c.penalizes:
       *history, penalties = stage2.history_bits(c)
-      if not penalties.planes:   # nothing to penalize
-        penalties = history = None
     rows = rowdata.pack_rows(
         k0=p.k0, k1=p.k1, temperature=p.temperature, ctr_hi=ctr_hi, ctr_lo=ctr_lo,
         softcap=c.softcap,
-        penalties=stage2.penalty_rows(c, p.batch) if penalties else None)
+        penalties=stage2.penalty_rows(c, p.batch) if c.penalizes else None)
     return controls_kernel.controls_state(
         p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
         layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
