@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import memref
 
+from pallas_kernels import threefry
 from pallas_kernels.sm90_config import TuningConfig, round_up
 
 # 128-byte swizzle: 64 bf16/f16 elements per swizzled row.
@@ -217,6 +218,32 @@ def divided(x, d, inv_d, zero, *, interpret: bool):
   if interpret:
     return x / d
   return rounded(x * inv_d, zero)
+
+
+def tile_ids(off, start, first_new, rows_valid: int, vocab_size: int):
+  """``(base, lo, span)`` of a tile of the ping-pong kernels: its ids are
+  ``base + column``, and the valid ones (not seen in an earlier tile, a
+  real row of this shard's weight, below the vocabulary size) are
+  ``[lo, lo + span)``, for :func:`valid_id`."""
+  base = off + start
+  lo = base + first_new
+  span = jnp.maximum(jnp.minimum(off + rows_valid, vocab_size) - lo, 0)
+  return base, lo, span.astype(jnp.uint32)
+
+
+def valid_id(gid, lo, span):
+  """Whether ids ``gid`` lie in ``[lo, lo + span)``: one unsigned compare
+  per element where three signed ones would do."""
+  return (gid - lo).astype(jnp.uint32) < span
+
+
+def noise_log(interpret: bool):
+  """The logarithm of the kernels' Gumbel noise: on a GPU libdevice's
+  ``logf`` core without its special-case branches
+  (:func:`~pallas_kernels.threefry.log_normal`: XLA's ``log`` on every
+  value the noise takes, ~9 fewer instructions per log); in interpret mode
+  XLA:CPU's own ``log``, which the CPU reference uses."""
+  return jnp.log if interpret else threefry.log_normal
 
 
 def tempered(x, t_safe, inv_t, zero, *, interpret: bool):

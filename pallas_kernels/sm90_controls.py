@@ -221,6 +221,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     rnd = (lambda v: v) if interpret else (lambda v: common.rounded(v, zero))
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
     off = off_ref[0]
+    log = common.noise_log(interpret)
+    noise_scale = jnp.where(greedy, 0.0, 1.0)
 
     def prologue(tile, start):
       del tile
@@ -231,13 +233,12 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         plgpu.copy_gmem_to_smem(planes_ref.at[pl.ds(start // 32, words)],
                                 planes_smem.at[wg], aux_bar.at[wg])
 
-    def chunk(c, start, first_new, state):
+    def chunk(c, ids, state):
       best, lse, lists = state
+      base, first_id, span = ids
       l = plgpu.load(acc_smem.at[c], layout=wgmma)
-      local = col + c * epi  # vocabulary column within the tile
-      gid = local + (off + start)
-      valid = ((local >= first_new) & (local + start < rows_valid)
-               & (gid < vocab_size))
+      gid = col + (base + c * epi)
+      valid = common.valid_id(gid, first_id, span)
       x = l
       if spec.softcap:
         x = cap * jnp.tanh(x / cap)
@@ -265,7 +266,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       for (c_hi, c_lo), b in zip(ctr, best):
         if spec.noise:
           hi, lo = threefry.add_u32(c_hi, c_lo, gid_u)
-          sc = rules.perturb(x, t, threefry.gumbel(k0, k1, hi, lo), greedy)
+          g = threefry.gumbel(k0, k1, hi, lo, log=log)
+          sc = t + g * noise_scale   # greedy rows: x (see the plain kernel)
           sc = jnp.where(valid, sc, -jnp.inf)
         else:  # no noise: x is already -inf where not valid
           sc = x
@@ -306,8 +308,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
       if n_aux:
         plgpu.barrier_wait(aux_bar.at[wg])
-      return lax.fori_loop(
-          0, n_chunks, lambda c, st: chunk(c, start, first_new, st), state)
+      ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
+      return lax.fori_loop(0, n_chunks, lambda c, st: chunk(c, ids, st), state)
 
     full = lambda v, dtype: plgpu.layout_cast(jnp.full((n, epi), v, dtype), wgmma)
     neg = lambda: full(-jnp.inf, jnp.float32)

@@ -89,7 +89,8 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
                                       layout=col_layout))
     l = plgpu.load(acc_smem.at[slot], layout=plgpu.Layout.WGMMA)
     hi, lo = threefry.add_u32(*(load(i) for i in rl.ctr(0)), gid_u)
-    g = threefry.gumbel(load(rl.K0), load(rl.K1), hi, lo)
+    g = threefry.gumbel(load(rl.K0), load(rl.K1), hi, lo,
+                        log=common.noise_log(interpret))
     f32 = lambda i: lax.bitcast_convert_type(load(i), jnp.float32)
     greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
     t = common.tempered(l, t_safe, f32(rl.INV_TEMPERATURE), load(rl.zero),
@@ -118,6 +119,19 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
 
 
+
+def _slot_update(best, sc, gid):
+  """The tie rule's update of a column slot's running best by the next
+  element, for slots that see their ids in increasing order (each compute
+  warpgroup's tiles come in order; a tile's ids already seen have score
+  -inf). The new element wins if its score is larger, or it is NaN where
+  the best is not; on equal scores the earlier, lower id stays. The first
+  element always enters (the best's id is still INT_MAX), so a row whose
+  scores are all -inf keeps its lowest id, as the rule wants. Three
+  compares, where :func:`rules.better` needs five."""
+  b_s, b_i = best
+  take = (~(sc <= b_s) & (b_s == b_s)) | (b_i == rules.INT_MAX)
+  return jnp.where(take, sc, b_s), jnp.where(take, gid, b_i)
 
 
 def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
@@ -331,31 +345,32 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
     greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
     inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
+    # Greedy rows score t + 0 * g = x (their T is 1): one fma per element
+    # instead of an add and a select (g is always finite).
+    noise_scale = jnp.where(greedy, 0.0, 1.0)
+    log = common.noise_log(interpret)
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
     off = off_ref[0]
 
-    def chunk(c, start, first_new, best):
+    def chunk(c, base, first_id, span, best):
       l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
-      local = col + c * epi  # vocabulary column within the tile
-      gid = local + (off + start)
-      valid = ((local >= first_new) & (local + start < rows_valid)
-               & (gid < vocab_size))
+      gid = col + (base + c * epi)
+      valid = common.valid_id(gid, first_id, span)
       hi, lo = threefry.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
-      g = threefry.gumbel(k0, k1, hi, lo)
+      g = threefry.gumbel(k0, k1, hi, lo, log=log)
       t = common.tempered(l, t_safe, inv_t, zero, interpret=interpret)
-      sc = rules.perturb(l, t, g, greedy)
-      sc = jnp.where(valid, sc, -jnp.inf)
-      idx = jnp.where(valid, gid, rules.INT_MAX)
-      return rules.combine(best, (sc, idx))
+      sc = jnp.where(valid, t + g * noise_scale, -jnp.inf)
+      return _slot_update(best, sc, gid)
 
     def epilogue(acc, tile, start, first_new, best):
       del tile
       for c in range(n_chunks):
         acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
+      ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
 
       def body(it, best):
         for u in range(cfg.epi_unroll):
-          best = chunk(it * cfg.epi_unroll + u, start, first_new, best)
+          best = chunk(it * cfg.epi_unroll + u, *ids, best)
         return best
 
       return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)

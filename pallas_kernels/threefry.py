@@ -31,6 +31,7 @@ __all__ = [
     "uniform_from_bits",
     "gumbel_from_bits",
     "gumbel",
+    "log_normal",
     "add_u32",
     "mul_u32_wide",
     "GUMBEL_MIN",
@@ -97,15 +98,52 @@ def uniform_from_bits(bits):
   return jnp.maximum(u, jnp.float32(np.finfo(np.float32).tiny))
 
 
-def gumbel_from_bits(bits):
-  """Mode-"low" Gumbel noise from random bits: ``-log(-log(u))``."""
+# libdevice's ``__nv_logf`` (CUDA 13 ``libdevice.10.bc``), its polynomial for
+# log1p(f), f = m - 1 with m in [2/3, 4/3), highest degree first.
+_LOG_POLY = tuple(float.fromhex(h) for h in (
+    "-0x1.0aa04ep-3", "0x1.2073ecp-3", "-0x1.f19b98p-4", "0x1.1e52aap-3",
+    "-0x1.55b172p-3", "0x1.99da16p-3", "-0x1.fffe44p-3", "0x1.5554f0p-2", "-0x1p-1"))
+_LN2 = float.fromhex("0x1.62e430p-1")
+
+
+def log_normal(x):
+  """``log(x)`` for normal, positive, finite float32 ``x``: the core of
+  libdevice's ``__nv_logf``, which XLA calls for ``log`` on NVIDIA GPUs,
+  without its branches for subnormal, zero, negative, infinite and NaN
+  inputs.
+
+  Bit-identical to ``__nv_logf`` where each ``a * b + c`` below becomes one
+  fma, as it does in the Mosaic GPU kernels (their multiplies and adds are
+  contractible, and nothing else uses the products). Both logs of the
+  Gumbel noise see only such inputs: ``u`` lies in ``[tiny, 1 - 2**-23]``
+  and ``-log(u)`` in ``[1.19e-7, 87.34]``. The GPU test suite checks all
+  2**23 values of ``u`` against XLA's ``log``.
+  """
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  # The exponent that brings x into [2/3, 4/3): x = m * 2**(e >> 23).
+  e = (bits - jnp.int32(0x3F2AAAAB)) & jnp.int32(-(1 << 23))
+  m = lax.bitcast_convert_type(bits - e, jnp.float32)
+  f = m - jnp.float32(1.0)
+  r = jnp.float32(_LOG_POLY[0])
+  for c in _LOG_POLY[1:]:
+    r = r * f + jnp.float32(c)
+  r = r * f
+  r = r * f + f
+  return e.astype(jnp.float32) * jnp.float32(2.0 ** -23) * jnp.float32(_LN2) + r
+
+
+def gumbel_from_bits(bits, log=jnp.log):
+  """Mode-"low" Gumbel noise from random bits: ``-log(-log(u))``.
+
+  ``log``: the logarithm to use (a kernel passes :func:`log_normal`, which
+  equals XLA's GPU ``log`` on every value this takes)."""
   u = uniform_from_bits(bits)
-  return -jnp.log(-jnp.log(u))
+  return -log(-log(u))
 
 
-def gumbel(k0, k1, ctr_hi, ctr_lo):
+def gumbel(k0, k1, ctr_hi, ctr_lo, log=jnp.log):
   """Gumbel noise of the element with 64-bit counter ``(ctr_hi, ctr_lo)``."""
-  return gumbel_from_bits(random_bits(k0, k1, ctr_hi, ctr_lo))
+  return gumbel_from_bits(random_bits(k0, k1, ctr_hi, ctr_lo), log)
 
 
 def add_u32(hi, lo, x):

@@ -522,3 +522,43 @@ class GpuSuite:
                                    rtol=1e-4, atol=1e-4)
     assert agree / total >= 0.999, f"{agree}/{total} tokens agree"
     assert top_agree / top_total >= 0.999, f"{top_agree}/{top_total} top ids agree"
+
+
+def mosaic_gumbel(bits, *, interpret: bool, block=(64, 128)):
+  """``threefry.gumbel_from_bits`` with the Mosaic kernels' logarithm
+  (:func:`~pallas_kernels.sm90_common.noise_log`), run by a Mosaic GPU
+  kernel: ``bits`` uint32 ``[R, 128]``, R a multiple of 64, one CTA per
+  ``block``. The tests compare it with XLA's noise for every ``u``."""
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels import sm90_common, threefry
+
+  r = bits.shape[0] // block[0]
+
+  def body(b_ref, o_ref):
+    i = lax.axis_index("x")
+
+    def scoped(b_smem, o_smem, bar):
+      plgpu.copy_gmem_to_smem(b_ref.at[i], b_smem, bar)
+      plgpu.barrier_wait(bar)
+      o_smem[...] = threefry.gumbel_from_bits(
+          b_smem[...], log=sm90_common.noise_log(interpret))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[i])
+      plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scoped, plgpu.SMEM(block, jnp.uint32),
+                  plgpu.SMEM(block, jnp.float32), plgpu.Barrier(num_arrivals=1))
+
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((r, *block), jnp.float32),
+                   grid=(r,), grid_names=("x",),
+                   interpret=plgpu.InterpretGPUParams() if interpret else None)
+  return f(bits.reshape(r, *block)).reshape(bits.shape)
+
+
+def every_uniform_bits():
+  """uint32 ``[2**16, 128]``: random bits giving each of the 2**23 values
+  of ``u`` that ``jax.random`` draws once (the low 9 bits are dropped)."""
+  m = jnp.arange(1 << 23, dtype=jnp.uint32)
+  return (m << 9).reshape(1 << 16, 128)

@@ -23,7 +23,8 @@ from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
 from pallas_kernels import sm90_config, sm90_controls
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
-from tests.backend_suite import BackendSuite, check_fused_penalties, penalty_kwargs
+from tests.backend_suite import (BackendSuite, check_fused_penalties, every_uniform_bits,
+                                 mosaic_gumbel, penalty_kwargs)
 from tests.cases import B, CASES, D, H, KEYS, T, V, W
 from tests.conftest import has_gpu
 
@@ -277,6 +278,20 @@ def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
     b = n - 3 if n > 8 else 1
     lowered = _lower_for_cuda(b, 4096, 151936, layout, dtype)
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_kernel_noise_lowers_and_matches_in_interpret_mode():
+  # The kernels' noise log lowers for CUDA, and in interpret mode (XLA:CPU's
+  # log) gives the reference noise, at the extremes of u and a spread.
+  with h100_lowering():
+    text = jax.jit(lambda b: mosaic_gumbel(b, interpret=False)).trace(
+        jax.ShapeDtypeStruct((1 << 16, 128), jnp.uint32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  bits = every_uniform_bits()
+  bits = jnp.concatenate([bits[:64], bits[-64:], bits[::1024][:64]])
+  got = jax.jit(lambda b: mosaic_gumbel(b, interpret=True))(bits)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(noise.gumbel_from_bits(bits)))
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])

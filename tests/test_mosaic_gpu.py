@@ -21,7 +21,8 @@ from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
 from tests.backend_suite import (BackendSuite, GpuSuite, check_fused_penalties,
-                                 device_random_inputs, penalty_kwargs)
+                                 device_random_inputs, every_uniform_bits,
+                                 mosaic_gumbel, penalty_kwargs)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,6 +47,17 @@ def _winning_scores(p, token, offset=0):
   with np.errstate(divide="ignore", invalid="ignore"):
     sampled = (l_win / np.where(t == 0, np.float32(1), t)).astype(np.float32) + g
   return np.where(t == 0, l_win, sampled).astype(np.float32)
+
+
+def test_kernel_noise_equals_xla_for_every_u():
+  # The kernels' log (libdevice's logf core without its special-case
+  # branches) against XLA's log, through the whole noise, on all 2**23
+  # values of u: both logs see every input they can see.
+  bits = every_uniform_bits()
+  got = np.asarray(jax.jit(lambda b: mosaic_gumbel(b, interpret=False))(bits))
+  want = np.asarray(jax.jit(noise.gumbel_from_bits)(bits))
+  bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+  assert bad.size == 0, (bad.size, bad[:5], got.ravel()[bad[:5]], want.ravel()[bad[:5]])
 
 
 # -- exact inputs at the sizes that matter for the traps --------------------

@@ -89,3 +89,16 @@ def test_gumbel_bounds():
   g = noise.gumbel_from_bits(lo_bits)
   assert noise.GUMBEL_MIN <= float(g[0]) < noise.GUMBEL_MIN + 0.001
   assert noise.GUMBEL_MAX - 0.01 < float(g[1]) <= noise.GUMBEL_MAX
+
+
+def test_log_normal_is_a_log_on_every_input_the_noise_takes():
+  # The kernels' log (libdevice's logf core) on the 2**23 values of u and
+  # of -log(u): within one ulp of the true log. (On the GPU, where its
+  # products and sums fuse into fmas, it is XLA's log bit for bit: the GPU
+  # suite's test_kernel_noise_equals_xla_for_every_u.)
+  u = np.asarray(noise.uniform_from_bits(jnp.arange(1 << 23, dtype=jnp.uint32) << 9))
+  for x in (u, (-np.log(u.astype(np.float64))).astype(np.float32)):
+    got = np.asarray(jax.jit(noise.log_normal)(x)).astype(np.float64)
+    want = np.log(x.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got - want) / ulp) < 1.0

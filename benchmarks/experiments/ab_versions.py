@@ -8,6 +8,10 @@ measures an old and a new commit in one device session:
   (cd .ab/old && PYTHONPATH=.:../.. python3 -m benchmarks.experiments.ab_versions old)
   python3 -m benchmarks.experiments.ab_versions new
 
+Points: the default set, or ``--points S:1,256 L:256`` (plain sampling at
+those batches), each followed by XLA's dot + categorical on the same inputs
+(``control`` "xla"), so that each process carries its own baseline.
+
 (``-m`` puts the working directory first on ``sys.path``: the old package is
 found in ``.ab/old``, the benchmarks in the checkout.)
 
@@ -36,9 +40,9 @@ CONTROLS = {"plain": {}, "topk_topp": dict(top_k=50, top_p=0.9),
             "logprobs": dict(return_logprobs=True), "samples4": dict(num_samples=4)}
 
 
-def main(tag: str):
+def main(tag: str, points=POINTS):
   weights = {}
-  for shape, b, ctl in POINTS:
+  for shape, b, ctl in points:
     d, v = SHAPES[shape]
     if shape not in weights:
       kw = jax.random.key(1)
@@ -47,8 +51,12 @@ def main(tag: str):
     w = weights[shape]
     h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
     key = jax.random.key(7)
-    kw = CONTROLS[ctl]
-    f = jax.jit(lambda k, h, w, kw=kw: fs.sample(h, w, k, temperature=0.8, **kw))
+    if ctl == "xla":
+      f = jax.jit(lambda k, h, w: jax.random.categorical(
+          k, jnp.dot(h, w.T, preferred_element_type=jnp.float32) / 0.8))
+    else:
+      kw = CONTROLS[ctl]
+      f = jax.jit(lambda k, h, w, kw=kw: fs.sample(h, w, k, temperature=0.8, **kw))
     us, _ = median_us(f, key, h, w, reps=15, inner=30)
     tok = f(key, h, w)
     tok = tok.tokens if hasattr(tok, "tokens") else tok
@@ -57,5 +65,20 @@ def main(tag: str):
                           device=jax.devices()[0].device_kind)), flush=True)
 
 
+def _points(args):
+  """``["S:1,256", "L:256"]`` -> plain sampling and XLA at those batches."""
+  out = []
+  for arg in args:
+    shape, batches = arg.split(":")
+    for b in batches.split(","):
+      out += [(shape, int(b), "plain"), (shape, int(b), "xla")]
+  return out
+
+
 if __name__ == "__main__":
-  main(sys.argv[1] if len(sys.argv) > 1 else "run")
+  args = sys.argv[1:]
+  tag = args.pop(0) if args and not args[0].startswith("--") else "run"
+  if args[:1] == ["--points"]:
+    main(tag, _points(args[1:]))
+  else:
+    main(tag)
