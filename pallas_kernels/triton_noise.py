@@ -13,14 +13,14 @@ carried as two uint32 words (``hi``, ``lo``) so that nothing needs 64-bit
 integers. To be bit-identical to what XLA computes on an NVIDIA GPU they use
 the same arithmetic XLA emits there:
 
-* ``log`` is libdevice's ``__nv_logf``. XLA links libdevice without FTZ;
-  Triton links it with ``__CUDA_FTZ`` set (jax-triton cannot change that), and
-  the only difference in ``__nv_logf``'s code is ``fma.rn.ftz`` for
-  ``fma.rn``. FTZ changes a result only when an fma input or result is
-  subnormal, which never happens here: ``log`` is taken of ``u`` (normal, >=
-  2**-126) and of ``-log(u)`` in [1.19e-7, 87.4], and every intermediate of
-  the polynomial is 0 or far above 1e-30. The exhaustive GPU test over all
-  2**23 values of ``u`` checks the claim.
+* ``log`` is libdevice's ``__nv_logf`` (XLA links it without FTZ), here its
+  core alone: ``log`` is taken of ``u`` (normal, >= 2**-126) and of
+  ``-log(u)`` in [1.19e-7, 87.4], so its branches for subnormal, zero,
+  negative, infinite and NaN inputs never change a result. The fmas are
+  explicit; FTZ, if Triton's backend flushes, changes a result only when an
+  fma input or result is subnormal, and every intermediate of the polynomial
+  is 0 or far above 1e-30. The exhaustive GPU test over all 2**23 values of
+  ``u`` checks the claim.
 * negation flips the sign bit, as XLA's ``neg`` does; Triton's unary minus is
   ``0 - x``, which turns ``-0`` into ``+0`` (``log(-log(u))`` is exactly 0
   when ``-log(u)`` rounds to 1).
@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 __all__ = [
     "INTERPRET",
@@ -144,12 +143,29 @@ def uniform_from_bits(bits):
 
 @triton.jit
 def log_f32(x):
-  """Natural log as XLA computes it on NVIDIA GPUs: libdevice ``__nv_logf``
-  (Triton's ``tl.log`` is the approximate ``lg2.approx`` times ln 2)."""
+  """Natural log as XLA computes it on NVIDIA GPUs, for the normal, positive,
+  finite ``x`` the noise takes: libdevice ``__nv_logf``'s core without its
+  branches for subnormal, zero, negative, infinite and NaN inputs (the
+  Mosaic kernels' ``threefry.log_normal``, here with explicit fmas). Triton's
+  ``tl.log`` is the approximate ``lg2.approx`` times ln 2."""
   if INTERPRET:
     return tl.log(x)
   else:
-    return libdevice.log(x)
+    bits = x.to(tl.int32, bitcast=True)
+    # The exponent that brings x into [2/3, 4/3): x = m * 2**(e >> 23).
+    e = (bits - 0x3F2AAAAB) & -8388608
+    f = (bits - e).to(tl.float32, bitcast=True) - 1.0
+    r = tl.fma(f, -0.13018856942653656, 0.1408461034297943)
+    r = tl.fma(r, f, -0.12148627638816833)
+    r = tl.fma(r, f, 0.1398061066865921)
+    r = tl.fma(r, f, -0.16684235632419586)
+    r = tl.fma(r, f, 0.20012299716472626)
+    r = tl.fma(r, f, -0.24999669194221497)
+    r = tl.fma(r, f, 0.333331823348999)
+    r = tl.fma(r, f, -0.5)
+    r = r * f
+    r = tl.fma(r, f, f)
+    return tl.fma(e.to(tl.float32) * 1.1920928955078125e-07, 0.6931471824645996, r)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ measures an old and a new commit in one device session:
 Points: the default set, or ``--points S:1,256 L:256`` (plain sampling at
 those batches), each followed by XLA's dot + categorical on the same inputs
 (``control`` "xla"), so that each process carries its own baseline.
+``--backend NAME`` (before ``--points``) times that backend instead of auto.
 
 (``-m`` puts the working directory first on ``sys.path``: the old package is
 found in ``.ab/old``, the benchmarks in the checkout.)
@@ -40,7 +41,7 @@ CONTROLS = {"plain": {}, "topk_topp": dict(top_k=50, top_p=0.9),
             "logprobs": dict(return_logprobs=True), "samples4": dict(num_samples=4)}
 
 
-def main(tag: str, points=POINTS):
+def main(tag: str, points=POINTS, backend: str = "auto"):
   weights = {}
   for shape, b, ctl in points:
     d, v = SHAPES[shape]
@@ -56,7 +57,8 @@ def main(tag: str, points=POINTS):
           k, jnp.dot(h, w.T, preferred_element_type=jnp.float32) / 0.8))
     else:
       kw = CONTROLS[ctl]
-      f = jax.jit(lambda k, h, w, kw=kw: fs.sample(h, w, k, temperature=0.8, **kw))
+      f = jax.jit(lambda k, h, w, kw=kw: fs.sample(h, w, k, temperature=0.8,
+                                                  backend=backend, **kw))
     us, _ = median_us(f, key, h, w, reps=15, inner=30)
     tok = f(key, h, w)
     tok = tok.tokens if hasattr(tok, "tokens") else tok
@@ -78,7 +80,11 @@ def _points(args):
 if __name__ == "__main__":
   args = sys.argv[1:]
   tag = args.pop(0) if args and not args[0].startswith("--") else "run"
+  backend = "auto"
+  if args[:1] == ["--backend"]:
+    backend = args[1]
+    args = args[2:]
   if args[:1] == ["--points"]:
-    main(tag, _points(args[1:]))
+    main(tag, _points(args[1:]), backend)
   else:
-    main(tag)
+    main(tag, backend=backend)
