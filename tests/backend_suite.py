@@ -27,6 +27,8 @@ class BackendSuite:
   # Control cases a slow subclass leaves to a case that covers them
   # (name -> the covering case), e.g. in interpret mode.
   covered_cases: dict[str, str] = {}
+  # The same for test_controls_with_samples_and_logprobs.
+  covered_sample_cases: dict[str, str] = {}
 
   def run(self, hidden, weight, key, **kw):
     return fs.sample(hidden, weight, key, backend=self.backend, **kw)
@@ -178,6 +180,8 @@ class BackendSuite:
 
   @pytest.mark.parametrize("case", ["top_k", "top_p", "all", "penalties_all"])
   def test_controls_with_samples_and_logprobs(self, case):
+    if case in self.covered_sample_cases:
+      pytest.skip(f"covered by case {self.covered_sample_cases[case]!r} here")
     self.check_controls(cases.CASES[case], num_samples=3, return_logprobs=True)
     self.check_controls(cases.CASES[case], cases.KEYS["per_row"], num_samples=2,
                         return_logprobs=True)
