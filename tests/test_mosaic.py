@@ -443,6 +443,23 @@ def test_mosaic_route_preferences(b, d, ctl, want):
   assert LOWER.prefers(p, c) is want
 
 
+def test_plain_dense_points_per_gpu():
+  # The H100's points are the default; the H200 (and its variants) has its
+  # own, measured; another GPU's name that only contains it does not.
+  dense = lambda kind, d, b: any(d >= dm and lo <= b <= hi
+                                 for dm, lo, hi in mosaic_backend.plain_dense(kind))
+  for kind in ("NVIDIA H100 80GB HBM3", "", "NVIDIA GH200 480GB"):
+    assert [dense(kind, 8192, b) for b in (128, 160, 192, 256, 320, 512)] == [
+        False, False, False, True, True, False]
+    assert not dense(kind, 4096, 192)
+  for kind in ("NVIDIA H200", "NVIDIA H200 NVL"):
+    assert [dense(kind, 8192, b) for b in (128, 129, 192, 256, 320, 321)] == [
+        False, True, True, True, True, False]
+    assert [dense(kind, 4096, b) for b in (160, 161, 192, 193, 256)] == [
+        False, True, True, False, False]
+    assert not dense(kind, 2880, 192)
+
+
 def test_unsupported_problems_raise_not_implemented():
   h, w = inputs.exact_inputs(4, 96, 128)  # D not a multiple of 64
   with pytest.raises(NotImplementedError, match="D=96"):

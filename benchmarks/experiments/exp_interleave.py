@@ -10,7 +10,8 @@ on the spread, not on one ordering:
 
 Variants per point: XLA's dot + categorical, the dense route, the Hopper
 kernel with the heuristic's launch, and (where D allows) the same launch
-with Dt = 128 in the most slots that fit. Prints one JSON line per point
+with Dt = 128 in the most slots that fit, or, where the heuristic runs
+more than 128 rows in one launch, batch blocks of 128. Prints one JSON line per point
 and round.
 """
 
@@ -28,7 +29,7 @@ from benchmarks._timing import median_us
 from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels import sm90_sampler
-from pallas_kernels.sm90_config import SMEM_BUDGET
+from pallas_kernels.sm90_config import BLOCK_ROWS, SMEM_BUDGET, pick_blocked_config
 
 
 def _variants(d, v, b, t):
@@ -40,6 +41,11 @@ def _variants(d, v, b, t):
   }
   launches = sm90_sampler.launches(b, d, v, 2)
   cfg = launches[0][2]
+  if len(launches) == 1 and cfg.batch_blocks == 1 and b > BLOCK_ROWS:
+    # One launch of all rows: also the batch blocks of 128 rows.
+    be = MosaicBackend(config=pick_blocked_config(b, d, v))
+    out["kernel_blocks"] = jax.jit(
+        lambda h, w, k, be=be: fs.sample(h, w, k, temperature=t, backend=be))
   if len(launches) == 1 and cfg.batch_blocks > 1 and cfg.tile_d != 128 and d % 128 == 0:
     n = launches[0][3]
     for steps in (4, 3, 2):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from flashsample_jax import stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
-from pallas_kernels import rowdata
+from pallas_kernels import devices, rowdata
 
 # Several samples alone (no transform, truncation or log-probabilities) are
 # drawn as S * B rows of one plain launch while those fit the fast plain
@@ -36,16 +36,32 @@ SAMPLES_AS_ROWS_MAX = 128
 # the dense route without truncation (see MosaicBackend.prefers).
 ROUTE_MAX_ROWS = 192
 # Plain sampling where the dense route measured faster than the kernel:
-# (smallest D, fewest rows, most rows). At D = 8192 and B = 256 the kernel
-# runs at 0.92-0.99x XLA's dot + categorical on the H100 and 0.97x on the
-# H200, the dense route at 0.99-1.00x; at B = 128 and 512 the kernel wins
-# on both (PERF_LOG "Routes at large B").
+# (smallest D, fewest rows, most rows). At D = 8192 and B = 256 or 320 the
+# kernel ran ~6% behind the dense route on the H100 in alternating rounds
+# (and at 0.92-0.99x XLA's dot + categorical), the dense route level with
+# XLA; at B = 128 and 512 the kernel wins (PERF_LOG "Routes at large B",
+# sixteenth session).
 PLAIN_DENSE = ((8192, 193, 320),)
+# Where a GPU's points differ. The H200's faster memory leaves its single
+# launches of 129-192 rows behind the dense route sooner (PERF_LOG,
+# sixteenth session, alternating rounds): at D = 8192 from B = 144 on (the
+# kernel 817-907 us against 739-837), at D = 4096 from B = 176 (586-704
+# against 585-659); at D = 2048 and 2880 the kernel stays ahead at B = 192.
+PLAIN_DENSE_BY_KIND = {"NVIDIA H200": ((8192, 129, 320), (4096, 161, 192))}
 # Bit-planes (allowed mask and history) a launch holds in shared memory
 # next to its pipeline: at most 16, i.e. penalties in the kernel for up to
 # 16383 output ids per row (a frequency penalty's count planes grow with
 # their bit length); longer histories take the gathered-rows route.
 MAX_PLANES = 16
+
+
+def plain_dense(kind: str):
+  """The ``(smallest D, fewest rows, most rows)`` points where plain
+  sampling takes the dense route on the GPU ``kind``."""
+  for name, points in PLAIN_DENSE_BY_KIND.items():
+    if devices.is_kind(kind, name):
+      return points
+  return PLAIN_DENSE
 
 
 def _kernels():
@@ -143,7 +159,7 @@ class MosaicBackend(SamplerBackend):
     # in blocks).
     if not c.active:
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
-                     for d, lo, hi in PLAIN_DENSE)
+                     for d, lo, hi in plain_dense(devices.device_kind()))
     return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def fuses_penalties(self, p, c):
