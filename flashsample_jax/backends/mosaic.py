@@ -44,9 +44,13 @@ ROUTE_MAX_ROWS = 192
 PLAIN_DENSE = ((8192, 193, 320),)
 # Where a GPU's points differ. The H200's faster memory leaves its single
 # launches of 129-192 rows behind the dense route sooner (PERF_LOG,
-# sixteenth session, alternating rounds): at D = 8192 from B = 144 on (the
-# kernel 817-907 us against 739-837), at D = 4096 from B = 176 (586-704
-# against 585-659); at D = 2048 and 2880 the kernel stays ahead at B = 192.
+# sixteenth session, alternating rounds at B = 128, 144, 160, 176, 192): at
+# D = 8192 the kernel won at 128 and lost from 144 on (817-907 us against
+# 739-837), so the range starts at the first row count of the single
+# launch, 129; at D = 4096 the two overlapped at 160 and the kernel lost
+# at 176 and 192 (586-704 against 585-659), so it starts at 161. At D =
+# 2048 and 2880 the kernel stays ahead at 192. D between 4096 and 8192 was
+# not measured.
 PLAIN_DENSE_BY_KIND = {"NVIDIA H200": ((8192, 129, 320), (4096, 161, 192))}
 # Bit-planes (allowed mask and history) a launch holds in shared memory
 # next to its pipeline: at most 16, i.e. penalties in the kernel for up to
