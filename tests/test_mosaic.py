@@ -47,6 +47,9 @@ class TestMosaicInterpret(BackendSuite):
                    "penalties": "penalties_all"}
   # "all" runs top-k and top-p together with min-p (CI time).
   covered_sample_cases = {"top_k": "all", "top_p": "all"}
+  # Per-row keys with a per-row truncation rule, with every control
+  # together, and with the penalties (CI time; on the GPU every case runs).
+  row_key_cases = frozenset({"top_k", "all", "penalties_all"})
 
 
 SUITE = TestMosaicInterpret()
