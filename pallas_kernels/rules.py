@@ -77,6 +77,14 @@ def perturb(x, t, g, greedy):
   return jnp.where(greedy, x, t + g)
 
 
+def noise_scale(greedy):
+  """Per row, 0 for greedy rows and 1 for sampled ones: ``t + g * scale``
+  is :func:`perturb`'s score in one fma where a kernel's ``t`` of a greedy
+  row is its ``x`` (T = 1; the noise ``g`` is always finite), and one fma
+  is cheaper than an add and a select."""
+  return jnp.where(greedy, 0.0, 1.0)
+
+
 def argbest(score, index, axis: int, carry=None):
   """The tie rule folded along ``axis`` in one variadic reduction.
 

@@ -222,7 +222,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
     off = off_ref[0]
     log = common.noise_log(interpret)
-    noise_scale = jnp.where(greedy, 0.0, 1.0)
+    noise_scale = rules.noise_scale(greedy)
 
     def prologue(tile, start):
       del tile
@@ -267,7 +267,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         if spec.noise:
           hi, lo = threefry.add_u32(c_hi, c_lo, gid_u)
           g = threefry.gumbel(k0, k1, hi, lo, log=log)
-          sc = t + g * noise_scale   # greedy rows: x (see the plain kernel)
+          sc = t + g * noise_scale   # greedy rows: x
           sc = jnp.where(valid, sc, -jnp.inf)
         else:  # no noise: x is already -inf where not valid
           sc = x

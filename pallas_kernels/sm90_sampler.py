@@ -119,7 +119,6 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
 
 
-
 def _slot_update(best, sc, gid):
   """The tie rule's update of a column slot's running best by the next
   element, for slots that see their ids in increasing order (each compute
@@ -345,9 +344,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
     greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
     inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
-    # Greedy rows score t + 0 * g = x (their T is 1): one fma per element
-    # instead of an add and a select (g is always finite).
-    noise_scale = jnp.where(greedy, 0.0, 1.0)
+    noise_scale = rules.noise_scale(greedy)
     log = common.noise_log(interpret)
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
     off = off_ref[0]
