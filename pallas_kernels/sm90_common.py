@@ -285,7 +285,7 @@ def batch_block(nb: int, n: int, h_ref, *per_block):
 def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
                    dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
                    h_ref, rowdata_ref, rowdata_smem, acc_smem,
-                   shared_acc: bool = True, cta=None, **scratch):
+                   shared_acc: bool = True, cta=None, active=None, **scratch):
   """What the ping-pong kernels share: the SMEM ring and its barriers, the
   memory warpgroup, and each compute warpgroup's loop over its tiles.
 
@@ -303,6 +303,8 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   ``batch_major`` decides the operand order of the wgmma. ``cta``: this
   CTA's index among the ``num_ctas`` that share the tiles (default: its
   grid index; a kernel whose CTAs split into groups passes its own).
+  ``active``: a traced bool; where false the CTA does nothing at all, so a
+  launch whose work is not needed costs little more than its start.
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
   k_steps = dim // dt
@@ -311,62 +313,70 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   batch_major = cfg.schedule.batch_major
   acc_shape = (n, vt) if batch_major else (vt, n)
 
-  @functools.partial(
-      pl.run_scoped,
-      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
-      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
-      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
-      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
-      rowdata_smem=rowdata_smem,
-      acc_smem=acc_smem,
-      acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
-      collective_axes="wg",
-      **scratch)
-  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
-             rowdata_barrier, **scratch):
-    wg = lax.axis_index("wg")
-    cta_ = lax.axis_index("sm") if cta is None else cta
-    n_local = (n_tiles - 1 - cta_) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
+  def frame():
+    @functools.partial(
+        pl.run_scoped,
+        w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
+        h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+        empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
+        rowdata_smem=rowdata_smem,
+        acc_smem=acc_smem,
+        acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        rowdata_barrier=plgpu.Barrier(num_arrivals=1),
+        collective_axes="wg",
+        **scratch)
+    def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_free,
+               rowdata_barrier, **scratch):
+      wg = lax.axis_index("wg")
+      cta_ = lax.axis_index("sm") if cta is None else cta
+      n_local = (n_tiles - 1 - cta_) // num_ctas + 1  # >= 1: num_ctas <= n_tiles
 
-    @pl.when(wg == 2)
-    def _memory_wg():
-      plgpu.set_max_registers(40, action="decrease")
-      # Per-row key words, counters and temperatures for every epilogue
-      # (GMEM loads into the register layouts do not lower, SMEM ones do).
-      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-      stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
-                   full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
-                   k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
-                   total=n_local * k_steps)
+      @pl.when(wg == 2)
+      def _memory_wg():
+        plgpu.set_max_registers(40, action="decrease")
+        # Per-row key words, counters and temperatures for every epilogue
+        # (GMEM loads into the register layouts do not lower, SMEM ones do).
+        plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+        stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                     full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                     k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
+                     total=n_local * k_steps)
 
-    def operands(slot):
-      w_slot = w_smem.at[slot]
-      if batch_major:  # acc[N, Vt] = H @ W_tile.T
-        return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
-      return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
+      def operands(slot):
+        w_slot = w_smem.at[slot]
+        if batch_major:  # acc[N, Vt] = H @ W_tile.T
+          return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+        return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
-    @pl.when(wg < 2)
-    def _compute_wg():
-      plgpu.set_max_registers(232, action="increase")
-      plgpu.barrier_wait(rowdata_barrier)
-      consume = functools.partial(consume_tile, wg=wg, k_steps=k_steps, S=S,
-                                  full=full, empty=empty, operands=operands,
-                                  in_flight=cfg.mma_in_flight)
+      @pl.when(wg < 2)
+      def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(rowdata_barrier)
+        consume = functools.partial(consume_tile, wg=wg, k_steps=k_steps, S=S,
+                                    full=full, empty=empty, operands=operands,
+                                    in_flight=cfg.mma_in_flight)
 
-      def tile_loop(epilogue, carry, prologue=None):
-        return lax.fori_loop(
-            0, (n_local - wg + 1) // 2,
-            lambda j, c: pingpong_tile(
-                i=wg + 2 * j, wg=wg, cta=cta_, num_ctas=num_ctas, vt=vt,
-                rows=rows, acc_shape=acc_shape, n_local=n_local,
-                acc_free=acc_free if shared_acc else None, consume=consume,
-                epilogue=epilogue,
-                prologue=prologue, carry=c),
-            carry)
+        def tile_loop(epilogue, carry, prologue=None):
+          return lax.fori_loop(
+              0, (n_local - wg + 1) // 2,
+              lambda j, c: pingpong_tile(
+                  i=wg + 2 * j, wg=wg, cta=cta_, num_ctas=num_ctas, vt=vt,
+                  rows=rows, acc_shape=acc_shape, n_local=n_local,
+                  acc_free=acc_free if shared_acc else None, consume=consume,
+                  epilogue=epilogue,
+                  prologue=prologue, carry=c),
+              carry)
 
-      compute(wg=wg, tile_loop=tile_loop, rowdata_smem=rowdata_smem,
-              acc_smem=acc_smem, **scratch)
+        compute(wg=wg, tile_loop=tile_loop, rowdata_smem=rowdata_smem,
+                acc_smem=acc_smem, **scratch)
+
+  if active is None:
+    frame()
+  else:
+    # Nothing of the frame runs where the launch is not needed: no barrier,
+    # no copy, no epilogue (its outputs are then not written).
+    pl.when(active)(frame)
 
 
 def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,

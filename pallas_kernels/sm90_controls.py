@@ -124,6 +124,9 @@ class Spec:
   t_best: bool = False       # t of each sample's best (log-probabilities)
   noise: bool = True         # False: each row's best is the argmax of x
   candidates: int = 7        # listed per warpgroup (_wg_candidates)
+  # Write every element's t to GMEM, and stream no tile unless the launch's
+  # flag is set (tempered_rows: the exact top-N's rows, rarely needed).
+  materialize: bool = False
 
   @property
   def f_rows(self) -> int:
@@ -173,20 +176,26 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
   Refs: ``rowdata_ref`` uint32 ``[spec.rows.rows, N]`` (``RowLayout``); optional
   ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``planes_ref`` uint32
-  ``[rows / 32, spec.planes, N]``; outputs ``f_ref`` f32 ``[N,
+  ``[rows / 32, spec.planes, N]``; with ``spec.materialize`` ``active_ref``
+  int32 ``[1]`` (0: stream no tile); outputs ``f_ref`` f32 ``[N,
   spec.f_rows, 2 * num_ctas]`` and ``i_ref`` int32 ``[N, spec.i_rows, 2 *
-  num_ctas]``, one column per compute warpgroup.
+  num_ctas]``, one column per compute warpgroup, and with
+  ``spec.materialize`` ``t_ref`` f32 ``[N, >= rows]``: every element's t.
   """
   refs = list(refs)
   bias_ref = refs.pop(0) if spec.bias else None
   planes_ref = refs.pop(0) if spec.planes else None
+  active_ref = refs.pop(0) if spec.materialize else None
+  t_ref = refs.pop() if spec.materialize else None
   f_ref, i_ref = refs
   # Batch blocks (cfg.batch_blocks > 1): the per-row refs hold nb blocks of
   # N rows; this CTA serves one (sm90_common.batch_block).
-  per_block = (rowdata_ref, f_ref, i_ref) + ((planes_ref,) if spec.planes else ())
+  per_block = ((rowdata_ref, f_ref, i_ref) + ((planes_ref,) if spec.planes else ())
+               + ((t_ref,) if spec.materialize else ()))
   cta, h_ref, per_block = common.batch_block(cfg.batch_blocks, n, h_ref, *per_block)
   rowdata_ref, f_ref, i_ref = per_block[:3]
   planes_ref = per_block[3] if spec.planes else None
+  t_ref = per_block[-1] if spec.materialize else None
   vt, epi = cfg.tile_v, cfg.epi_cols
   n_chunks = vt // epi
   words = vt // 32
@@ -260,6 +269,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         valid = valid & (bit(0) == 1)
       x = jnp.where(valid, x, -jnp.inf)
       t = common.tempered(x, t_safe, inv_t, zero, interpret=interpret)
+      if spec.materialize:   # local columns: the tile's start is base - off
+        t_ref[:, pl.ds(base - off + c * epi, epi)] = t
       idx = jnp.where(valid, gid, rules.INT_MAX)
       gid_u = gid.astype(jnp.uint32)
       new_best = []
@@ -308,7 +319,10 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
       if n_aux:
         plgpu.barrier_wait(aux_bar.at[wg])
-      ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
+      # Materialized rows keep the ids an earlier tile saw too (the same t
+      # written twice), not -inf over them.
+      ids = common.tile_ids(off, start, 0 if spec.materialize else first_new,
+                            rows_valid, vocab_size)
       return lax.fori_loop(0, n_chunks, lambda c, st: chunk(c, ids, st), state)
 
     full = lambda v, dtype: plgpu.layout_cast(jnp.full((n, epi), v, dtype), wgmma)
@@ -361,6 +375,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
       rowdata_ref=rowdata_ref, cta=cta,
+      active=(active_ref[0] != 0) if spec.materialize else None,
       rowdata_smem=plgpu.SMEM((spec.rows.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
 
@@ -386,7 +401,11 @@ def _penalized(x, bit, first: int, pen: Penalties, r, inv_r, pres, freq, *,
 
 
 def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str,
-            rows_valid: int, vocab_size: int, n: int, target: common.Target):
+            rows_valid: int, vocab_size: int, n: int, target: common.Target,
+            active=None, t_width: int = 0):
+  """One launch: ``(fo, io)`` ``[nb * n, *, 2 * CTAs]``, and with
+  ``spec.materialize`` the rows' t ``[nb * n, t_width]`` (streamed only
+  where ``active``, an int32 ``[1]``, is nonzero)."""
   dim = h.shape[1]
   nb = cfg.batch_blocks
   rows = w.shape[0] if layout == "vd" else w.shape[1]
@@ -403,18 +422,22 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
   lead = (nb, n) if nb > 1 else (n,)
   out_type = (jax.ShapeDtypeStruct(lead + (spec.f_rows, 2 * num_ctas), jnp.float32),
               jax.ShapeDtypeStruct(lead + (spec.i_rows, 2 * num_ctas), jnp.int32))
+  if spec.materialize:
+    out_type += (jax.ShapeDtypeStruct(lead + (t_width,), jnp.float32),)
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
-      kernel_name="flashsample_sm90_controls",
+      kernel_name=("flashsample_sm90_tempered_rows" if spec.materialize
+                   else "flashsample_sm90_controls"),
       compiler_params=plgpu.CompilerParams(
           reduction_scratch_bytes=common.REDUCTION_SCRATCH_BYTES,
           lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=target.interpret)
-  extra = [a for a in (bias, planes) if a is not None]
-  fo, io = f(offset, rowdata, h, w, *extra)
-  return (fo.reshape(nb * n, spec.f_rows, 2 * num_ctas),
-          io.reshape(nb * n, spec.i_rows, 2 * num_ctas))
+  extra = [a for a in (bias, planes, active) if a is not None]
+  fo, io, *t = f(offset, rowdata, h, w, *extra)
+  out = (fo.reshape(nb * n, spec.f_rows, 2 * num_ctas),
+         io.reshape(nb * n, spec.i_rows, 2 * num_ctas))
+  return out + tuple(x.reshape(nb * n, t_width) for x in t)
 
 
 def _local_bias(logit_bias, offset, rows_k: int, total_rows: int, epi: int):
@@ -474,7 +497,7 @@ def _planes(allowed_mask, history, offset, rows_k: int, total_rows: int, n: int)
   return planes.at[row // n, local // 32, first:, row % n].add(add)
 
 
-def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
+def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False) -> ControlsState:
   """One row's state from the warpgroups' outputs ``[N, *, W]``.
 
   Row ``s`` of ``fo``/``io`` is sample ``s``'s best score/id, row ``S + s``
@@ -518,9 +541,71 @@ def _merge_outputs(fo, io, spec: Spec, m: int) -> ControlsState:
     # Listed values at or below the bound leave before the sort (the lists'
     # invariant, see ControlsState): the masking joins the pairing's
     # fusion instead of a kernel of its own after the sort.
-    vals, ids = top_m(vals, c_ids, bound, m)
+    # ``by_id``: equal values in id order, so that stage 2 reads the top N
+    # of ``top_logprobs`` off the lists (no second sort).
+    vals, ids = top_m(vals, c_ids, bound, m, by_id=by_id)
     out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
   return out
+
+
+def _prepare(hidden, weight, offset, *, layout: str, samples: int, lists: bool,
+             n: int, total_rows: int, logit_bias, allowed_mask, penalties,
+             history):
+  """What every launch of one call shares: ``(w, rows_k, cfg, bias, planes,
+  penalties, step)``: the padded weight and its rows, the config, the bias
+  and bit-plane arrays, the penalties if they change something, and the
+  rows per launch (up to MAX_BLOCKS blocks of ``n`` rows, MAX_LIST_BLOCKS
+  with candidate lists: one pass over W)."""
+  batch, dim = hidden.shape
+  w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
+  if penalties is not None and not penalties.planes:   # they change nothing
+    penalties = None
+  planes = _planes(allowed_mask, history if penalties else None, offset, rows_k,
+                   total_rows, n)                             # [blocks, words, P, n]
+  n_planes = 0 if planes is None else planes.shape[2]
+  cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n, planes=n_planes,
+               row_rows=max(16, RowLayout(min(samples, MAX_KERNEL_SAMPLES),
+                                          penalties is not None).rows))
+  step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
+  bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
+          if logit_bias is not None else None)
+  return w, rows_k, cfg, bias, planes, penalties, step
+
+
+def _launch_operands(hidden, rows, planes, b0: int, b1: int, n: int, g0: int,
+                     g1: int, call_rows: RowLayout, spec: Spec):
+  """``(rowdata, h_chunk, planes_t)`` of the launch of batch rows ``b0:b1``
+  and samples ``g0:g1`` of a call whose per-row data ``rows`` has the
+  layout ``call_rows``: the launch's per-row data by block (``[nb, rows,
+  n]``, one block alone ``[rows, n]``), H's rows, the blocks' bit-planes."""
+  blocks = -(-(b1 - b0) // n)
+  pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n * blocks - (b1 - b0))]
+                               + [(0, 0)] * (x.ndim - 1))
+  # Per-row arrays by block, the rows last: [nb, ..., n] (one block
+  # alone: [..., n]).
+  by_block = lambda x: (x.reshape(blocks, n, -1).transpose(0, 2, 1)
+                        if blocks > 1 else x.T)
+  planes_t = None
+  if planes is not None:
+    planes_t = planes[b0 // n:b0 // n + blocks]
+    planes_t = planes_t if blocks > 1 else planes_t[0]
+  if blocks > 1:
+    h_chunk = pad_rows(hidden)
+  else:
+    # H keeps its own rows (padded to 8 for TMA): the kernel's slots take
+    # them at the top, and the missing rows up to N cost no copies.
+    h_rows = -(-(b1 - b0) // 8) * 8
+    h_chunk = jnp.pad(hidden[b0:b1], ((0, h_rows - (b1 - b0)), (0, 0)))
+  # This group's counters after the shared fields, then the penalties'
+  # rows (RowLayout order).
+  ctr0 = RowLayout.FIXED
+  fields = [rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]]
+  if spec.penalties is not None:
+    pen0 = call_rows.penalty_rows[0]
+    fields.append(rows[pen0:pen0 + 4])
+  rowdata = jnp.concatenate(fields)
+  rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
+  return by_block(pad_rows(rowdata.T)), h_chunk, planes_t
 
 
 def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
@@ -528,6 +613,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    lists: bool, return_logprobs: bool, softcap: bool,
                    noise: bool = True, logit_bias=None, allowed_mask=None,
                    penalties: Penalties | None = None, history=None,
+                   lists_by_id: bool = False,
                    target: common.Target = common.Target()) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
@@ -563,26 +649,20 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       penalties.planes])``: each row's history ids (global, each once, -1
       for none) and their bits in the planes
       (:class:`~pallas_kernels.rowdata.Penalties`).
+    lists_by_id: order equal listed values by id (``state.top_m``'s
+      ``by_id``: a sort with two keys, ~1.4x a ``top_k``'s; what
+      ``top_logprobs`` without truncation reads).
     target: where the kernels run.
   """
-  batch, dim = hidden.shape
+  batch = hidden.shape[0]
   offset = jnp.asarray(vocab_offset, jnp.int32)
   n_rows = weight.shape[0 if layout == "vd" else 1]
-  w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
   n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
-  if penalties is not None and not penalties.planes:   # they change nothing
-    penalties = None
-  planes = _planes(allowed_mask, history if penalties else None, offset, rows_k,
-                   total_rows, n)                             # [blocks, words, P, n]
-  n_planes = 0 if planes is None else planes.shape[2]
-  full_rows = RowLayout(samples, penalties is not None)
-  cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n, planes=n_planes,
-               row_rows=max(16, RowLayout(min(samples, MAX_KERNEL_SAMPLES),
-                                          penalties is not None).rows))
-  # Rows per launch: up to MAX_BLOCKS blocks of n rows, one pass over W.
-  step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
-  bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
-          if logit_bias is not None else None)
+  w, _, cfg, bias, planes, penalties, step = _prepare(
+      hidden, weight, offset, layout=layout, samples=samples, lists=lists, n=n,
+      total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
+      penalties=penalties, history=history)
+  call_rows = RowLayout(samples, penalties is not None)
   # The log-sum-exp feeds log-probabilities and the truncation rules.
   need_lse = return_logprobs or lists
   states = []
@@ -590,23 +670,6 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     b1 = min(batch, b0 + step)
     blocks = -(-(b1 - b0) // n)
     launch_cfg = dataclasses.replace(cfg, batch_blocks=blocks)
-    pad_rows = lambda x: jnp.pad(x[b0:b1], [(0, n * blocks - (b1 - b0))]
-                                 + [(0, 0)] * (x.ndim - 1))
-    # Per-row arrays by block, the rows last: [nb, ..., n] (one block
-    # alone: [..., n]).
-    by_block = lambda x: (x.reshape(blocks, n, -1).transpose(0, 2, 1)
-                          if blocks > 1 else x.T)
-    planes_t = None
-    if planes is not None:
-      planes_t = planes[b0 // n:b0 // n + blocks]
-      planes_t = planes_t if blocks > 1 else planes_t[0]
-    if blocks > 1:
-      h_chunk = pad_rows(hidden)
-    else:
-      # H keeps its own rows (padded to 8 for TMA): the kernel's slots take
-      # them at the top, and the missing rows up to N cost no copies.
-      h_rows = -(-(b1 - b0) // 8) * 8
-      h_chunk = jnp.pad(hidden[b0:b1], ((0, h_rows - (b1 - b0)), (0, 0)))
     parts = []
     for g0 in range(0, samples, MAX_KERNEL_SAMPLES):
       g1 = min(samples, g0 + MAX_KERNEL_SAMPLES)
@@ -617,22 +680,15 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                   lse=first and need_lse, lists=first and lists,
                   t_best=return_logprobs, noise=noise,
                   candidates=_wg_candidates(blocks))
-      # This group's counters after the shared fields, then the penalties'
-      # rows (RowLayout order).
-      ctr0 = RowLayout.FIXED
-      fields = [rows[:ctr0], rows[ctr0 + 2 * g0:ctr0 + 2 * g1]]
-      if penalties is not None:
-        pen0 = full_rows.penalty_rows[0]
-        fields.append(rows[pen0:pen0 + 4])
-      rowdata = jnp.concatenate(fields)
-      rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
-      rowdata = by_block(pad_rows(rowdata.T))
+      rowdata, h_chunk, planes_t = _launch_operands(
+          hidden, rows, planes, b0, b1, n, g0, g1, call_rows, spec)
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
                        planes_t, cfg=launch_cfg, spec=spec, layout=layout,
                        rows_valid=n_rows, vocab_size=vocab_size, n=n,
                        target=target)
       # Padding rows leave the merge (and the top-M sort) before it starts.
-      parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, candidates))
+      parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, candidates,
+                                  by_id=lists_by_id))
     state = parts[0]
     if len(parts) > 1:   # the sample groups, side by side
       cat = lambda name: jnp.concatenate([getattr(q, name) for q in parts], axis=1)
@@ -645,3 +701,75 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   if len(states) == 1:
     return states[0]
   return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *states)
+
+
+# Rows of one launch of exact_top: its materialized rows ([rows, V] f32)
+# are a buffer of every call that may need them, so at most this many.
+EXACT_TOP_MAX_ROWS = MAX_LIST_BLOCKS * BATCH
+
+
+def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
+              layout: str, vocab_size: int, total_rows: int, softcap: bool,
+              logit_bias=None, allowed_mask=None,
+              penalties: Penalties | None = None, history=None,
+              target: common.Target = common.Target()):
+  """The exact ``n_top`` largest tempered logits of the flagged rows, in
+  ``controls.top_n``'s order, by work that is skipped when no row is
+  flagged: no XLA conditional (:mod:`pallas_kernels.sm90_top`).
+
+  One launch of the controls kernel (``Spec.materialize``) writes every
+  row's t (the call's transforms, the temperature's division as XLA's)
+  to a ``[rows, V]`` f32 buffer if any row is flagged, else streams
+  nothing; then :func:`pallas_kernels.sm90_top.exact_top` takes each
+  flagged row's top N from it. The buffer is allocated on every call
+  (``B x V x 4`` bytes: 39 MB at B = 64, V = 152k).
+
+  Args as :func:`controls_state` (``rows`` with one sample's counters,
+  which it does not read), and ``flags`` bool ``[B]``; at most
+  :data:`EXACT_TOP_MAX_ROWS` rows, and the weight must hold the whole
+  vocabulary (``vocab_offset`` 0).
+
+  Returns:
+    ``(vals f32 [B, N], ids int32 [B, N])``: global ids; rows not flagged
+    hold anything.
+  """
+  from pallas_kernels import sm90_top   # the fallback's own kernel
+  batch = hidden.shape[0]
+  if batch > EXACT_TOP_MAX_ROWS:
+    raise ValueError(f"exact_top takes at most {EXACT_TOP_MAX_ROWS} rows, got {batch}")
+  offset = jnp.asarray(vocab_offset, jnp.int32)
+  n_rows = weight.shape[0 if layout == "vd" else 1]
+  n = BATCH
+  w, rows_k, cfg, bias, planes, penalties, _ = _prepare(
+      hidden, weight, offset, layout=layout, samples=1, lists=True, n=n,
+      total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
+      penalties=penalties, history=history)
+  blocks = -(-batch // n)
+  spec = Spec(samples=1, softcap=softcap, bias=bias is not None,
+              mask=allowed_mask is not None, penalties=penalties, noise=False,
+              materialize=True)
+  rowdata, h_chunk, planes_t = _launch_operands(
+      hidden, rows, planes, 0, batch, n, 0, 1,
+      RowLayout(1, penalties is not None), spec)
+  width = -(-rows_k // sm90_top.CHUNK) * sm90_top.CHUNK
+
+  def launches():
+    active = jnp.any(flags).astype(jnp.int32).reshape((1,))
+    _, _, t = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias, planes_t,
+                      cfg=dataclasses.replace(cfg, batch_blocks=blocks), spec=spec,
+                      layout=layout, rows_valid=n_rows, vocab_size=vocab_size,
+                      n=n, target=target, active=active, t_width=width)
+    # Padding rows are never flagged; the buffer keeps them (no copy of it).
+    pad = jnp.zeros((t.shape[0] - batch,), bool)
+    vals, ids = sm90_top.exact_top(t, jnp.concatenate([flags, pad]), n_top,
+                                   min(n_rows, vocab_size), target=target)
+    return vals[:batch], ids[:batch]
+
+  if target.interpret is None:
+    return launches()
+  # Pallas' GPU interpret mode keeps one global model of the GPU's memory,
+  # and XLA:CPU may start a kernel's first callbacks (which read no operand)
+  # while an earlier kernel still runs: two kernels then share the model
+  # and deadlock. The conditional orders them (interpret mode only).
+  empty = (jnp.zeros((batch, n_top), jnp.float32), jnp.zeros((batch, n_top), jnp.int32))
+  return lax.cond(jnp.any(flags), launches, lambda: empty)

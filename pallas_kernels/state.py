@@ -46,13 +46,16 @@ class ControlsState(NamedTuple):
   cand_bound: Any = None
 
 
-def top_m(vals, ids, bound, m: int):
+def top_m(vals, ids, bound, m: int, *, by_id: bool = False):
   """The ``m`` largest listed values of each row, with their ids.
 
   ``vals``/``ids`` ``[B, ...]`` (any number of lists of any length,
   flattened per row), ``bound`` ``[B]``: values at or below it leave first
   (the lists' invariant, see :class:`ControlsState`); rows with fewer than
-  ``m`` values are padded with ``-inf``.
+  ``m`` values are padded with ``-inf``. ``by_id``: equal values in id
+  order (``-0.0 == 0.0``; one sort with two keys, ``controls.top_n``'s
+  order, which then needs no sort of its own); else in any order (a
+  ``top_k``, which XLA:CPU runs much faster than a sort).
 
   Returns:
     ``(vals [B, m] descending, ids [B, m])``.
@@ -65,6 +68,11 @@ def top_m(vals, ids, bound, m: int):
     pad = ((0, 0), (0, m - vals.shape[1]))
     vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
     ids = jnp.pad(ids, pad, constant_values=INT_MAX)
+  if by_id:
+    # Not stable: the (value, id) keys are distinct but for identical
+    # padding entries, and a stable sort carries an iota operand as well.
+    neg, ids = lax.sort((-vals, ids), dimension=1, num_keys=2, is_stable=False)
+    return -neg[:, :m], ids[:, :m]
   vals, j = lax.top_k(vals, m)
   return vals, jnp.take_along_axis(ids, j, axis=1)
 
