@@ -25,5 +25,6 @@ def exact_path_rows(hidden, weight, key, *, weight_layout: str = "vd",
                            **controls)
   if not c.lists:
     return 0
-  st = backends.resolve(backend, p, c).controls_state(p, c)
-  return int(np.asarray(stage2.finish(p, c, st)[2]).sum())
+  impl = backends.resolve(backend, p, c)
+  st = impl.controls_state(p, c)
+  return int(np.asarray(stage2.finish(p, c, st, exact_top=impl.exact_top(p, c))[2]).sum())

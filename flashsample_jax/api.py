@@ -97,7 +97,8 @@ def run(p: problem.Problem, c: _controls.Controls, *,
   else:
     st = backend.controls_state(p, pc, vocab_offset=offset)
   st = stage2.per_sample(st, c.samples)
-  tokens, out, _ = stage2.finish(p, c, st, axis=axes.vocab)
+  exact_top = None if axes.vocab else backend.exact_top(p, c)
+  tokens, out, _ = stage2.finish(p, c, st, axis=axes.vocab, exact_top=exact_top)
   if out is not None:
     return out if c.num_samples is not None else out.first_sample()
   return tokens if c.num_samples is not None else tokens[0]

@@ -441,7 +441,7 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
 
 
 def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
-           axis: tuple[str, ...] | None = None):
+           axis: tuple[str, ...] | None = None, exact_top=None):
   """Tokens and log-probabilities from a controls state (any backend's).
 
   ``st`` is the state of this shard's rows (:func:`state_combine`'s form);
@@ -465,6 +465,13 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   need the host. Inside the graph the conditional node still has a cost of
   its own even with trivial branches (PERF_LOG c5), so there is one, not
   nested.
+
+  ``exact_top``: None, or ``flags bool [B] -> (vals f32 [B, N], ids
+  int32 [B, N])``, the exact top N of ``t`` of the flagged rows in
+  :func:`controls.top_n`'s order by work that is skipped when no row is
+  flagged (a backend's early-exit kernels). Calls whose only uncertified
+  rows are those of ``top_logprobs`` (no truncation rule) then take it
+  instead of the conditional.
   """
   samples = c.samples
   m = candidate_count(p, c)
@@ -480,7 +487,9 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   tokens = st.best_id.T                                      # [S, B]
   t_tok = st.best_t.T
   lse = (st.lse_max, st.lse_sum)
-  lse_all = st.lse_max + jnp.log(st.lse_sum)
+  # Rows with NaN or infinite t: the max is what jax.nn.logsumexp gives.
+  lse_all = jnp.where(jnp.isfinite(st.lse_max), st.lse_max + jnp.log(st.lse_sum),
+                      st.lse_max)
   lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
   fallback = jnp.zeros((p.batch,), bool)
   top = None
@@ -543,15 +552,32 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
       tokens = jnp.where(same[None], tok_lo, tokens)
       t_tok = jnp.where(same[None], t_lo, t_tok)
       fallback = fallback & ~same
+  skipped = exact_top is not None and c.top_logprobs and not c.truncates
   if c.top_logprobs:
     # The N largest t by (t descending, id ascending), controls.top_n's
-    # order: the lists are ordered by value only. Certified where the N-th lies
-    # above ``last`` (every value above it is listed, ties included), and
-    # for rows with finite logits (the exact path follows the reference).
+    # order. Certified where the N-th lies above ``last`` (every value
+    # above it is listed, ties included), and for rows with finite logits
+    # (the exact path follows the reference).
     n = c.top_logprobs
-    top = controls.top_n(cand_t, n, ids=cand_i)
-    fallback |= ~((complete | (top[0][:, n - 1] > last)) & jnp.isfinite(st.lse_max))
-  if c.lists:
+    finite = jnp.isfinite(st.lse_max)
+    if skipped:
+      # Lists already in top_n's order (state.top_m(by_id=True)) are read
+      # as they are; a row whose list is not (from a merge that keeps
+      # equal values in any order) takes the exact path too.
+      top = (cand_t[:, :n], cand_i[:, :n])
+      v, i = cand_t, cand_i
+      in_order = jnp.all((v[:, :-1] > v[:, 1:]) | ((v[:, :-1] == v[:, 1:]) & (i[:, :-1] < i[:, 1:]))
+                         | (v[:, 1:] == -jnp.inf), axis=1)
+      flags = ~((complete | (top[0][:, n - 1] > last)) & finite & in_order)
+      vals, ids = exact_top(flags)
+      top = (jnp.where(flags[:, None], vals, top[0]),
+             jnp.where(flags[:, None], ids, top[1]))
+      fallback |= flags
+    else:
+      # The lists are ordered by value only.
+      top = controls.top_n(cand_t, n, ids=cand_i)
+      fallback |= ~((complete | (top[0][:, n - 1] > last)) & finite)
+  if c.lists and not skipped:
     def exact():
       # The key words are split from the key (a program parameter) inside
       # the branch: slices of it passed in were each copied into the

@@ -93,6 +93,16 @@ class SamplerBackend(abc.ABC):
     del p, c
     return False
 
+  def exact_top(self, p: Problem, c: Controls):
+    """None, or a function ``flags bool [B] -> (vals, ids)`` that returns
+    the exact ``c.top_logprobs`` largest tempered logits of the flagged rows
+    (:func:`flashsample_jax.stage2.finish`'s ``exact_top``) by work skipped
+    inside kernels when no row is flagged. None: stage 2 puts its exact
+    path behind an XLA conditional. Asked only outside ``shard_map``'s
+    vocabulary sharding."""
+    del p, c
+    return None
+
   def samples_as_rows(self, p: Problem, c: Controls) -> bool:
     """Whether to draw ``c.samples`` samples as rows of one plain pass
     (:func:`flashsample_jax.stage2.samples_as_rows`); asked only when

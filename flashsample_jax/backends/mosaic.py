@@ -137,21 +137,38 @@ class MosaicBackend(SamplerBackend):
 
   def controls_state(self, p, c, *, vocab_offset=0):
     _, _, _, controls_kernel = _kernels()
-    ctr_hi, ctr_lo = p.counters(c.samples)
-    penalties = history = None
-    if c.penalizes:
-      *history, penalties = stage2.history_bits(c)
-    rows = rowdata.pack_rows(
-        k0=p.k0, k1=p.k1, temperature=p.temperature, ctr_hi=ctr_hi, ctr_lo=ctr_lo,
-        softcap=c.softcap,
-        penalties=stage2.penalty_rows(c, p.batch) if c.penalizes else None)
+    rows, penalties, history = _kernel_rows(p, c, c.samples)
     return controls_kernel.controls_state(
         p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
         layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
         candidates=stage2.candidate_count(p, c), lists=c.lists,
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
         noise=c.noise, logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
-        penalties=penalties, history=history, target=self._target())
+        penalties=penalties, history=history,
+        lists_by_id=bool(c.top_logprobs) and not c.truncates, target=self._target())
+
+  def exact_top(self, p, c):
+    # Early-exit kernels instead of XLA's conditional for top_logprobs'
+    # uncertified rows: the conditional alone cost ~25 us per call on an
+    # H100, its replacement a few (PERF_LOG "Session 17"). One launch of at
+    # most EXACT_TOP_MAX_ROWS rows: its [B, V] f32 buffer is allocated on
+    # every call. Truncation rules keep the conditional (their exact path
+    # also re-decides the tokens).
+    _, _, _, controls_kernel = _kernels()
+    if (not c.top_logprobs or c.truncates
+        or p.batch > controls_kernel.EXACT_TOP_MAX_ROWS
+        or (c.penalizes and not self.fuses_penalties(p, c))):
+      return None
+
+    def run(flags):
+      rows, penalties, history = _kernel_rows(p, c, 1)
+      return controls_kernel.exact_top(
+          p.hidden, p.weight, rows, flags, n_top=c.top_logprobs, layout=p.layout,
+          vocab_size=p.vocab_size, total_rows=p.total_rows,
+          softcap=c.softcap is not None, logit_bias=c.logit_bias,
+          allowed_mask=c.allowed_mask, penalties=penalties, history=history,
+          target=self._target())
+    return run
 
   def prefers(self, p, c):
     # Measured against the dense route (XLA's GEMM writing the logits, then
@@ -176,6 +193,21 @@ class MosaicBackend(SamplerBackend):
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
+
+
+def _kernel_rows(p, c, samples: int):
+  """The controls kernel's per-row data for ``samples`` samples, and the
+  penalties' ``(Penalties, (ids, flags))`` history planes (None, None
+  without penalties)."""
+  ctr_hi, ctr_lo = p.counters(samples)
+  penalties = history = None
+  if c.penalizes:
+    *history, penalties = stage2.history_bits(c)
+  rows = rowdata.pack_rows(
+      k0=p.k0, k1=p.k1, temperature=p.temperature, ctr_hi=ctr_hi, ctr_lo=ctr_lo,
+      softcap=c.softcap,
+      penalties=stage2.penalty_rows(c, p.batch) if c.penalizes else None)
+  return rows, penalties, history
 
 
 def _is_sm90_device() -> bool:
