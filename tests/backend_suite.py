@@ -572,3 +572,28 @@ def every_uniform_bits():
   of ``u`` that ``jax.random`` draws once (the low 9 bits are dropped)."""
   m = jnp.arange(1 << 23, dtype=jnp.uint32)
   return (m << 9).reshape(1 << 16, 128)
+
+
+def check_exact_top(backend, h, w, key, t, kw, *, n: int = 20, rows=None,
+                    exact_values: bool = True):
+  """A backend's early-exit exact top N (``exact_top``), with ``rows``
+  flagged (default all): its ids equal ``controls.top_n``'s of the
+  reference's tempered logits, and its values bit for bit (with
+  ``exact_values``; else within a few ulp: interpret mode divides in IEEE,
+  XLA:CPU sometimes by a reciprocal). Rows not flagged are not read."""
+  from flashsample_jax import controls, problem, reference, stage2
+  b, v = h.shape[0], w.shape[0]
+  p = problem.prepare(h, w, key, temperature=t)
+  c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_logprobs=n, **kw)
+  run = backend.exact_top(p, c)
+  assert run is not None
+  flags = np.ones((b,), bool) if rows is None else np.isin(np.arange(b), rows)
+  vals, ids = (np.asarray(a) for a in jax.jit(run)(jnp.asarray(flags)))
+  want_v, want_i = (np.asarray(a) for a in jax.jit(
+      lambda p, c: controls.top_n(stage2.tempered(p, reference.transformed_logits(p, c)),
+                                  n))(p, c))
+  np.testing.assert_array_equal(ids[flags], want_i[flags])
+  if exact_values:
+    np.testing.assert_array_equal(vals[flags].view(np.uint32), want_v[flags].view(np.uint32))
+  else:
+    np.testing.assert_allclose(vals[flags], want_v[flags], rtol=5e-7, atol=0)

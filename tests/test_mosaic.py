@@ -20,10 +20,11 @@ from flashsample_jax import backends, controls, noise, problem, stage2
 from flashsample_jax.backends import mosaic as mosaic_backend
 from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
-from pallas_kernels import sm90_config, sm90_controls
+from pallas_kernels import sm90_config, sm90_controls, sm90_top
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
-from tests.backend_suite import (BackendSuite, check_fused_penalties, every_uniform_bits,
+from tests.backend_suite import (BackendSuite, check_exact_top, check_fused_penalties,
+                                 every_uniform_bits,
                                  mosaic_gumbel, penalty_kwargs)
 from tests.cases import B, CASES, D, H, KEYS, T, V, W
 from tests.conftest import has_gpu
@@ -748,3 +749,81 @@ def test_samples_only_run_as_rows_of_the_plain_kernel(key, monkeypatch):
   jax.clear_caches()  # the limit is read at trace time
   SUITE.check_controls({}, key=k, h=h, t=t, num_samples=2)
   assert calls
+
+
+def test_exact_top_kernel_orders_as_top_n():
+  # The early-exit top-N kernel against controls.top_n on rows with many
+  # ties, NaN, +-inf and signed zeros (-0.0 == 0.0, ties by id, NaN after
+  # -inf), a row that is mostly NaN, columns past ``valid`` that must not
+  # be read, and one row not flagged (left alone).
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels import sm90_common
+  r = np.random.default_rng(0)
+  rows, width, valid, n = 6, 2 * sm90_top.CHUNK, 3001, 24
+  t = r.integers(-4, 4, (rows, width)).astype(np.float32)
+  t[0, r.integers(0, valid, 40)] = np.nan
+  t[1, [5, 9, 3000]] = np.inf
+  t[1, [7, 8]] = -np.inf
+  t[2] = -np.inf
+  t[2, [100, 40, 2999]] = [0.0, -0.0, -0.0]
+  t[3, :valid - 10] = np.nan
+  t[4] = np.float32(1.5)
+  t[:, valid:] = 1e30                      # past the row: never an element
+  t[5] = np.nan                            # not flagged
+  flags = np.array([1, 1, 1, 1, 1, 0], bool)
+  target = sm90_common.Target(interpret=plgpu.InterpretGPUParams(), num_sms=4)
+  vals, ids = jax.jit(lambda t, f: sm90_top.exact_top(t, f, n, valid, target=target))(
+      jnp.asarray(t), jnp.asarray(flags))
+  want_v, want_i = controls.top_n(jnp.asarray(t[:, :valid]), n)
+  np.testing.assert_array_equal(np.asarray(ids)[:5], np.asarray(want_i)[:5])
+  np.testing.assert_array_equal(np.asarray(vals)[:5].view(np.uint32),
+                                np.asarray(want_v)[:5].view(np.uint32))
+  # No row flagged: the launch returns at once (whatever its outputs hold).
+  jax.block_until_ready(jax.jit(lambda t, f: sm90_top.exact_top(t, f, n, valid, target=target))(
+      jnp.asarray(t), jnp.zeros((rows,), bool)))
+  with pytest.raises(ValueError, match="multiple of"):
+    sm90_top.exact_top(jnp.zeros((2, 100)), jnp.ones((2,), bool), 4, 90)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(logit_bias=1, softcap=20.0, allowed_mask=1),
+    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)],
+    ids=["plain", "bias_softcap_mask", "penalties"])
+def test_exact_top_through_the_controls_kernel(kw):
+  # The materializing launch of the controls kernel (the call's transforms
+  # and division) feeding the top-N kernel: the flagged rows' top N equal
+  # the reference's tempered logits' top_n (interpret mode: ids exactly,
+  # values within rounding of XLA:CPU's division).
+  b, d, v = 6, 64, 700
+  h, w = inputs.exact_inputs(b, d, v, seed=11)
+  t = jnp.asarray([0.7, 1.0, 0.0, 1.3, 0.6, 1.0], jnp.float32)
+  r = np.random.default_rng(11)
+  kw = dict(kw)
+  if "logit_bias" in kw:
+    kw["logit_bias"] = jnp.asarray(r.normal(size=v), jnp.float32).at[3].set(jnp.inf)
+    kw["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, (b, -(-v // 32)), dtype=np.uint32))
+  if "repetition_penalty" in kw:
+    kw["prompt_ids"] = jnp.asarray(r.integers(-1, v, (b, 9)), jnp.int32)
+    kw["output_ids"] = jnp.asarray(r.integers(0, 60, (b, 12)), jnp.int32)
+  check_exact_top(INTERPRET, h, w, jax.random.key(2), t, kw, rows=[0, 2, 3, 5],
+                  exact_values=False)
+
+
+def test_top_logprobs_lowers_without_a_conditional():
+  # top_logprobs alone at shape S, B = 64: the exact path is the two
+  # early-exit launches, and the program holds no XLA conditional (whose
+  # CUDA graph node alone cost ~25 us per call on an H100).
+  h = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((151936, 4096), jnp.bfloat16)
+
+  def f(h, w, key):
+    return fs.sample(h, w, key, top_logprobs=20, backend=LOWER)
+
+  with h100_lowering():
+    text = jax.jit(f).trace(h, w, jax.random.key(0)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  for name in ("flashsample_sm90_controls", "flashsample_sm90_tempered_rows",
+               "flashsample_sm90_exact_top"):
+    assert name in text, name
+  assert "stablehlo.case" not in text and "stablehlo.if" not in text

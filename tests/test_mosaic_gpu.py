@@ -20,7 +20,7 @@ from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
-from tests.backend_suite import (BackendSuite, GpuSuite, check_fused_penalties,
+from tests.backend_suite import (BackendSuite, GpuSuite, check_exact_top, check_fused_penalties,
                                  device_random_inputs, every_uniform_bits,
                                  mosaic_gumbel, penalty_kwargs)
 
@@ -345,3 +345,45 @@ def test_controls_fallback_stays_in_the_cuda_graph(b):
   # ("__cublas$lt$matmul", the exact path's GEMM) live in graphs.
   cub = re.compile(r"(^|[^a-z])cub([^a-z]|$)")
   assert not [t for t in targets if cub.search(t.lower()) or "sort" in t.lower()], targets
+
+
+@pytest.mark.parametrize("b,d,v,kw", [
+    (64, 4096, 151936, {}),
+    (37, 256, 5000, dict(logit_bias=1, allowed_mask=1)),
+    (37, 256, 5000, dict(logit_bias=1, allowed_mask=1, softcap=20.0)),
+    (200, 256, 5000, dict(repetition_penalty=1.3, presence_penalty=0.5,
+                          frequency_penalty=0.25)),
+], ids=["S_B64", "bias_mask", "softcap", "penalties_blocks"])
+def test_exact_top_bit_for_bit(b, d, v, kw):
+  # top_logprobs' early-exit exact path (the controls kernel materializing
+  # t, then the top-N kernel) with some rows flagged: ids and values equal
+  # XLA's top_n of the reference's tempered logits bit for bit, with
+  # temperatures that round (0.6, 0.7, 1.3), greedy rows, and NaN / inf
+  # logits from the bias. The soft-cap is not bit for bit (docs/design.md,
+  # "Soft-capping"): its values within 2 ulp.
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  t = jnp.asarray(np.resize([0.7, 0.6, 1.3, 0.0, 1.0], b), jnp.float32)
+  r = np.random.default_rng(b)
+  kw = dict(kw)
+  if "logit_bias" in kw:
+    kw["logit_bias"] = (jnp.asarray(r.normal(size=v), jnp.float32)
+                        .at[3].set(jnp.inf).at[7].set(jnp.nan))
+    kw["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, (b, -(-v // 32)), dtype=np.uint32))
+  if "repetition_penalty" in kw:
+    kw["prompt_ids"] = jnp.asarray(r.integers(-1, v, (b, 40)), jnp.int32)
+    kw["output_ids"] = jnp.asarray(r.integers(0, 300, (b, 64)), jnp.int32)
+  check_exact_top(MosaicBackend(), h, w, jax.random.key(b), t, kw,
+                  rows=np.arange(0, b, 3), exact_values="softcap" not in kw)
+
+
+def test_top_logprobs_compiles_without_a_conditional():
+  # top_logprobs alone takes the early-exit kernels, not lax.cond: the
+  # compiled program has no conditional (its CUDA graph node alone cost
+  # ~25 us per call).
+  h, w = device_random_inputs(64, 4096, 151936, seed=8)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, top_logprobs=20, backend="mosaic"))
+  hlo = f.lower(h, w, jax.random.key(8)).compile().as_text()
+  assert "conditional(" not in hlo
+  # The controls kernel, the materializing launch and the top-N kernel.
+  targets = re.findall(r'custom_call_target="([^"]*)"', hlo)
+  assert targets.count("mosaic_gpu_v2") == 3, targets
