@@ -5,6 +5,9 @@
     PYTHONPATH=. python3 benchmarks/exp_cond.py B [B ...] --finish --quick  # cond, plain
     TAG=_x PYTHONPATH=. python3 benchmarks/exp_cond.py B --profile [--plain|--barrier]
 
+``CTL=top_logprobs20`` (environment) runs ``top_logprobs=20`` where the
+default runs top-k 50 + top-p 0.9 (``--finish``, ``--profile``).
+
 The exact fallback of the controls path sits behind a ``lax.cond`` whose
 predicate is computed on the device. XLA keeps a conditional in its CUDA
 graph (command buffer) only if every op of its branches can live in one;
@@ -39,6 +42,13 @@ import flashsample_jax as fs
 from benchmarks import _timing
 
 
+def _controls():
+  """The controls under test (``CTL``): top-k + top-p, or top-N logprobs."""
+  if os.environ.get("CTL") == "top_logprobs20":
+    return dict(top_logprobs=20)
+  return dict(top_k=50, top_p=0.9)
+
+
 def _barrier_cond(pred, true_fun, false_fun, *operands):
   """Experiment only: the false branch, with the predicate kept alive."""
   pred, out = lax.optimization_barrier((pred, false_fun(*operands)))
@@ -56,21 +66,21 @@ def finish_variants(b, h, w, key):
     if name == "barrier":
       lax.cond = _barrier_cond
     try:
-      f = jax.jit(lambda h, w, key: fs.sample(h, w, key, top_k=50, top_p=0.9))
+      f = jax.jit(lambda h, w, key: fs.sample(h, w, key, **_controls()))
       f.lower(h, w, key).compile()
       rows[name] = round(_timing.median_us(f, h, w, key, reps=15, inner=50)[0], 1)
     finally:
       lax.cond = cond
   plain = jax.jit(lambda h, w, key: fs.sample(h, w, key))
   rows["plain"] = round(_timing.median_us(plain, h, w, key, reps=15, inner=50)[0], 1)
-  print(json.dumps({"B": b, **rows}), flush=True)
+  print(json.dumps({"B": b, "controls": _controls(), **rows}), flush=True)
 
 
 def profile(h, w, key, out_dir):
   """GPU kernels of the last two of five calls, from a JAX profiler trace:
   start (us, from the first listed kernel), duration (us) and name, plus
   the GPU's idle time in that window (launch gaps, host waits)."""
-  ctl = {} if "--plain" in sys.argv else dict(top_k=50, top_p=0.9)
+  ctl = {} if "--plain" in sys.argv else _controls()
   if "--barrier" in sys.argv:
     lax.cond = _barrier_cond
   f = jax.jit(lambda h, w, key: fs.sample(h, w, key, **ctl))
@@ -79,7 +89,9 @@ def profile(h, w, key, out_dir):
   if not events:
     print("no GPU stream events")
     return
-  mains = [i for i, e in enumerate(events) if "flashsample" in e[2]]
+  # The call's main kernel (not the exact path's early-exit launches).
+  mains = [i for i, e in enumerate(events) if "flashsample" in e[2]
+           and not any(x in e[2] for x in ("tempered_rows", "exact_top"))]
   events = events[mains[-2] - 3:] if len(mains) >= 2 else events
   t0 = events[0][0]
   busy = sum(d for _, d, _ in events)
