@@ -575,16 +575,20 @@ def every_uniform_bits():
 
 
 def check_exact_top(backend, h, w, key, t, kw, *, n: int = 20, rows=None,
-                    exact_values: bool = True):
+                    exact_values: bool = True, layout: str = "vd", vocab_size=None):
   """A backend's early-exit exact top N (``exact_top``), with ``rows``
   flagged (default all): its ids equal ``controls.top_n``'s of the
   reference's tempered logits, and its values bit for bit (with
   ``exact_values``; else within a few ulp: interpret mode divides in IEEE,
-  XLA:CPU sometimes by a reciprocal). Rows not flagged are not read."""
+  XLA:CPU sometimes by a reciprocal). Rows not flagged are not read.
+  ``kw``'s ``logit_bias`` and ``allowed_mask`` are sized to ``vocab_size``
+  (default: the weight's rows) by the caller."""
   from flashsample_jax import controls, problem, reference, stage2
-  b, v = h.shape[0], w.shape[0]
-  p = problem.prepare(h, w, key, temperature=t)
-  c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_logprobs=n, **kw)
+  b = h.shape[0]
+  p = problem.prepare(h, w, key, temperature=t, weight_layout=layout,
+                      vocab_size=vocab_size)
+  c = controls.prepare_controls(batch=b, vocab_size=p.vocab_size, rows=p.weight_rows,
+                                top_logprobs=n, **kw)
   run = backend.exact_top(p, c)
   assert run is not None
   flags = np.ones((b,), bool) if rows is None else np.isin(np.arange(b), rows)

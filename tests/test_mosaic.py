@@ -41,11 +41,11 @@ class TestMosaicInterpret(BackendSuite):
   # B not a multiple of 8 and V a multiple of no tile.
   shapes = [(1, 64, 200), (5, 64, 1000), (16, 128, 517), (37, 64, 650)]
   random_shapes = [(64, 128, 1500), (29, 256, 1100)]
-  # top_logprobs and penalties reach the kernel as candidate lists and an
-  # allowed mask, which "penalties_all" runs together (with every other
-  # control); on the GPU every case runs.
-  covered_cases = {"top_logprobs": "penalties_all", "top_logprobs_truncated": "penalties_all",
-                   "penalties": "penalties_all"}
+  # top_logprobs with truncation and penalties reach the kernel as candidate
+  # lists and an allowed mask, which "penalties_all" runs together (with
+  # every other control); on the GPU every case runs. top_logprobs alone
+  # runs: its uncertified rows take the early-exit kernels, not lax.cond.
+  covered_cases = {"top_logprobs_truncated": "penalties_all", "penalties": "penalties_all"}
   # "all" runs top-k and top-p together with min-p (CI time).
   covered_sample_cases = {"top_k": "all", "top_p": "all"}
   # Per-row keys with a per-row truncation rule, with every control
@@ -785,29 +785,32 @@ def test_exact_top_kernel_orders_as_top_n():
     sm90_top.exact_top(jnp.zeros((2, 100)), jnp.ones((2,), bool), 4, 90)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(logit_bias=1, softcap=20.0, allowed_mask=1),
-    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)],
-    ids=["plain", "bias_softcap_mask", "penalties"])
-def test_exact_top_through_the_controls_kernel(kw):
+@pytest.mark.parametrize("kw,layout,vocab", [
+    (dict(), "vd", None),
+    (dict(), "dv", 613),
+    (dict(logit_bias=1, softcap=20.0, allowed_mask=1), "vd", 650),
+    (dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25), "vd", None)],
+    ids=["plain", "dv_vocab_below_rows", "bias_softcap_mask", "penalties"])
+def test_exact_top_through_the_controls_kernel(kw, layout, vocab):
   # The materializing launch of the controls kernel (the call's transforms
   # and division) feeding the top-N kernel: the flagged rows' top N equal
   # the reference's tempered logits' top_n (interpret mode: ids exactly,
-  # values within rounding of XLA:CPU's division).
+  # values within rounding of XLA:CPU's division), in both layouts and
+  # with a vocabulary smaller than the weight's rows.
   b, d, v = 6, 64, 700
-  h, w = inputs.exact_inputs(b, d, v, seed=11)
+  h, w = inputs.exact_inputs(b, d, v, seed=11, layout=layout)
   t = jnp.asarray([0.7, 1.0, 0.0, 1.3, 0.6, 1.0], jnp.float32)
   r = np.random.default_rng(11)
   kw = dict(kw)
+  vv = vocab or v
   if "logit_bias" in kw:
-    kw["logit_bias"] = jnp.asarray(r.normal(size=v), jnp.float32).at[3].set(jnp.inf)
-    kw["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, (b, -(-v // 32)), dtype=np.uint32))
+    kw["logit_bias"] = jnp.asarray(r.normal(size=vv), jnp.float32).at[3].set(jnp.inf)
+    kw["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, (b, -(-vv // 32)), dtype=np.uint32))
   if "repetition_penalty" in kw:
-    kw["prompt_ids"] = jnp.asarray(r.integers(-1, v, (b, 9)), jnp.int32)
+    kw["prompt_ids"] = jnp.asarray(r.integers(-1, vv, (b, 9)), jnp.int32)
     kw["output_ids"] = jnp.asarray(r.integers(0, 60, (b, 12)), jnp.int32)
   check_exact_top(INTERPRET, h, w, jax.random.key(2), t, kw, rows=[0, 2, 3, 5],
-                  exact_values=False)
+                  exact_values=False, layout=layout, vocab_size=vocab)
 
 
 def test_top_logprobs_lowers_without_a_conditional():

@@ -145,7 +145,7 @@ class MosaicBackend(SamplerBackend):
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
         noise=c.noise, logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
         penalties=penalties, history=history,
-        lists_by_id=bool(c.top_logprobs) and not c.truncates, target=self._target())
+        lists_by_id=self._offers_exact_top(p, c), target=self._target())
 
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
@@ -154,11 +154,9 @@ class MosaicBackend(SamplerBackend):
     # most EXACT_TOP_MAX_ROWS rows: its [B, V] f32 buffer is allocated on
     # every call. Truncation rules keep the conditional (their exact path
     # also re-decides the tokens).
-    _, _, _, controls_kernel = _kernels()
-    if (not c.top_logprobs or c.truncates
-        or p.batch > controls_kernel.EXACT_TOP_MAX_ROWS
-        or (c.penalizes and not self.fuses_penalties(p, c))):
+    if not self._offers_exact_top(p, c):
       return None
+    _, _, _, controls_kernel = _kernels()
 
     def run(flags):
       rows, penalties, history = _kernel_rows(p, c, 1)
@@ -169,6 +167,14 @@ class MosaicBackend(SamplerBackend):
           allowed_mask=c.allowed_mask, penalties=penalties, history=history,
           target=self._target())
     return run
+
+  def _offers_exact_top(self, p, c) -> bool:
+    # Also where the lists are merged in top_n's order (a two-key sort,
+    # dearer than top_k's), which only this path reads. Under vocabulary
+    # sharding stage 2 does not ask for it: the sort is then spent.
+    from pallas_kernels.sm90_controls import EXACT_TOP_MAX_ROWS
+    return (bool(c.top_logprobs) and not c.truncates and p.batch <= EXACT_TOP_MAX_ROWS
+            and (not c.penalizes or self.fuses_penalties(p, c)))
 
   def prefers(self, p, c):
     # Measured against the dense route (XLA's GEMM writing the logits, then
