@@ -5,9 +5,9 @@ for the rows that do not need it.
 lists of the controls kernel; a row whose lists cannot certify them (a list
 overflowed above the N-th, or the row has NaN or infinite logits) needs the
 exact answer from the whole row. An XLA conditional around that work costs
-~16-26 us per call on an H100 even when no row needs it (its CUDA graph
-node; PERF_LOG c5 and "Session 17"), about a third of what ``top_logprobs``
-adds to plain sampling. So the work is launched on every call and skipped
+its CUDA graph node on every call, even when no row needs it: about a third
+of what ``top_logprobs`` added to plain sampling (PERF_LOG c5 and the
+seventeenth session). So the work is launched on every call and skipped
 inside the kernels instead: the controls kernel materializes the rows'
 tempered logits only when some row of its launch is flagged
 (``sm90_controls.tempered_rows``), and this kernel, one CTA per row, reads
@@ -18,8 +18,8 @@ element after the previous one in :func:`~flashsample_jax.controls.top_n`'s
 order: larger value first, ``-0.0 == 0.0``, NaN after every number, ties by
 lower id. Each element's value becomes an int32 key with that order
 (:func:`sort_key`), so every comparison is an integer one. It reads the row
-N times: slow (about a millisecond for N = 20 at V = 152k), and only ever
-run for the rare rows the lists cannot certify.
+N times: slow, and only ever run for the rare rows the lists cannot
+certify.
 """
 
 from __future__ import annotations

@@ -149,8 +149,9 @@ class MosaicBackend(SamplerBackend):
 
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
-    # uncertified rows: the conditional alone cost ~25 us per call on an
-    # H100, its replacement a few (PERF_LOG "Session 17"). One launch of at
+    # uncertified rows: the conditional's CUDA graph node alone cost more
+    # than both launches when they do nothing (PERF_LOG, seventeenth
+    # session). One launch of at
     # most EXACT_TOP_MAX_ROWS rows: its [B, V] f32 buffer is allocated on
     # every call. Truncation rules keep the conditional (their exact path
     # also re-decides the tokens).
