@@ -151,10 +151,9 @@ class MosaicBackend(SamplerBackend):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
     # uncertified rows: the conditional's CUDA graph node alone cost more
     # than both launches when they do nothing (PERF_LOG, seventeenth
-    # session). One launch of at
-    # most EXACT_TOP_MAX_ROWS rows: its [B, V] f32 buffer is allocated on
-    # every call. Truncation rules keep the conditional (their exact path
-    # also re-decides the tokens).
+    # session). One launch of at most EXACT_TOP_MAX_ROWS rows: its [B, V]
+    # f32 buffer is allocated on every call. Truncation rules keep the
+    # conditional (their exact path also re-decides the tokens).
     if not self._offers_exact_top(p, c):
       return None
     _, _, _, controls_kernel = _kernels()
