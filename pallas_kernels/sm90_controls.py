@@ -124,8 +124,8 @@ class Spec:
   t_best: bool = False       # t of each sample's best (log-probabilities)
   noise: bool = True         # False: each row's best is the argmax of x
   candidates: int = 7        # listed per warpgroup (_wg_candidates)
-  # Write every element's t to GMEM, and stream no tile unless the launch's
-  # flag is set (tempered_rows: the exact top-N's rows, rarely needed).
+  # Write every element's t to GMEM; nothing runs unless the launch's flag
+  # is set (exact_top: the rows of the exact top N, rarely needed).
   materialize: bool = False
 
   @property
@@ -177,7 +177,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   Refs: ``rowdata_ref`` uint32 ``[spec.rows.rows, N]`` (``RowLayout``); optional
   ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``planes_ref`` uint32
   ``[rows / 32, spec.planes, N]``; with ``spec.materialize`` ``active_ref``
-  int32 ``[1]`` (0: stream no tile); outputs ``f_ref`` f32 ``[N,
+  int32 ``[1]`` (0: the CTA does nothing); outputs ``f_ref`` f32 ``[N,
   spec.f_rows, 2 * num_ctas]`` and ``i_ref`` int32 ``[N, spec.i_rows, 2 *
   num_ctas]``, one column per compute warpgroup, and with
   ``spec.materialize`` ``t_ref`` f32 ``[N, >= rows]``: every element's t.
@@ -650,7 +650,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       for none) and their bits in the planes
       (:class:`~pallas_kernels.rowdata.Penalties`).
     lists_by_id: order equal listed values by id (``state.top_m``'s
-      ``by_id``: a sort with two keys, ~1.4x a ``top_k``'s; what
+      ``by_id``: a sort with two keys, dearer than a ``top_k``'s; what
       ``top_logprobs`` without truncation reads).
     target: where the kernels run.
   """

@@ -10,7 +10,7 @@ of what ``top_logprobs`` added to plain sampling (PERF_LOG c5 and the
 seventeenth session). So the work is launched on every call and skipped
 inside the kernels instead: the controls kernel materializes the rows'
 tempered logits only when some row of its launch is flagged
-(``sm90_controls.tempered_rows``), and this kernel, one CTA per row, reads
+(``sm90_controls.exact_top``), and this kernel, one CTA per row, reads
 its row's flag and returns unless it is set.
 
 A flagged row's top N comes from N passes over its row, each the best
