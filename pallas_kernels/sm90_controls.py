@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import rules, sm90_common as common, threefry
+from pallas_kernels import rules, sm90_common as common, sm90_top, threefry
 from pallas_kernels.rowdata import Penalties, RowLayout
 from pallas_kernels.state import ControlsState, pair_lists, top_m
 from pallas_kernels.sm90_config import ROWDATA_ROWS, SMEM_BUDGET, Schedule, TuningConfig
@@ -497,7 +497,8 @@ def _planes(allowed_mask, history, offset, rows_k: int, total_rows: int, n: int)
   return planes.at[row // n, local // 32, first:, row % n].add(add)
 
 
-def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False) -> ControlsState:
+def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
+                   target: common.Target = common.Target()) -> ControlsState:
   """One row's state from the warpgroups' outputs ``[N, *, W]``.
 
   Row ``s`` of ``fo``/``io`` is sample ``s``'s best score/id, row ``S + s``
@@ -542,8 +543,18 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False) -> ControlsS
     # invariant, see ControlsState): the masking joins the pairing's
     # fusion instead of a kernel of its own after the sort.
     # ``by_id``: equal values in id order, so that stage 2 reads the top N
-    # of ``top_logprobs`` off the lists (no second sort).
-    vals, ids = top_m(vals, c_ids, bound, m, by_id=by_id)
+    # of ``top_logprobs`` off the lists (no second sort). On the GPU by a
+    # selection kernel: XLA's two-key sort of ~900 candidates ran 55
+    # dependent compare-exchange steps and copied both operands first
+    # (PERF_LOG, eighteenth session). Interpret mode keeps the sort (the
+    # kernel is checked against it on its own): a second kernel in the
+    # program could deadlock there (see exact_top).
+    if (by_id and target.interpret is None and vals[0].size <= sm90_top.LIST_WIDTH
+        and m <= sm90_top.LIST_M):
+      vals, ids, bound = sm90_top.top_lists(vals.reshape(n, -1), c_ids.reshape(n, -1),
+                                            bound, m, target=target)
+    else:
+      vals, ids = top_m(vals, c_ids, bound, m, by_id=by_id)
     out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
   return out
 
@@ -688,7 +699,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                        target=target)
       # Padding rows leave the merge (and the top-M sort) before it starts.
       parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, candidates,
-                                  by_id=lists_by_id))
+                                  by_id=lists_by_id, target=target))
     state = parts[0]
     if len(parts) > 1:   # the sample groups, side by side
       cat = lambda name: jnp.concatenate([getattr(q, name) for q in parts], axis=1)
@@ -733,7 +744,6 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
     ``(vals f32 [B, N], ids int32 [B, N])``: global ids; rows not flagged
     hold anything.
   """
-  from pallas_kernels import sm90_top   # the fallback's own kernel
   batch = hidden.shape[0]
   if batch > EXACT_TOP_MAX_ROWS:
     raise ValueError(f"exact_top takes at most {EXACT_TOP_MAX_ROWS} rows, got {batch}")

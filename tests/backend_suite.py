@@ -601,3 +601,41 @@ def check_exact_top(backend, h, w, key, t, kw, *, n: int = 20, rows=None,
     np.testing.assert_array_equal(vals[flags].view(np.uint32), want_v[flags].view(np.uint32))
   else:
     np.testing.assert_allclose(vals[flags], want_v[flags], rtol=5e-7, atol=0)
+
+
+def check_top_lists(length: int, m: int, target):
+  """``sm90_top.top_lists`` against ``state.top_m(by_id=True)``, bit for
+  bit above the bound it returns, on 6 rows of ``length`` candidates: signed zeros, NaN and +-inf (NaN
+  and values at or below the bound count as -inf), ties broken by id
+  across lists, a row with fewer finite candidates than ``m``, INT_MAX
+  padding, and (``length < m``) fewer candidates than ``m``."""
+  from pallas_kernels import sm90_top
+  from pallas_kernels.state import top_m
+  r = np.random.default_rng(length)
+  b = 6
+  v = r.normal(0, 1, (b, length)).astype(np.float32)
+  v[0, :5] = [0.0, -0.0, 0.0, np.nan, np.inf]
+  v[1] = np.round(v[1] * 2) / 2                  # many ties
+  v[2, 10:] = -np.inf
+  v[3] = np.nan
+  v[3, :3] = [1.0, 2.0, -0.0]
+  ids = np.stack([r.permutation(5000)[:length] for _ in range(b)]).astype(np.int32)
+  ids[4, length // 3:] = np.iinfo(np.int32).max
+  v[4, length // 3:] = -np.inf
+  v[5, ::7] = -0.0
+  bound = np.array([-np.inf, 0.5, -np.inf, -np.inf, 0.0, 0.25], np.float32)
+  args = jnp.asarray(v), jnp.asarray(ids), jnp.asarray(bound)
+  want_v, want_i = map(np.asarray, jax.jit(
+      lambda v, i, bd: top_m(v, i, bd, m, by_id=True))(*args))
+  got_v, got_i, got_b = map(np.asarray, jax.jit(
+      lambda v, i, bd: sm90_top.top_lists(v, i, bd, m, target=target))(*args))
+  # The kernel may raise a row's bound (to the largest value a lane
+  # dropped): entries at or below it are -inf, the rest equal the sort's.
+  assert np.all(got_b >= bound)
+  above = want_v > got_b[:, None]
+  assert above[:, 0].sum() >= 4                # the check compares something
+  np.testing.assert_array_equal(np.where(above, got_i, -1), np.where(above, want_i, -1))
+  np.testing.assert_array_equal(np.where(above, got_v, 0).view(np.uint32),
+                                np.where(above, want_v, 0).view(np.uint32))
+  assert np.all(np.where(above, True, got_v == -np.inf))
+  return got_b

@@ -24,7 +24,7 @@ from pallas_kernels import sm90_config, sm90_controls, sm90_top
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
 from tests.backend_suite import (BackendSuite, check_exact_top, check_fused_penalties,
-                                 every_uniform_bits,
+                                 check_top_lists, every_uniform_bits,
                                  mosaic_gumbel, penalty_kwargs)
 from tests.cases import B, CASES, D, H, KEYS, T, V, W
 from tests.conftest import has_gpu
@@ -785,6 +785,21 @@ def test_exact_top_kernel_orders_as_top_n():
     sm90_top.exact_top(jnp.zeros((2, 100)), jnp.ones((2,), bool), 4, 90)
 
 
+@pytest.mark.parametrize("length,m", [(300, 28), (200, 21), (20, 28)])
+def test_top_lists_kernel_equals_the_two_key_sort(length, m):
+  # The selection kernel that replaces state.top_m(by_id=True)'s sort on
+  # the GPU, bit for bit against it (check_top_lists). Interpret mode
+  # compiles its unrolled sorting network slowly past 512 candidates (16
+  # per lane): the GPU test takes the 924 of a real launch.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels import sm90_common
+  check_top_lists(length, m, sm90_common.Target(interpret=plgpu.InterpretGPUParams(),
+                                                num_sms=4))
+  with pytest.raises(ValueError, match="at most"):
+    sm90_top.top_lists(jnp.zeros((2, 3000)), jnp.zeros((2, 3000), jnp.int32),
+                       jnp.zeros((2,)), 4)
+
+
 @pytest.mark.parametrize("kw,layout,vocab", [
     (dict(), "vd", None),
     (dict(), "dv", 613),
@@ -826,7 +841,7 @@ def test_top_logprobs_lowers_without_a_conditional():
   with h100_lowering():
     text = jax.jit(f).trace(h, w, jax.random.key(0)).lower(
         lowering_platforms=("cuda",)).as_text()
-  for name in ("flashsample_sm90_controls", "flashsample_sm90_tempered_rows",
-               "flashsample_sm90_exact_top"):
+  for name in ("flashsample_sm90_controls", "flashsample_sm90_top_lists",
+               "flashsample_sm90_tempered_rows", "flashsample_sm90_exact_top"):
     assert name in text, name
   assert "stablehlo.case" not in text and "stablehlo.if" not in text

@@ -21,6 +21,7 @@ from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
 from tests.backend_suite import (BackendSuite, GpuSuite, check_exact_top, check_fused_penalties,
+                                 check_top_lists,
                                  device_random_inputs, every_uniform_bits,
                                  mosaic_gumbel, penalty_kwargs)
 
@@ -376,6 +377,14 @@ def test_exact_top_bit_for_bit(b, d, v, kw):
                   rows=np.arange(0, b, 3), exact_values="softcap" not in kw)
 
 
+@pytest.mark.parametrize("length,m", [(924, 28), (1000, 21), (20, 28)])
+def test_top_lists_kernel_equals_the_two_key_sort(length, m):
+  # The selection kernel compiled for the GPU, bit for bit against XLA's
+  # two-key sort (the edge rows of check_top_lists).
+  from pallas_kernels import sm90_common
+  check_top_lists(length, m, sm90_common.Target())
+
+
 def test_top_logprobs_compiles_without_a_conditional():
   # top_logprobs alone takes the early-exit kernels, not lax.cond: the
   # compiled program has no conditional (its CUDA graph node alone cost
@@ -384,6 +393,7 @@ def test_top_logprobs_compiles_without_a_conditional():
   f = jax.jit(lambda h, w, k: fs.sample(h, w, k, top_logprobs=20, backend="mosaic"))
   hlo = f.lower(h, w, jax.random.key(8)).compile().as_text()
   assert "conditional(" not in hlo
-  # The controls kernel, the materializing launch and the top-N kernel.
+  # The controls kernel, the lists' selection, the materializing launch
+  # and the top-N kernel.
   targets = re.findall(r'custom_call_target="([^"]*)"', hlo)
-  assert targets.count("mosaic_gpu_v2") == 3, targets
+  assert targets.count("mosaic_gpu_v2") == 4, targets
