@@ -220,11 +220,15 @@ def all_cases() -> list[Case]:
                       vocab_size=V - 10 if i % 3 == 1 else V, config=cfg,
                       seed=10 + i))
   # The controls kernel: 64-row launches (truncation, 2 samples, soft-cap,
-  # mask) and 128-row ones (bias, mask).
+  # mask) and 128-row ones (bias, mask), then top_logprobs.
   cases.append(Case("mosaic_controls", "n64_truncating", batch=24, controls=_TRUNCATING,
                     scale=1, seed=20))
   cases.append(Case("mosaic_controls", "n128_bias_mask", batch=100, layout="dv",
                     per_row_keys=True, controls=_WIDE, scale=1, seed=21))
+  # top_logprobs: the lists' selection kernel and the exact path's two
+  # early-exit launches.
+  cases.append(Case("mosaic_controls", "top_logprobs", batch=24,
+                    controls=_kw(top_logprobs=20), scale=1, seed=22))
   # Triton: the plain kernel at a batch in each row of the sm90 config table
   # (1, <= 16, <= 32, <= 64, more), then the controls kernel (top-K lists;
   # 5 samples = launches of 4 and 1).
@@ -347,9 +351,14 @@ def _compare(case: Case, got, want) -> str:
     return (f"{len(bad)}/{want_tokens.size} tokens differ, first (sample {s}, row "
             f"{b}): {got_tokens[s, b]} vs reference {want_tokens[s, b]}")
   if got_lp is not None:
-    for name in ("logprob", "logprob_truncated", "logsumexp"):
+    if got_lp.top_ids is not None and not np.array_equal(got_lp.top_ids, want.top_ids):
+      return "top_ids differ"
+    for name in ("logprob", "logprob_truncated", "logsumexp", "top_logprobs"):
+      if getattr(got_lp, name) is None:
+        continue
       a = np.asarray(getattr(got_lp, name))
-      e = _as_rows(getattr(want, name), samples)
+      e = getattr(want, name)
+      e = e if name == "top_logprobs" else _as_rows(e, samples)
       if not np.allclose(a, e, rtol=1e-4, atol=1e-4, equal_nan=True):
         i = np.unravel_index(np.nanargmax(np.abs(a - e)), a.shape)
         return f"{name} differs: {a[i]} vs reference {e[i]} at {tuple(map(int, i))}"
