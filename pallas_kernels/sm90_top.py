@@ -7,8 +7,9 @@ not need it.
 ~900 listed candidates per row, which ran 55 dependent compare-exchange
 steps (~11.5 us on an H100, plus copies of both operands) for the 28 it
 keeps. Here one warp holds a row: each lane sorts its candidates in
-registers (a sorting network over 32 ``[4, 32]`` arrays, one element per
-thread each) and keeps its first 8; then each of M passes reduces the
+registers (runs of 8 sorted by a bitonic network over ``[4, 32]`` arrays,
+one element per thread each, then merged two at a time keeping 8) and
+keeps its first 8; then each of M passes reduces the
 lanes' heads inside the warp (``redux``, no shared memory) and the lane
 that held the winner pops it. Mosaic GPU's warpgroup reductions go
 through shared memory and two barriers: one row per warpgroup with three
@@ -233,12 +234,14 @@ def top_lists(vals, ids, bound, m: int, *, target: common.Target = common.Target
   their candidates in registers; each of ``m`` passes takes the first of
   the lanes' heads.
 
-  A lane keeps its 8 first candidates: the row's bound rises to the
-  largest it drops, and listed values at or below the bound are ``-inf``
-  (:class:`~pallas_kernels.state.ControlsState`'s invariant). A row's top
-  ``m`` loses an entry only if more than 8 of them share a lane (1 in ~1e6
-  rows for m = 21 spread at random over 32 lanes); stage 2 then finds the
-  row uncertified, as when a kernel's list overflowed.
+  A lane (columns ``c, c + 32, ...``) keeps its 8 first candidates: the
+  row's bound rises to the largest value it drops, and listed values at or
+  below the bound are ``-inf`` (:class:`~pallas_kernels.state.ControlsState`'s
+  invariant). Such a row's lists hold fewer than ``m`` values; stage 2 finds
+  its top N uncertified only if the bound reaches them, i.e. if more than 8
+  of its top N share a lane (~1e-7 rows for N = 20 spread at random over 32
+  lanes), and then takes the exact path, as when a kernel's list
+  overflowed.
 
   Args:
     vals, ids: f32 / int32 ``[R, L]``: the candidates (ids unique per row,
@@ -249,7 +252,9 @@ def top_lists(vals, ids, bound, m: int, *, target: common.Target = common.Target
 
   Returns:
     ``(vals f32 [R, m], ids int32 [R, m], bound f32 [R])``: descending,
-    equal values by id, padded with ``(-inf, INT_MAX)``.
+    equal values by id; values at or below ``bound`` are ``-inf`` (with
+    their ids, as ``top_m`` keeps them), and a row out of candidates is
+    padded with ``(-inf, INT_MAX)``.
   """
   r, l = vals.shape
   if l > LIST_WIDTH or not 0 < m <= LIST_M:

@@ -603,16 +603,39 @@ def check_exact_top(backend, h, w, key, t, kw, *, n: int = 20, rows=None,
     np.testing.assert_allclose(vals[flags], want_v[flags], rtol=5e-7, atol=0)
 
 
+def _lane_bound(v, ids, bound):
+  """What ``sm90_top.top_lists`` returns as each row's bound: the input
+  bound, raised to the largest value that a lane (columns ``c, c + 32,
+  ...`` of the row padded to a power of two >= 128) holds beyond its 8
+  first by (value, -0.0 == 0.0, lower id)."""
+  rows, length = v.shape
+  width = 1 << max(7, (length - 1).bit_length())
+  x = np.full((rows, width), -np.inf, np.float32)
+  x[:, :length] = np.where(v > bound[:, None], v, -np.inf)
+  i = np.full((rows, width), np.iinfo(np.int32).max, np.int64)
+  i[:, :length] = ids
+  out = bound.astype(np.float32).copy()
+  for r in range(rows):
+    for c in range(32):
+      lane = sorted(zip(x[r, c::32] + 0.0, i[r, c::32]), key=lambda e: (-e[0], e[1]))
+      if len(lane) > 8:
+        out[r] = max(out[r], max(e[0] for e in lane[8:]))
+  return out
+
+
 def check_top_lists(length: int, m: int, target):
-  """``sm90_top.top_lists`` against ``state.top_m(by_id=True)``, bit for
-  bit above the bound it returns, on 6 rows of ``length`` candidates: signed zeros, NaN and +-inf (NaN
-  and values at or below the bound count as -inf), ties broken by id
-  across lists, a row with fewer finite candidates than ``m``, INT_MAX
-  padding, and (``length < m``) fewer candidates than ``m``."""
+  """``sm90_top.top_lists`` against ``state.top_m(by_id=True)`` on 7 rows
+  of ``length`` candidates: bit for bit above the bound it returns, ``-inf``
+  at or below it, and that bound equal to :func:`_lane_bound`'s. Rows hold
+  signed zeros, NaN and +-inf (NaN and values at or below the input bound
+  count as -inf), ties broken by id across lists, fewer finite candidates
+  than ``m``, INT_MAX padding, and (``length >= 288``) ten of the largest
+  values in one lane, which must raise the bound; ``length < m``: fewer
+  candidates than ``m``."""
   from pallas_kernels import sm90_top
   from pallas_kernels.state import top_m
   r = np.random.default_rng(length)
-  b = 6
+  b = 7
   v = r.normal(0, 1, (b, length)).astype(np.float32)
   v[0, :5] = [0.0, -0.0, 0.0, np.nan, np.inf]
   v[1] = np.round(v[1] * 2) / 2                  # many ties
@@ -623,19 +646,22 @@ def check_top_lists(length: int, m: int, target):
   ids[4, length // 3:] = np.iinfo(np.int32).max
   v[4, length // 3:] = -np.inf
   v[5, ::7] = -0.0
-  bound = np.array([-np.inf, 0.5, -np.inf, -np.inf, 0.0, 0.25], np.float32)
+  crowded = v[6, 0::32][:10]                     # lane 0's first ten columns
+  v[6, 0:320:32] = 10.0 + np.arange(crowded.size)
+  bound = np.array([-np.inf, 0.5, -np.inf, -np.inf, 0.0, 0.25, -np.inf], np.float32)
   args = jnp.asarray(v), jnp.asarray(ids), jnp.asarray(bound)
   want_v, want_i = map(np.asarray, jax.jit(
       lambda v, i, bd: top_m(v, i, bd, m, by_id=True))(*args))
   got_v, got_i, got_b = map(np.asarray, jax.jit(
       lambda v, i, bd: sm90_top.top_lists(v, i, bd, m, target=target))(*args))
-  # The kernel may raise a row's bound (to the largest value a lane
-  # dropped): entries at or below it are -inf, the rest equal the sort's.
-  assert np.all(got_b >= bound)
+  np.testing.assert_array_equal(got_b, _lane_bound(v, ids, bound))
+  if length >= 288:   # lane 0 drops 10 and 11: eight values stay listed
+    assert got_b[6] == 11.0 and np.sum(got_v[6] > -np.inf) == min(8, m)
   above = want_v > got_b[:, None]
   assert above[:, 0].sum() >= 4                # the check compares something
   np.testing.assert_array_equal(np.where(above, got_i, -1), np.where(above, want_i, -1))
   np.testing.assert_array_equal(np.where(above, got_v, 0).view(np.uint32),
                                 np.where(above, want_v, 0).view(np.uint32))
+  # At or below the bound: -inf, even where the sort lists a value.
   assert np.all(np.where(above, True, got_v == -np.inf))
   return got_b

@@ -3,8 +3,8 @@
 ``python3 -m benchmarks.experiments.exp_select [B ...]`` prints, per batch
 size and M, the GPU kernels (us) of ``state.top_m(by_id=True)`` on 924
 candidates per row (what the controls kernel's lists leave at 132 SMs)
-and of ``sm90_top.top_rows`` on the same candidates padded to one chunk,
-and checks that both give the same lists.
+and of ``sm90_top.top_lists`` on the same candidates, and checks that both
+give the same lists.
 """
 
 from __future__ import annotations
