@@ -5,7 +5,7 @@ not need it.
 
 :func:`top_lists` replaces XLA's two-key sort of the controls kernel's
 ~900 listed candidates per row, which ran 55 dependent compare-exchange
-steps (~11.5 us on an H100, plus copies of both operands) for the 28 it
+steps (whatever B is) and copied both operands first, for the 28 it
 keeps. Here one warp holds a row: each lane sorts its candidates in
 registers (runs of 8 sorted by a bitonic network over ``[4, 32]`` arrays,
 one element per thread each, then merged two at a time keeping 8) and
