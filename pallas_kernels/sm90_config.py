@@ -112,7 +112,8 @@ class TuningConfig:
       ``tile_v * N / epi_passes`` f32 and leaves room for pipeline slots.
       With ``PINGPONG_VOCAB_M`` and more than one pass, each compute
       warpgroup copies into its own buffer: no hand-over, so the two
-      warpgroups' epilogues may run at the same time.
+      warpgroups' epilogues may run at the same time. ``PINGPONG_BATCH_M``
+      keeps one buffer handed between the warpgroups, of one pass's columns.
     mma_in_flight: ping-pong consumers: wgmmas left in flight after each
       step's issue (1 or 0). With 1 the next step's issue overlaps the
       running wgmma, and a slot is released one step after its wgmma (the
@@ -124,6 +125,14 @@ class TuningConfig:
       batch_blocks)``, so the CTAs of one tile's blocks run side by side and
       all but the first read its weight rows from L2: one pass over W from
       HBM for ``N * batch_blocks`` rows, work items of ``N x Vt``.
+    cluster: ``PINGPONG_BATCH_M`` with batch blocks: CTAs per cluster (1, 2
+      or 4, dividing ``batch_blocks``). The CTAs of a cluster serve
+      consecutive blocks of the same vocabulary tiles, and each loads
+      ``1 / cluster`` of every weight tile from L2 and multicasts it to all
+      of them (TMA multicast), so a weight tile leaves L2 once per cluster,
+      not once per block. The slots are then released cluster-wide: a CTA's
+      memory warpgroup refills a slot only once every CTA of the cluster has
+      consumed it.
   """
 
   schedule: Schedule = Schedule.COOPERATIVE
@@ -137,12 +146,14 @@ class TuningConfig:
   epi_passes: int = 1
   mma_in_flight: int = 1
   batch_blocks: int = 1
+  cluster: int = 1
 
   def __post_init__(self):
     if not isinstance(self.schedule, Schedule):
       raise TypeError(f"schedule={self.schedule!r} must be a Schedule")
     for name in ("tile_v", "tile_d", "max_concurrent_steps", "epi_cols",
-                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks"):
+                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks",
+                 "cluster"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
@@ -167,26 +178,33 @@ class TuningConfig:
       raise ValueError(
           f"{self.schedule.name} with mma_in_flight={self.mma_in_flight} "
           f"needs max_concurrent_steps >= {1 + self.mma_in_flight}, got {steps}")
+    if self.epi_passes < 1:
+      raise ValueError(f"epi_passes={self.epi_passes} must be >= 1")
     if self.schedule.batch_major:
       if tile_v % (epi_cols * self.epi_unroll):
         raise ValueError(
             f"PINGPONG_BATCH_M: epi_cols={epi_cols} x epi_unroll="
             f"{self.epi_unroll} must divide {tile_v=}")
-      if self.epi_passes != 1:
+      chunks = tile_v // epi_cols
+      if chunks % self.epi_passes or (chunks // self.epi_passes) % self.epi_unroll:
         raise ValueError(
-            f"epi_passes={self.epi_passes}: PINGPONG_BATCH_M copies the whole "
-            "accumulator at once (one buffer shared by both warpgroups)")
+            f"PINGPONG_BATCH_M: epi_passes={self.epi_passes} must split the "
+            f"{chunks} column chunks of tile_v={tile_v} into passes of a "
+            f"multiple of epi_unroll={self.epi_unroll} chunks")
     if tile_v % (64 * self.wg_share):
       raise ValueError(
           f"{tile_v=} must be a multiple of 64 x compute_wgs="
           f"{self.num_compute_wgs} (warpgroups sharing a tile)")
-    if self.epi_passes < 1:
-      raise ValueError(f"epi_passes={self.epi_passes} must be >= 1")
     if self.batch_blocks < 1:
       raise ValueError(f"batch_blocks={self.batch_blocks} must be >= 1")
     if self.batch_blocks > 1 and not self.schedule.batch_major:
       raise ValueError(f"batch_blocks={self.batch_blocks} needs PINGPONG_BATCH_M, "
                        f"got {self.schedule.name}")
+    if self.cluster not in (1, 2, 4):
+      raise ValueError(f"cluster={self.cluster} must be 1, 2 or 4")
+    if self.batch_blocks % self.cluster:
+      raise ValueError(f"cluster={self.cluster} must divide "
+                       f"batch_blocks={self.batch_blocks}")
     if tile_d <= 0 or tile_d % 64:
       raise ValueError(f"{tile_d=} must be a positive multiple of 64")
     if steps < 1:
@@ -235,8 +253,8 @@ class TuningConfig:
     the f32 accumulator copies the epilogues loop over, the per-row data."""
     pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
     rowdata = ROWDATA_ROWS * n * 4
-    if self.schedule.batch_major:
-      return pipeline + self.tile_v * n * 4 + rowdata
+    if self.schedule.batch_major:  # one pass's columns, shared
+      return pipeline + self.tile_v * n * 4 // self.epi_passes + rowdata
     if self.schedule.pingpong and self.epi_passes == 1:  # shared buffer
       acc = self.tile_v * n * 4
     elif self.schedule.pingpong:  # one pass's columns per warpgroup

@@ -320,7 +320,9 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   uint32 [8, N], the rows of ``RowLayout(samples=1)``.
 
   Streaming, slots, barriers and the shared accumulator buffer as in
-  :func:`_kernel_pingpong`.
+  :func:`_kernel_pingpong`; with ``cfg.epi_passes > 1`` the buffer holds
+  one pass's columns (``1 / epi_passes`` of the accumulator), which leaves
+  SMEM for more pipeline slots.
 
   With ``cfg.batch_blocks = nb > 1`` the launch holds ``nb`` blocks of N
   rows (:func:`~pallas_kernels.sm90_common.batch_block`): ``h_ref`` [nb *
@@ -330,10 +332,12 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   vt = cfg.tile_v
   epi = cfg.epi_cols
   n_chunks = vt // epi
+  per_pass = n_chunks // cfg.epi_passes
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   cta, h_ref, (rowdata_ref, score_ref, index_ref) = common.batch_block(
-      cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref)
+      cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref,
+      cluster=cfg.cluster)
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
     rl = _ROWS
@@ -349,8 +353,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
     off = off_ref[0]
 
-    def chunk(c, base, first_id, span, best):
-      l = plgpu.load(acc_smem.at[c], layout=wgmma_layout)
+    def chunk(slot, c, base, first_id, span, best):
+      l = plgpu.load(acc_smem.at[slot], layout=wgmma_layout)
       gid = col + (base + c * epi)
       valid = common.valid_id(gid, first_id, span)
       hi, lo = threefry.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
@@ -361,16 +365,22 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 
     def epilogue(acc, tile, start, first_new, best):
       del tile
-      for c in range(n_chunks):
-        acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
       ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
+      # In passes, the columns of later passes wait in registers. Each
+      # thread reads back only what it stored (the same layout both ways),
+      # so a pass may overwrite the buffer without a barrier.
+      for first in range(0, n_chunks, per_pass):
+        for c in range(per_pass):
+          acc_smem[c] = acc[:, (first + c) * epi:(first + c + 1) * epi]
 
-      def body(it, best):
-        for u in range(cfg.epi_unroll):
-          best = chunk(it * cfg.epi_unroll + u, *ids, best)
-        return best
+        def body(it, best, first=first):
+          for u in range(cfg.epi_unroll):
+            slot = it * cfg.epi_unroll + u
+            best = chunk(slot, first + slot, *ids, best)
+          return best
 
-      return lax.fori_loop(0, n_chunks // cfg.epi_unroll, body, best)
+        best = lax.fori_loop(0, per_pass // cfg.epi_unroll, body, best)
+      return best
 
     init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
                               wgmma_layout),
@@ -389,7 +399,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
       rowdata_ref=rowdata_ref, cta=cta,
       rowdata_smem=plgpu.SMEM((_ROWS.rows, n), jnp.uint32),
-      acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32))
+      acc_smem=plgpu.SMEM((per_pass, n, epi), jnp.float32))
 
 
 # ----------------------------------------------------------------------------
@@ -431,7 +441,7 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   out_type = (jax.ShapeDtypeStruct(shape, jnp.float32),
               jax.ShapeDtypeStruct(shape, jnp.int32))
   f = plgpu.kernel(
-      body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
+      body, out_type=out_type, **common.launch_grid(cfg, num_ctas),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
       kernel_name="flashsample_sm90",  # the name profilers show
       compiler_params=plgpu.CompilerParams(

@@ -184,16 +184,17 @@ def test_blocked_config_by_device_kind():
     assert sm90_config.pick_blocked_config(256, 4096, 151936).tile_d == 128
 
 
-@pytest.mark.parametrize("blocks,b", [(2, 150), (3, 130)])
-def test_batch_blocks_share_one_launch(blocks, b):
+@pytest.mark.parametrize("blocks,cluster,b", [(2, 2, 150), (3, 1, 130)])
+def test_batch_blocks_share_one_launch(blocks, cluster, b):
   # Rows in blocks of 64 (the last partly padding), one launch; 11 tiles of
-  # 64 over 4 // blocks CTAs per block; scalar and per-row keys.
+  # 64 over 4 // blocks CTAs per block; scalar and per-row keys. Two blocks
+  # run as one cluster of two CTAs that multicast each weight tile.
   d, v = 64, 700
   h, w = inputs.exact_inputs(b, d, v, seed=8)
   t = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=64,
                      max_concurrent_steps=2, epi_cols=8, mma_in_flight=0,
-                     batch_blocks=blocks)
+                     batch_blocks=blocks, cluster=cluster)
   from pallas_kernels import sm90_sampler
   assert len(sm90_sampler.launches(b, d, v, 2, cfg)) == 1
   for key in (jax.random.key(8), inputs.row_keys(b, seed=8)):
@@ -202,10 +203,11 @@ def test_batch_blocks_share_one_launch(blocks, b):
     _assert_same_candidates(got, xla_backend.candidates(p), p)
 
 
-def test_batch_blocks_lower_for_cuda():
+@pytest.mark.parametrize("cluster", [1, 2, 4])
+def test_batch_blocks_lower_for_cuda(cluster):
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
                      max_concurrent_steps=4, epi_cols=8, mma_in_flight=0,
-                     batch_blocks=4)
+                     batch_blocks=4, cluster=cluster)
   for layout in ("vd", "dv"):
     lowered = _lower_for_cuda(512, 4096, 151936, layout, jnp.bfloat16,
                               backend=MosaicBackend(assume_sm90=True, config=cfg))
@@ -375,6 +377,9 @@ _PP, _BM = Schedule.PINGPONG_VOCAB_M, Schedule.PINGPONG_BATCH_M
      "must divide tile_v=64"),
     (dict(schedule=_BM, batch_blocks=0), "batch_blocks=0"),
     (dict(batch_blocks=2), "batch_blocks=2 needs PINGPONG_BATCH_M"),
+    (dict(schedule=_BM, batch_blocks=2, cluster=3), "cluster=3 must be 1, 2 or 4"),
+    (dict(schedule=_BM, batch_blocks=2, cluster=4), "cluster=4 must divide batch_blocks=2"),
+    (dict(schedule=_BM, cluster=2), "cluster=2 must divide batch_blocks=1"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):

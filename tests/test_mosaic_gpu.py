@@ -226,6 +226,28 @@ def test_batch_blocks_exact_scores(layout, b):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("b,cluster", [(256, 2), (512, 2), (512, 4), (1024, 4)])
+def test_cluster_multicast_exact_scores(layout, b, cluster):
+  # Weight tiles multicast across clusters of 2 and 4 CTAs (each loads a
+  # part and the cluster's slots are released together): tokens and scores
+  # bit for bit against the xla backend, greedy rows among them.
+  import dataclasses
+  from pallas_kernels import sm90_config
+  d, v = 512, 5003
+  h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=b + cluster)
+  cfg = dataclasses.replace(sm90_config.pick_blocked_config(b, d, v + 5),
+                            cluster=cluster)
+  for t in (0.6, 1.3):
+    temp = jnp.full((b,), t, jnp.float32).at[::9].set(0.0)
+    p = problem.prepare(h, w, inputs.row_keys(b, seed=b), temperature=temp,
+                        weight_layout=layout, vocab_size=5000)
+    got = jax.jit(lambda p: MosaicBackend(config=cfg).candidates(p))(p)
+    want = jax.jit(lambda p: xla_backend.candidates(p))(p)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 @pytest.mark.parametrize("b", [130, 256])
 def test_controls_batch_blocks_match_xla(b):
   # Truncation at B > 64: one launch of ceil(B / 64) blocks; the best of

@@ -1,0 +1,120 @@
+"""Batch blocks with the weight tile multicast across a cluster (issue #20).
+
+At B >= 256 the batch-major launch runs ``nb`` blocks of 128 rows, and the
+``nb`` CTAs that share a weight tile each copy it from L2 into their own
+shared memory: every 128 x 128 work item moves its weight tile (D x 256
+bytes) and its H block (the same again) out of L2. ``TuningConfig.cluster``
+makes the CTAs of a cluster load a part of each weight tile each and
+multicast it, so a tile leaves L2 once per cluster. This measures the
+variants in alternating rounds (as ``exp_interleave``: at the power cap a
+variant's time depends on what ran before it) and checks that every variant
+returns the same tokens as the launch without clusters:
+
+  python3 -m benchmarks.experiments.exp_cluster S:256,512 L:256 --rounds 3
+
+``--once NAME`` runs one variant once per point instead (for Nsight
+Compute). ``--variants a,b,..`` names the kernel variants (see
+:func:`variant_config`; default: ``blocks``, clusters of 2 and 4, each also
+with one wgmma left in flight); ``xla`` (XLA's dot + categorical) always
+runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashsample_jax as fs
+from benchmarks._timing import median_us
+from benchmarks.shapes import HEADS, random_head
+from flashsample_jax.backends.mosaic import MosaicBackend
+from pallas_kernels.sm90_config import SMEM_BUDGET, pick_blocked_config
+
+_DEFAULT = ("blocks", "c2", "c2_f1", "c4", "c4_f1")
+
+
+def variant_config(name, b, d, v):
+  """The config a variant name describes, from the heuristic's blocked
+  config with ``cluster=1``: ``blocks`` as is, else ``_``-joined settings
+  ``c<cluster>``, ``p<epi_passes>``, ``f<mma_in_flight>``, ``d<tile_d>``,
+  ``s<slots>`` (default: the most slots, up to 8, that fit the SMEM budget),
+  e.g. ``c2_p4_f1``. None where the settings do not apply."""
+  cfg = dataclasses.replace(pick_blocked_config(b, d, v), cluster=1)
+  if name == "blocks":
+    return cfg
+  keys = {"c": "cluster", "p": "epi_passes", "f": "mma_in_flight",
+          "d": "tile_d", "s": "max_concurrent_steps"}
+  kw = {keys[part[0]]: int(part[1:]) for part in name.split("_")}
+  try:
+    cfg = dataclasses.replace(cfg, **kw)
+    if "max_concurrent_steps" not in kw:
+      for steps in range(8, 1, -1):
+        wide = dataclasses.replace(cfg, max_concurrent_steps=steps)
+        if wide.smem_bytes(128, 2) <= SMEM_BUDGET:
+          cfg = wide
+          break
+    cfg.check_problem(n=128, dim=d, rows=v)
+  except ValueError:
+    return None
+  return cfg
+
+
+def _variants(b, d, v, t, names):
+  out = {"xla": jax.jit(lambda h, w, k: jax.random.categorical(
+      k, jnp.dot(h, w.T, preferred_element_type=jnp.float32) / t))}
+  for name in names:
+    cfg = variant_config(name, b, d, v)
+    if cfg is None:
+      continue
+    be = MosaicBackend(config=cfg)
+    out[name] = jax.jit(lambda h, w, k, be=be: fs.sample(h, w, k, temperature=t,
+                                                         backend=be))
+  return out
+
+
+def main(specs, rounds, once=None, names=_DEFAULT):
+  for spec in specs:
+    head, batches = spec.split(":")
+    d, v = HEADS[head]
+    w = random_head(head, 1.3)
+    for b in (int(x) for x in batches.split(",")):
+      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
+      key = jax.random.key(7)
+      variants = _variants(b, d, v, jnp.float32(0.7), names)
+      if once is not None:
+        if once in variants:
+          jax.block_until_ready(variants[once](h, w, key))
+          print(f"ran {once} head={head} B={b}", flush=True)
+        continue
+      tokens = {n: np.asarray(f(h, w, key)) for n, f in variants.items()}
+      same = {n: bool((tok == tokens["blocks"]).all())
+              for n, tok in tokens.items() if n != "xla"}
+      print(json.dumps(dict(head=head, b=b, same_tokens=same)), flush=True)
+      for r in range(rounds):
+        rec = dict(head=head, b=b, round=r)
+        for name, f in variants.items():
+          rec[name] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+  args = sys.argv[1:]
+  rounds, once, names = 3, None, _DEFAULT
+  if "--rounds" in args:
+    i = args.index("--rounds")
+    rounds = int(args[i + 1])
+    del args[i:i + 2]
+  if "--once" in args:
+    i = args.index("--once")
+    once = args[i + 1]
+    del args[i:i + 2]
+  if "--variants" in args:
+    i = args.index("--variants")
+    names = tuple(args[i + 1].split(","))
+    del args[i:i + 2]
+  main(args, rounds, once, names)
