@@ -262,29 +262,12 @@ def tma_transforms(dtype):
 # ----------------------------------------------------------------------------
 
 
-CLUSTER_AXIS = "cluster"
-
-
-def launch_grid(cfg: TuningConfig, num_ctas: int) -> dict:
-  """The grid arguments of ``plgpu.kernel`` for ``num_ctas`` CTAs per batch
-  block: ``num_ctas * batch_blocks`` CTAs, in clusters of ``cfg.cluster``
-  (the grid axis "sm" then counts clusters)."""
-  total = num_ctas * cfg.batch_blocks
-  if cfg.cluster == 1:
-    return dict(grid=(total,), grid_names=("sm",))
-  return dict(grid=(total // cfg.cluster,), grid_names=("sm",),
-              cluster=(cfg.cluster,), cluster_names=(CLUSTER_AXIS,))
-
-
-def batch_block(nb: int, n: int, h_ref, *per_block, cluster: int = 1):
+def batch_block(nb: int, n: int, h_ref, *per_block):
   """This CTA's part of a launch of ``nb`` batch blocks of ``n`` rows
   (``TuningConfig.batch_blocks``): CTA ``c`` of the grid serves block
   ``c % nb`` as CTA ``c // nb`` of that block's CTAs, so the ``nb`` CTAs
   that read one weight tile are grid neighbours and run at the same time
-  (all but the first find the tile in L2). With clusters (``cluster``
-  dividing ``nb``), ``c`` counts CTAs across the clusters of
-  :func:`launch_grid`, so the CTAs of one cluster serve consecutive blocks
-  of the same tiles.
+  (all but the first find the tile in L2).
 
   Returns ``(cta, h_ref, per_block)``: the CTA's index among its block's
   CTAs (the grid index when ``nb == 1``), ``h_ref`` [nb * n, D] narrowed to
@@ -292,8 +275,6 @@ def batch_block(nb: int, n: int, h_ref, *per_block, cluster: int = 1):
   indexed by the block.
   """
   sm = lax.axis_index("sm")
-  if cluster > 1:
-    sm = sm * cluster + lax.axis_index(CLUSTER_AXIS)
   if nb == 1:
     return sm, h_ref, per_block
   block = lax.rem(sm, nb)
@@ -338,11 +319,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
         w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
         h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
-        # With clusters a slot holds weight rows that a peer CTA multicast
-        # into it: every CTA of the cluster releases it to every other.
-        empty=(plgpu.Barrier(num_arrivals=1, num_barriers=S) if cfg.cluster == 1
-               else plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,),
-                                         num_arrivals=1, num_barriers=S)),
+        empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
         rowdata_smem=rowdata_smem,
         acc_smem=acc_smem,
         acc_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),
@@ -364,7 +341,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
         stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
                      full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
                      k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
-                     total=n_local * k_steps, cluster=cfg.cluster)
+                     total=n_local * k_steps)
 
       def operands(slot):
         w_slot = w_smem.at[slot]
@@ -444,14 +421,9 @@ def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
 
 def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
                  vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
-                 num_ctas: int, total, cluster: int = 1):
+                 num_ctas: int, total):
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
-  ``(local tile i, k)`` steps in order through the ring of ``S`` slots.
-  With ``cluster > 1`` the CTAs of a cluster stream the same tiles in
-  lockstep and each copies ``1 / cluster`` of every weight step into the
-  slot of all of them (TMA multicast; each ``full`` barrier still expects
-  the whole step)."""
-  w_collective = CLUSTER_AXIS if cluster > 1 else None
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
 
   @pl.loop(0, total)
   def _step(s):
@@ -462,8 +434,7 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
     else:
       w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
     bar = full.at[lax.rem(i, 2) * S + slot]
-    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar,
-                            collective_axes=w_collective)
+    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
     # H may have fewer rows than the slot (a multiple of 8): its rows fill
     # the top of the slot and the rest is never written (those accumulator
     # rows are padding, dropped by the caller).

@@ -125,14 +125,6 @@ class TuningConfig:
       batch_blocks)``, so the CTAs of one tile's blocks run side by side and
       all but the first read its weight rows from L2: one pass over W from
       HBM for ``N * batch_blocks`` rows, work items of ``N x Vt``.
-    cluster: ``PINGPONG_BATCH_M`` with batch blocks: CTAs per cluster (1, 2
-      or 4, dividing ``batch_blocks``). The CTAs of a cluster serve
-      consecutive blocks of the same vocabulary tiles, and each loads
-      ``1 / cluster`` of every weight tile from L2 and multicasts it to all
-      of them (TMA multicast), so a weight tile leaves L2 once per cluster,
-      not once per block. The slots are then released cluster-wide: a CTA's
-      memory warpgroup refills a slot only once every CTA of the cluster has
-      consumed it.
   """
 
   schedule: Schedule = Schedule.COOPERATIVE
@@ -146,14 +138,12 @@ class TuningConfig:
   epi_passes: int = 1
   mma_in_flight: int = 1
   batch_blocks: int = 1
-  cluster: int = 1
 
   def __post_init__(self):
     if not isinstance(self.schedule, Schedule):
       raise TypeError(f"schedule={self.schedule!r} must be a Schedule")
     for name in ("tile_v", "tile_d", "max_concurrent_steps", "epi_cols",
-                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks",
-                 "cluster"):
+                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
@@ -200,11 +190,6 @@ class TuningConfig:
     if self.batch_blocks > 1 and not self.schedule.batch_major:
       raise ValueError(f"batch_blocks={self.batch_blocks} needs PINGPONG_BATCH_M, "
                        f"got {self.schedule.name}")
-    if self.cluster not in (1, 2, 4):
-      raise ValueError(f"cluster={self.cluster} must be 1, 2 or 4")
-    if self.batch_blocks % self.cluster:
-      raise ValueError(f"cluster={self.cluster} must divide "
-                       f"batch_blocks={self.batch_blocks}")
     if tile_d <= 0 or tile_d % 64:
       raise ValueError(f"{tile_d=} must be a positive multiple of 64")
     if steps < 1:
@@ -435,7 +420,9 @@ def pick_blocked_config(batch: int, dim: int, rows: int,
   """The config of one launch of ``batch <= BLOCK_ROWS * MAX_BLOCKS`` rows in
   ``ceil(batch / 128)`` blocks: the N = 128 settings of the table, with
   ``Dt = 128`` in 2 slots where D allows from :func:`wide_d_min_blocks`
-  blocks on (the device kind ``kind``: default the first GPU's)."""
+  blocks on (the device kind ``kind``: default the first GPU's). From
+  :data:`DEEP_D` on, the epilogue runs in :data:`DEEP_D_PASSES` passes with
+  one wgmma in flight, in the most slots that fit."""
   blocks = max(1, -(-batch // BLOCK_ROWS))
   if blocks > MAX_BLOCKS:
     raise ValueError(f"{batch=} rows need {blocks} blocks, more than {MAX_BLOCKS}")
@@ -446,7 +433,26 @@ def pick_blocked_config(batch: int, dim: int, rows: int,
     steps = (SMEM_BUDGET - fixed) // ((base.tile_v + BLOCK_ROWS) * 128 * itemsize)
     if steps >= 2:
       base = dataclasses.replace(base, tile_d=128, max_concurrent_steps=int(min(8, steps)))
+  if dim >= DEEP_D:
+    base = dataclasses.replace(base, epi_passes=DEEP_D_PASSES, mma_in_flight=1)
+    base = dataclasses.replace(base, max_concurrent_steps=max(
+        s for s in range(2, 9)
+        if dataclasses.replace(base, max_concurrent_steps=s).smem_bytes(
+            BLOCK_ROWS, itemsize) <= SMEM_BUDGET))
   return dataclasses.replace(base, batch_blocks=blocks)
+
+
+# Blocked launches at D >= DEEP_D take the epilogue in DEEP_D_PASSES passes
+# (a quarter of the accumulator buffer: Dt = 64 in 6 slots instead of 4,
+# Dt = 128 in 3 instead of 2) and keep one wgmma in flight. There a tile's
+# wgmma steps (128 per tile at D = 8192, Dt = 64) take longer than the
+# other warpgroup's epilogue, so the gap each wgmma_wait(0) leaves between
+# steps is what the tensor cores lose. Measured on an H100 in alternating
+# rounds (PERF_LOG, nineteenth session): at D = 8192 4-8% faster at B = 256,
+# 512 and 1024; at D = 2048 and 4096 no better or slower (the epilogue
+# passes cost more than the slots gain).
+DEEP_D = 8192
+DEEP_D_PASSES = 4
 
 
 # The fewest batch blocks whose launch takes Dt = 128 in 2 slots, for the

@@ -192,8 +192,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   # N rows; this CTA serves one (sm90_common.batch_block).
   per_block = ((rowdata_ref, f_ref, i_ref) + ((planes_ref,) if spec.planes else ())
                + ((t_ref,) if spec.materialize else ()))
-  cta, h_ref, per_block = common.batch_block(cfg.batch_blocks, n, h_ref, *per_block,
-                                             cluster=cfg.cluster)
+  cta, h_ref, per_block = common.batch_block(cfg.batch_blocks, n, h_ref, *per_block)
   rowdata_ref, f_ref, i_ref = per_block[:3]
   planes_ref = per_block[3] if spec.planes else None
   t_ref = per_block[-1] if spec.materialize else None
@@ -426,7 +425,7 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
   if spec.materialize:
     out_type += (jax.ShapeDtypeStruct(lead + (t_width,), jnp.float32),)
   f = plgpu.kernel(
-      body, out_type=out_type, **common.launch_grid(cfg, num_ctas),
+      body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       kernel_name=("flashsample_sm90_tempered_rows" if spec.materialize
                    else "flashsample_sm90_controls"),

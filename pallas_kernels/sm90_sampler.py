@@ -336,8 +336,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   cta, h_ref, (rowdata_ref, score_ref, index_ref) = common.batch_block(
-      cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref,
-      cluster=cfg.cluster)
+      cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref)
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
     rl = _ROWS
@@ -441,7 +440,7 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   out_type = (jax.ShapeDtypeStruct(shape, jnp.float32),
               jax.ShapeDtypeStruct(shape, jnp.int32))
   f = plgpu.kernel(
-      body, out_type=out_type, **common.launch_grid(cfg, num_ctas),
+      body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
       kernel_name="flashsample_sm90",  # the name profilers show
       compiler_params=plgpu.CompilerParams(

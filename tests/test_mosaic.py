@@ -172,6 +172,18 @@ def test_blocked_config_by_device_kind():
     assert cfg(256, kind).tile_d == 64, kind
   for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
     assert cfg(384, kind).tile_d == 128 and cfg(384, kind).batch_blocks == 3
+  # From D = 8192 the epilogue in 4 passes frees SMEM for more slots, and a
+  # wgmma stays in flight; below, one pass and none in flight.
+  for b, kind, dt, slots in ((256, "NVIDIA H100 80GB HBM3", 64, 6),
+                             (512, "NVIDIA H100 80GB HBM3", 128, 3),
+                             (256, "NVIDIA H200", 128, 3)):
+    deep = sm90_config.pick_blocked_config(b, 8192, 128256, 2, kind)
+    assert (deep.tile_d, deep.max_concurrent_steps, deep.epi_passes,
+            deep.mma_in_flight) == (dt, slots, 4, 1), (b, kind)
+    deep.check_problem(n=128, dim=8192, rows=128256)
+  for b in (256, 512):
+    flat = cfg(b, "NVIDIA H100 80GB HBM3")
+    assert (flat.epi_passes, flat.mma_in_flight) == (1, 0)
   # D not a multiple of 128 keeps Dt = 64 on every device.
   assert sm90_config.pick_blocked_config(256, 2880, 201088, 2, "NVIDIA H200").tile_d == 64
   assert devices.is_kind("NVIDIA H200", "NVIDIA H200")
@@ -184,17 +196,17 @@ def test_blocked_config_by_device_kind():
     assert sm90_config.pick_blocked_config(256, 4096, 151936).tile_d == 128
 
 
-@pytest.mark.parametrize("blocks,cluster,b", [(2, 2, 150), (3, 1, 130)])
-def test_batch_blocks_share_one_launch(blocks, cluster, b):
+@pytest.mark.parametrize("blocks,passes,in_flight,b", [(2, 4, 1, 150), (3, 1, 0, 130)])
+def test_batch_blocks_share_one_launch(blocks, passes, in_flight, b):
   # Rows in blocks of 64 (the last partly padding), one launch; 11 tiles of
   # 64 over 4 // blocks CTAs per block; scalar and per-row keys. Two blocks
-  # run as one cluster of two CTAs that multicast each weight tile.
+  # with the epilogue in 4 passes of 2 chunks and a wgmma in flight.
   d, v = 64, 700
   h, w = inputs.exact_inputs(b, d, v, seed=8)
   t = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=64,
-                     max_concurrent_steps=2, epi_cols=8, mma_in_flight=0,
-                     batch_blocks=blocks, cluster=cluster)
+                     max_concurrent_steps=2, epi_cols=8, mma_in_flight=in_flight,
+                     batch_blocks=blocks, epi_passes=passes)
   from pallas_kernels import sm90_sampler
   assert len(sm90_sampler.launches(b, d, v, 2, cfg)) == 1
   for key in (jax.random.key(8), inputs.row_keys(b, seed=8)):
@@ -203,11 +215,11 @@ def test_batch_blocks_share_one_launch(blocks, cluster, b):
     _assert_same_candidates(got, xla_backend.candidates(p), p)
 
 
-@pytest.mark.parametrize("cluster", [1, 2, 4])
-def test_batch_blocks_lower_for_cuda(cluster):
+@pytest.mark.parametrize("passes,steps,in_flight", [(1, 4, 0), (4, 6, 1)])
+def test_batch_blocks_lower_for_cuda(passes, steps, in_flight):
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
-                     max_concurrent_steps=4, epi_cols=8, mma_in_flight=0,
-                     batch_blocks=4, cluster=cluster)
+                     max_concurrent_steps=steps, epi_cols=8, mma_in_flight=in_flight,
+                     batch_blocks=4, epi_passes=passes)
   for layout in ("vd", "dv"):
     lowered = _lower_for_cuda(512, 4096, 151936, layout, jnp.bfloat16,
                               backend=MosaicBackend(assume_sm90=True, config=cfg))
@@ -369,7 +381,7 @@ _PP, _BM = Schedule.PINGPONG_VOCAB_M, Schedule.PINGPONG_BATCH_M
     (dict(tile_v=64, compute_wgs=2), "tile_v=64"),
     (dict(epi_passes=0), "epi_passes=0"),
     (dict(schedule=_PP, compute_wgs=1), "PINGPONG_VOCAB_M runs 2 compute warpgroups"),
-    (dict(schedule=_BM, epi_passes=2), "epi_passes=2: PINGPONG_BATCH_M"),
+    (dict(schedule=_BM, epi_passes=3), "epi_passes=3 must split the 8 column chunks"),
     (dict(schedule=_PP, max_concurrent_steps=1),
      "PINGPONG_VOCAB_M with mma_in_flight=1 needs max_concurrent_steps >= 2"),
     (dict(mma_in_flight=2), "mma_in_flight=2"),
@@ -377,9 +389,10 @@ _PP, _BM = Schedule.PINGPONG_VOCAB_M, Schedule.PINGPONG_BATCH_M
      "must divide tile_v=64"),
     (dict(schedule=_BM, batch_blocks=0), "batch_blocks=0"),
     (dict(batch_blocks=2), "batch_blocks=2 needs PINGPONG_BATCH_M"),
-    (dict(schedule=_BM, batch_blocks=2, cluster=3), "cluster=3 must be 1, 2 or 4"),
-    (dict(schedule=_BM, batch_blocks=2, cluster=4), "cluster=4 must divide batch_blocks=2"),
-    (dict(schedule=_BM, cluster=2), "cluster=2 must divide batch_blocks=1"),
+    (dict(schedule=_BM, tile_v=128, epi_cols=8, epi_passes=32),
+     "epi_passes=32 must split the 16 column chunks"),
+    (dict(schedule=_BM, tile_v=128, epi_cols=8, epi_unroll=2, epi_passes=16),
+     "passes of a multiple of epi_unroll=2"),
 ])
 def test_bad_config_raises_value_error(kw, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(")):
@@ -438,8 +451,9 @@ def test_auto_picks_xla_on_cpu_and_mosaic_raises():
 
 
 @pytest.mark.parametrize("b,d,ctl,want", [
-    (256, 8192, {}, False),      # PLAIN_DENSE: the dense route measured faster
-    (128, 8192, {}, True), (512, 8192, {}, True), (256, 4096, {}, True),
+    (320, 8192, {}, False),      # PLAIN_DENSE: the dense route measured faster
+    (128, 8192, {}, True), (256, 8192, {}, True), (512, 8192, {}, True),
+    (256, 4096, {}, True),
     (256, 8192, dict(top_k=5), True),      # truncation: the kernel at every B
     (256, 4096, dict(softcap=30.0), False),  # other controls: <= ROUTE_MAX_ROWS
     (192, 4096, dict(softcap=30.0), True),
@@ -458,8 +472,8 @@ def test_plain_dense_points_per_gpu():
   dense = lambda kind, d, b: any(d >= dm and lo <= b <= hi
                                  for dm, lo, hi in mosaic_backend.plain_dense(kind))
   for kind in ("NVIDIA H100 80GB HBM3", "", "NVIDIA GH200 480GB"):
-    assert [dense(kind, 8192, b) for b in (128, 160, 192, 256, 320, 512)] == [
-        False, False, False, True, True, False]
+    assert [dense(kind, 8192, b) for b in (128, 192, 256, 257, 320, 321, 512)] == [
+        False, False, False, True, True, False, False]
     assert not dense(kind, 4096, 192)
   for kind in ("NVIDIA H200", "NVIDIA H200 NVL"):
     assert [dense(kind, 8192, b) for b in (128, 129, 192, 256, 320, 321)] == [

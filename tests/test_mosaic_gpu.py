@@ -227,17 +227,20 @@ def test_batch_blocks_exact_scores(layout, b):
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-@pytest.mark.parametrize("b,cluster", [(256, 2), (512, 2), (512, 4), (1024, 4)])
-def test_cluster_multicast_exact_scores(layout, b, cluster):
-  # Weight tiles multicast across clusters of 2 and 4 CTAs (each loads a
-  # part and the cluster's slots are released together): tokens and scores
-  # bit for bit against the xla backend, greedy rows among them.
+@pytest.mark.parametrize("b,passes,in_flight", [(256, 2, 0), (256, 4, 1), (512, 4, 1)])
+def test_epilogue_passes_exact_scores(layout, b, passes, in_flight):
+  # The batch-major epilogue in passes (a smaller accumulator buffer, more
+  # slots), with and without a wgmma in flight: tokens and scores bit for
+  # bit against the xla backend, greedy rows among them.
   import dataclasses
   from pallas_kernels import sm90_config
   d, v = 512, 5003
-  h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=b + cluster)
+  h, w = inputs.exact_inputs(b, d, v, layout=layout, seed=b + passes)
   cfg = dataclasses.replace(sm90_config.pick_blocked_config(b, d, v + 5),
-                            cluster=cluster)
+                            epi_passes=passes, mma_in_flight=in_flight)
+  cfg = max((dataclasses.replace(cfg, max_concurrent_steps=s) for s in range(2, 9)
+             if dataclasses.replace(cfg, max_concurrent_steps=s).smem_bytes(128)
+             <= sm90_config.SMEM_BUDGET), key=lambda c: c.max_concurrent_steps)
   for t in (0.6, 1.3):
     temp = jnp.full((b,), t, jnp.float32).at[::9].set(0.0)
     p = problem.prepare(h, w, inputs.row_keys(b, seed=b), temperature=temp,

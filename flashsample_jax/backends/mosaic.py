@@ -36,12 +36,13 @@ SAMPLES_AS_ROWS_MAX = 128
 # the dense route without truncation (see MosaicBackend.prefers).
 ROUTE_MAX_ROWS = 192
 # Plain sampling where the dense route measured faster than the kernel:
-# (smallest D, fewest rows, most rows). At D = 8192 and B = 256 or 320 the
-# kernel ran ~6% behind the dense route on the H100 in alternating rounds
-# (and at 0.92-0.99x XLA's dot + categorical), the dense route level with
-# XLA; at B = 128 and 512 the kernel wins (PERF_LOG "Routes at large B",
-# sixteenth session).
-PLAIN_DENSE = ((8192, 193, 320),)
+# (smallest D, fewest rows, most rows). At D = 8192 and B = 320 (three
+# blocks) the kernel ran 4-6% behind the dense route on the H100 in
+# alternating rounds; at B = 256 (two blocks, since its epilogue passes and
+# wgmma in flight) it ran 8-10% ahead of it and 2-8% ahead of XLA's dot +
+# categorical, and at B = 128 and 512 it wins too (PERF_LOG, sixteenth and
+# nineteenth sessions).
+PLAIN_DENSE = ((8192, 257, 320),)
 # Where a GPU's points differ. The H200's faster memory leaves its single
 # launches of 129-192 rows behind the dense route sooner (PERF_LOG,
 # sixteenth session, alternating rounds at B = 128, 144, 160, 176, 192): at

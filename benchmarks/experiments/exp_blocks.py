@@ -1,22 +1,21 @@
-"""Batch blocks with the weight tile multicast across a cluster (issue #20).
+"""Variants of the blocked batch-major launch (issue #20), at B >= 193.
 
-At B >= 256 the batch-major launch runs ``nb`` blocks of 128 rows, and the
-``nb`` CTAs that share a weight tile each copy it from L2 into their own
-shared memory: every 128 x 128 work item moves its weight tile (D x 256
-bytes) and its H block (the same again) out of L2. ``TuningConfig.cluster``
-makes the CTAs of a cluster load a part of each weight tile each and
-multicast it, so a tile leaves L2 once per cluster. This measures the
-variants in alternating rounds (as ``exp_interleave``: at the power cap a
-variant's time depends on what ran before it) and checks that every variant
-returns the same tokens as the launch without clusters:
+Measures settings of the heuristic's blocked config in alternating rounds
+(as ``exp_interleave``: at the power cap a variant's time depends on what
+ran before it) and checks that every variant returns the same tokens as the
+heuristic's launch:
 
-  python3 -m benchmarks.experiments.exp_cluster S:256,512 L:256 --rounds 3
+  python3 -m benchmarks.experiments.exp_blocks S:256,512 L:256 --rounds 3 \
+      --variants blocks,f1,p4_f1,dense
 
-``--once NAME`` runs one variant once per point instead (for Nsight
-Compute). ``--variants a,b,..`` names the kernel variants (see
-:func:`variant_config`; default: ``blocks``, clusters of 2 and 4, each also
-with one wgmma left in flight); ``xla`` (XLA's dot + categorical) always
-runs.
+``--variants`` names the variants (see :func:`variant_config`; ``dense``
+and ``auto`` are the dense route and ``backend="auto"``); ``xla`` (XLA's
+dot + categorical) always runs. ``--once NAME`` runs one variant once per
+point instead (for Nsight Compute).
+
+The nineteenth session (PERF_LOG) also measured the weight tiles multicast
+across clusters of 2 and 4 CTAs with this script; that code is in commit
+8a3333b, and was removed because it did not pay.
 """
 
 from __future__ import annotations
@@ -35,21 +34,22 @@ from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import SMEM_BUDGET, pick_blocked_config
 
-_DEFAULT = ("blocks", "c2", "c2_f1", "c4", "c4_f1")
+_DEFAULT = ("blocks", "f1", "p4_f1")
 
 
 def variant_config(name, b, d, v):
-  """The config a variant name describes, from the heuristic's blocked
-  config with ``cluster=1``: ``blocks`` as is, else ``_``-joined settings
-  ``c<cluster>``, ``p<epi_passes>``, ``f<mma_in_flight>``, ``d<tile_d>``,
-  ``s<slots>`` (default: the most slots, up to 8, that fit the SMEM budget),
-  e.g. ``c2_p4_f1``. None where the settings do not apply."""
-  cfg = dataclasses.replace(pick_blocked_config(b, d, v), cluster=1)
-  if name == "blocks":
-    return cfg
-  keys = {"c": "cluster", "p": "epi_passes", "f": "mma_in_flight",
+  """The config a variant name describes: the heuristic's blocked config
+  with the epilogue in one pass and no wgmma in flight (the settings of the
+  sixteenth session) for ``blocks``, else with ``_``-joined settings
+  ``p<epi_passes>``, ``f<mma_in_flight>``, ``d<tile_d>``, ``s<slots>``
+  (default: the most slots, up to 8, that fit the SMEM budget), e.g.
+  ``p4_f1``. None where the settings do not apply."""
+  cfg = dataclasses.replace(pick_blocked_config(b, d, v), epi_passes=1,
+                            mma_in_flight=0)
+  keys = {"p": "epi_passes", "f": "mma_in_flight",
           "d": "tile_d", "s": "max_concurrent_steps"}
-  kw = {keys[part[0]]: int(part[1:]) for part in name.split("_")}
+  kw = {} if name == "blocks" else {
+      keys[part[0]]: int(part[1:]) for part in name.split("_")}
   try:
     cfg = dataclasses.replace(cfg, **kw)
     if "max_concurrent_steps" not in kw:
@@ -68,6 +68,10 @@ def _variants(b, d, v, t, names):
   out = {"xla": jax.jit(lambda h, w, k: jax.random.categorical(
       k, jnp.dot(h, w.T, preferred_element_type=jnp.float32) / t))}
   for name in names:
+    if name in ("dense", "auto"):
+      out[name] = jax.jit(lambda h, w, k, name=name: fs.sample(
+          h, w, k, temperature=t, backend=name))
+      continue
     cfg = variant_config(name, b, d, v)
     if cfg is None:
       continue
