@@ -37,6 +37,20 @@ def median_us(f, *args, warmup: int = 5, reps: int = 15, inner: int = 10):
   return statistics.median(samples), samples
 
 
+def timed_rounds(variants, *args, rounds: int, **tags):
+  """Times ``variants`` (name -> function of ``args``) in turn, ``rounds``
+  times, and prints one JSON line per round: ``tags`` and each variant's
+  median us. At the power cap a variant's time depends on what ran just
+  before it, so a decision should rest on the rounds' spread (PERF_LOG,
+  sixteenth session)."""
+  import json
+  for r in range(rounds):
+    rec = dict(tags, round=r)
+    for name, f in variants.items():
+      rec[name] = round(median_us(f, *args, reps=7, inner=20)[0], 1)
+    print(json.dumps(rec), flush=True)
+
+
 def trace_events(f, *args, calls: int = 6):
   """Device and host events of ``calls`` back-to-back calls of ``f(*args)``
   (after one warm-up call), from a JAX profiler trace.

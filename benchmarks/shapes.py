@@ -21,3 +21,17 @@ def random_head(head: str, logit_std: float = 3.0, seed: int = 1):
   d, v = HEADS[head]
   w = jax.random.normal(jax.random.key(seed), (v, d), jnp.float32)
   return (w * (logit_std / d**0.5)).astype(jnp.bfloat16)
+
+
+def points(specs, logit_std: float = 1.3):
+  """``(head, D, V, B, w, h)`` for each point of ``specs`` like
+  ``["S:256,512", "L:256"]``: the head's :func:`random_head` (drawn once per
+  head) and N(0, 1) bf16 hidden states of B rows (seeded by B)."""
+  import jax
+  import jax.numpy as jnp
+  for spec in specs:
+    head, batches = spec.split(":")
+    d, v = HEADS[head]
+    w = random_head(head, logit_std)
+    for b in (int(x) for x in batches.split(",")):
+      yield head, d, v, b, w, jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)

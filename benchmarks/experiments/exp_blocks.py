@@ -10,7 +10,8 @@ heuristic's launch:
 
 ``--variants`` names the variants (see :func:`variant_config`; ``dense``
 and ``auto`` are the dense route and ``backend="auto"``); ``xla`` (XLA's
-dot + categorical) always runs. ``--once NAME`` runs one variant once per
+dot + categorical) always runs; ``same_tokens`` compares each variant's
+tokens with the first variant's. ``--once NAME`` runs one variant once per
 point instead (for Nsight Compute).
 
 The nineteenth session (PERF_LOG) also measured the weight tiles multicast
@@ -29,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
-from benchmarks._timing import median_us
-from benchmarks.shapes import HEADS, random_head
+from benchmarks._timing import timed_rounds
+from benchmarks.shapes import points
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import SMEM_BUDGET, pick_blocked_config
 
@@ -82,28 +83,20 @@ def _variants(b, d, v, t, names):
 
 
 def main(specs, rounds, once=None, names=_DEFAULT):
-  for spec in specs:
-    head, batches = spec.split(":")
-    d, v = HEADS[head]
-    w = random_head(head, 1.3)
-    for b in (int(x) for x in batches.split(",")):
-      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-      key = jax.random.key(7)
-      variants = _variants(b, d, v, jnp.float32(0.7), names)
-      if once is not None:
-        if once in variants:
-          jax.block_until_ready(variants[once](h, w, key))
-          print(f"ran {once} head={head} B={b}", flush=True)
-        continue
-      tokens = {n: np.asarray(f(h, w, key)) for n, f in variants.items()}
-      same = {n: bool((tok == tokens["blocks"]).all())
-              for n, tok in tokens.items() if n != "xla"}
-      print(json.dumps(dict(head=head, b=b, same_tokens=same)), flush=True)
-      for r in range(rounds):
-        rec = dict(head=head, b=b, round=r)
-        for name, f in variants.items():
-          rec[name] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
-        print(json.dumps(rec), flush=True)
+  key = jax.random.key(7)
+  for head, d, v, b, w, h in points(specs):
+    variants = _variants(b, d, v, jnp.float32(0.7), names)
+    if once is not None:
+      if once in variants:
+        jax.block_until_ready(variants[once](h, w, key))
+        print(f"ran {once} head={head} B={b}", flush=True)
+      continue
+    tokens = {n: np.asarray(f(h, w, key)) for n, f in variants.items()}
+    first = next(n for n in variants if n != "xla")
+    same = {n: bool((tok == tokens[first]).all())
+            for n, tok in tokens.items() if n != "xla"}
+    print(json.dumps(dict(head=head, b=b, same_tokens=same)), flush=True)
+    timed_rounds(variants, h, w, key, rounds=rounds, head=head, b=b)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,14 @@ and round.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 
 import flashsample_jax as fs
-from benchmarks._timing import median_us
-from benchmarks.shapes import HEADS, random_head
+from benchmarks._timing import timed_rounds
+from benchmarks.shapes import points
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels import sm90_sampler
 from pallas_kernels.sm90_config import BLOCK_ROWS, SMEM_BUDGET, pick_blocked_config
@@ -58,22 +57,13 @@ def _variants(d, v, b, t):
   return out
 
 
-def main(points, rounds):
-  for point in points:
-    head, b = point.split(":")
-    b = int(b)
-    d, v = HEADS[head]
-    w = random_head(head, 1.3)
-    h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-    key = jax.random.key(7)
+def main(specs, rounds):
+  key = jax.random.key(7)
+  for head, d, v, b, w, h in points(specs):
     variants = _variants(d, v, b, jnp.float32(0.7))
     for f in variants.values():
       jax.block_until_ready(f(h, w, key))
-    for r in range(rounds):
-      rec = dict(head=head, b=b, round=r)
-      for name, f in variants.items():
-        rec[name] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
-      print(json.dumps(rec), flush=True)
+    timed_rounds(variants, h, w, key, rounds=rounds, head=head, b=b)
 
 
 if __name__ == "__main__":

@@ -19,24 +19,18 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
-from benchmarks.shapes import HEADS, random_head
+from benchmarks.shapes import points
 
 
 def main(specs):
-  for spec in specs:
-    head, batches = spec.split(":")
-    d, v = HEADS[head]
-    w = random_head(head, 1.3)
-    for b in (int(x) for x in batches.split(",")):
-      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-      f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend="mosaic"))
-      tok = f(h, w, jax.random.key(2)).block_until_ready()
-      print(f"call head={head} B={b} W_bytes={w.size * 2} H_bytes={h.size * 2} "
-            f"tokens={int(np.asarray(tok).sum())}", flush=True)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend="mosaic"))
+  for head, _, _, b, w, h in points(specs):
+    tok = f(h, w, jax.random.key(2)).block_until_ready()
+    print(f"call head={head} B={b} W_bytes={w.size * 2} H_bytes={h.size * 2} "
+          f"tokens={int(np.asarray(tok).sum())}", flush=True)
 
 
 if __name__ == "__main__":
