@@ -43,6 +43,11 @@ from pallas_kernels.sm90_config import TuningConfig, round_up
 SWIZZLE = 128
 # CompilerParams' suggested reduction scratch (jnp.max/min inside a warpgroup).
 REDUCTION_SCRATCH_BYTES = 2 * 128 * 6 * 4
+# Profiler regions per warpgroup and launch (Target.profile_dir; three per
+# tile of a compute warpgroup). Their buffers take 16 bytes per region per
+# warpgroup of shared memory, which the fullest configs have left over;
+# later regions are dropped (bounds-checked), never written past the end.
+PROFILE_REGIONS = 128
 # Alignment of the vocabulary axis that TMA needs (see pad_vocab).
 _VD_ROW_ALIGN = 8
 _DV_COL_ALIGN = SWIZZLE // 2
@@ -68,13 +73,31 @@ class Target:
       races and accepts some ops that do not lower; test lowering too).
     num_sms: CTAs of the persistent grids; None: the device's SM count (or
       that of the enclosing abstract mesh's device).
+    profile_dir: on a GPU, a directory for Mosaic GPU's profiler: each
+      launch writes a trace of every warpgroup's named regions (the
+      ping-pong kernels name ``stream``, ``mma``, ``acc_wait`` and
+      ``epilogue``) with their start and end times. For experiments; the
+      instrumentation costs a few instructions per region.
   """
 
   interpret: plgpu.InterpretGPUParams | None = None
   num_sms: int | None = None
+  profile_dir: str | None = None
 
   def sms(self) -> int:
     return self.num_sms or device_num_sms()
+
+  def compiler_params(self, *, reduction_scratch: bool = True):
+    """The launches' ``plgpu.CompilerParams``: Lane semantics, the
+    reduction scratch of in-warpgroup ``jnp.max``/``min`` (where a kernel
+    uses them) and, with ``profile_dir``, the profiler."""
+    kw = dict(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    if reduction_scratch:
+      kw["reduction_scratch_bytes"] = REDUCTION_SCRATCH_BYTES
+    if self.profile_dir and self.interpret is None:
+      kw.update(profile_space=PROFILE_REGIONS, profile_dir=self.profile_dir,
+                profile_bounds_check=True)
+    return plgpu.CompilerParams(**kw)
 
 
 def device_num_sms() -> int:
@@ -338,10 +361,11 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
         # Per-row key words, counters and temperatures for every epilogue
         # (GMEM loads into the register layouts do not lower, SMEM ones do).
         plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
-        stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
-                     full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
-                     k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
-                     total=n_local * k_steps)
+        with jax.named_scope("stream"):
+          stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                       full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                       k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
+                       total=n_local * k_steps)
 
       def operands(slot):
         w_slot = w_smem.at[slot]
@@ -396,18 +420,22 @@ def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
     consume(acc_ref, i=i)
     return acc_ref[...]
 
-  acc = pl.run_scoped(mma, plgpu.ACC(acc_shape, jnp.float32))
+  with jax.named_scope("mma"):
+    acc = pl.run_scoped(mma, plgpu.ACC(acc_shape, jnp.float32))
 
   if acc_free is None:
-    return epilogue(acc, tile, start, tile * vt - start, carry)
+    with jax.named_scope("epilogue"):
+      return epilogue(acc, tile, start, tile * vt - start, carry)
 
   # The accumulator buffer is shared: wait until the other warpgroup's
   # epilogue (of local tile i - 1) has read it all.
   @pl.when(i > 0)
   def _():
-    plgpu.barrier_wait(acc_free.at[wg])
+    with jax.named_scope("acc_wait"):
+      plgpu.barrier_wait(acc_free.at[wg])
 
-  carry = epilogue(acc, tile, start, tile * vt - start, carry)
+  with jax.named_scope("epilogue"):
+    carry = epilogue(acc, tile, start, tile * vt - start, carry)
 
   # Every thread arrives once it is done reading (Lane semantics count 128
   # arrivals); none after the CTA's last tile, so that every phase is waited

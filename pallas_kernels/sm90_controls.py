@@ -429,9 +429,7 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
       num_threads=3, thread_name="wg",
       kernel_name=("flashsample_sm90_tempered_rows" if spec.materialize
                    else "flashsample_sm90_controls"),
-      compiler_params=plgpu.CompilerParams(
-          reduction_scratch_bytes=common.REDUCTION_SCRATCH_BYTES,
-          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      compiler_params=target.compiler_params(),
       interpret=target.interpret)
   extra = [a for a in (bias, planes, active) if a is not None]
   fo, io, *t = f(offset, rowdata, h, w, *extra)

@@ -443,9 +443,7 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
       body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
       kernel_name="flashsample_sm90",  # the name profilers show
-      compiler_params=plgpu.CompilerParams(
-          reduction_scratch_bytes=common.REDUCTION_SCRATCH_BYTES,
-          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      compiler_params=target.compiler_params(),
       interpret=target.interpret)
   s, i = f(offset, rowdata, h, w)
   return s.reshape(nb * n, n_out), i.reshape(nb * n, n_out)

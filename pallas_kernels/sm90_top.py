@@ -274,8 +274,7 @@ def top_lists(vals, ids, bound, m: int, *, target: common.Target = common.Target
                 jax.ShapeDtypeStruct((rows, 32), jnp.float32)),
       grid=(rows // _ROWS,), grid_names=("rows",),
       kernel_name="flashsample_sm90_top_lists",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      compiler_params=target.compiler_params(reduction_scratch=False),
       interpret=target.interpret)
   out_v, out_i, out_b = f(vals, ids)
   bound = jnp.maximum(bound, out_b[:r, 0])
@@ -311,7 +310,6 @@ def exact_top(t, flags, n_top: int, valid: int, *,
                 jax.ShapeDtypeStruct((r, n_top), jnp.int32)),
       grid=(r,), grid_names=("row",),
       kernel_name="flashsample_sm90_exact_top",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      compiler_params=target.compiler_params(reduction_scratch=False),
       interpret=target.interpret)
   return f(flags.astype(jnp.int32), t)

@@ -89,6 +89,8 @@ class MosaicBackend(SamplerBackend):
       machine without a Hopper GPU (see :func:`h100_lowering`).
     config: a ``pallas_kernels.sm90_config.TuningConfig`` for every plain
       launch instead of the heuristic's (tests, benchmarks).
+    profile_dir: a directory where every launch on the GPU writes a trace
+      of its warpgroups' named regions (Mosaic GPU's profiler; experiments).
   """
 
   name: ClassVar[str] = "mosaic"
@@ -96,6 +98,7 @@ class MosaicBackend(SamplerBackend):
   num_sms: int | None = None
   assume_sm90: bool = False
   config: Any = None
+  profile_dir: str | None = None
 
   def _target(self):
     common = _kernels()[0]
@@ -104,7 +107,8 @@ class MosaicBackend(SamplerBackend):
       from jax.experimental.pallas import mosaic_gpu as plgpu
       params = plgpu.InterpretGPUParams()
     num_sms = self.num_sms or (4 if params is not None else None)
-    return common.Target(interpret=params or None, num_sms=num_sms)
+    return common.Target(interpret=params or None, num_sms=num_sms,
+                         profile_dir=self.profile_dir)
 
   def check(self, p, c):
     del c  # every control is implemented
