@@ -44,7 +44,8 @@ def test_fallback_path_is_exact(monkeypatch):
     check(CASES[case], return_logprobs=True)
   p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **CASES["top_p"])
-  _, _, fallback = xla_finish(p, c)
+  # Jitted as fs.sample runs it (a function of its own: traced with M = 4).
+  _, _, fallback = jax.jit(lambda p, c: xla_finish(p, c))(p, c)
   assert np.asarray(fallback).sum() > 0
 
 
@@ -53,7 +54,7 @@ def test_fallback_is_rare_for_peaked_rows():
   h, w = inputs.random_inputs(B, D, V, dtype=jnp.float32, seed=4, logit_std=4.0)
   p = problem.prepare(h, w, KEYS["scalar"], temperature=1.0)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, top_k=50, top_p=0.9)
-  _, _, fallback = xla_finish(p, c)
+  _, _, fallback = jax.jit(lambda p, c: xla_finish(p, c))(p, c)
   assert np.asarray(fallback).sum() == 0
 
 
@@ -178,6 +179,21 @@ def test_keep_mask_matches_the_argsort_formulation():
       keep &= (c.top_p[:, None] >= 1) | (tk >= thr)
     return keep
 
+  rules = (("top_k",), ("top_p",), ("top_k", "top_p"))
+
+  @jax.jit
+  def both(t, k, p):
+    # Every rule set of one drawn shape in one program (one compile per
+    # shape instead of one per op and rule set); keep_mask always runs
+    # jitted in the samplers.
+    out = []
+    for names in rules:
+      # Raw rule values (k < 0, p = 0 or NaN: what traced values may hold).
+      c = types.SimpleNamespace(top_k=k if "top_k" in names else None,
+                                top_p=p if "top_p" in names else None, min_p=None)
+      out.append((controls.keep_mask(t, c), textbook(t, c)))
+    return out
+
   r = np.random.default_rng(11)
   checked = 0
   for _ in range(24):
@@ -192,10 +208,8 @@ def test_keep_mask_matches_the_argsort_formulation():
     k = jnp.asarray(r.choice([0, 1, 2, 5, v, v + 3, -1], size=b), jnp.int32)
     p = jnp.asarray(r.choice([1.0, 0.0, 1e-6, 0.3, 0.9, 0.999, np.nan], size=b),
                     jnp.float32)
-    for kw in (dict(top_k=k), dict(top_p=p), dict(top_k=k, top_p=p)):
-      # Raw rule values (k < 0, p = 0 or NaN: what traced values may hold).
-      c = types.SimpleNamespace(**{"top_k": None, "top_p": None, "min_p": None, **kw})
-      np.testing.assert_array_equal(controls.keep_mask(t, c), textbook(t, c))
+    for names, (got, want) in zip(rules, both(t, k, p)):
+      np.testing.assert_array_equal(got, want, err_msg=str(names))
       checked += 1
   assert checked == 72
 
@@ -241,11 +255,12 @@ def test_nucleus_edge_within_rounding_resolved_when_tokens_agree():
   h = h[3:4]
   kw = dict(top_p=0.4452132284641266)
   c = controls.prepare_controls(batch=1, vocab_size=1000, rows=1000, **kw)
+  finish = jax.jit(xla_finish)   # one program for the 12 keys, as fs.sample runs it
   materialized = []
   for seed in range(12):
     key = jax.random.key(seed)
     p = problem.prepare(h, w, key, temperature=1.0)
-    tok, _, fallback = xla_finish(p, c)
+    tok, _, fallback = finish(p, c)
     want = fs.reference.sample(h, w, key, temperature=1.0, **kw)
     np.testing.assert_array_equal(tok[0], want, err_msg=f"key {seed}")
     materialized.append(bool(fallback[0]))
