@@ -580,22 +580,26 @@ def test_mosaic_controls_on_shards_not_multiple_of_32(case):
       ctl[name] = jnp.where(ctl[name] >= 0, ctl[name] * scale % v, -1)
   key = jax.random.key(9)
   want = fs.reference.sample(h, w, key, temperature=t, **ctl)
+  kernel = MosaicBackend(interpret=True)
+  # Jitted as inside shard_map: each shard's offset a traced operand (the
+  # kernel takes it as one either way), so the shards of one size share a
+  # program.
+  state = jax.jit(lambda p, c, offset: kernel.controls_state(p, c, vocab_offset=offset))
+  finish = jax.jit(lambda p, c, st: stage2.finish(p, c, st))
+  c = controls.prepare_controls(batch=_CB, vocab_size=v, rows=v, **ctl)
   for n in (2, 4):
     rows = v // n
-    c = controls.prepare_controls(batch=_CB, vocab_size=v, rows=v, **ctl)
     shard = lambda i: problem.prepare(h, w[i * rows:(i + 1) * rows], key,
                                       temperature=t, vocab_size=v, vocab_shards=n)
-    kernel = MosaicBackend(interpret=True)
-    states = [kernel.controls_state(shard(i), c, vocab_offset=i * rows)
-              for i in range(n)]
-    combine = stage2.state_combine(c, stage2.candidate_count(shard(0), c))
+    states = [state(shard(i), c, jnp.int32(i * rows)) for i in range(n)]
+    combine = jax.jit(stage2.state_combine(c, stage2.candidate_count(shard(0), c)))
     st = states[0]
     for other in states[1:]:   # shard order = id order, as after the all-gather
       st = combine(st, other)
     # Decided on the whole head: the rare materialized rows read all of W,
     # as the gathered logits inside shard_map do.
     whole = problem.prepare(h, w, key, temperature=t)
-    tokens, out, _ = stage2.finish(whole, c, st)
+    tokens, out, _ = finish(whole, c, st)
     if isinstance(want, fs.SampleOutput):
       out = out.first_sample()
       np.testing.assert_array_equal(out.top_ids, want.top_ids, err_msg=f"{n} shards")
