@@ -41,14 +41,17 @@ def test_vocab_offset_scores_equal_unsharded():
   b, d, v = 7, 64, 1200
   h, w = inputs.exact_inputs(b, d, v, seed=2)
   key = jax.random.key(9)
-  whole = xla_backend.candidates(problem.prepare(h, w, key, vocab_size=1100))
+  # Jitted as the samplers run it; the offsets concrete, as before.
+  cand = jax.jit(lambda p, offset: xla_backend.candidates(p, vocab_offset=offset),
+                 static_argnums=1)
+  whole = cand(problem.prepare(h, w, key, vocab_size=1100), 0)
   parts = []
   for lo, hi in ((0, 600), (600, 1200)):
     p = problem.prepare(h, w[lo:hi], key, vocab_size=None)
     # Counters use the logical vocabulary of the whole head.
     p = dataclasses.replace(p, vocab_size=1100, ctr_hi=whole_ctr(b, 1100)[0],
                             ctr_lo=whole_ctr(b, 1100)[1])
-    parts.append(xla_backend.candidates(p, vocab_offset=lo))
+    parts.append(cand(p, lo))
   got = rules.combine(*parts)
   np.testing.assert_array_equal(got[1], whole[1])
   np.testing.assert_array_equal(got[0], whole[0])
