@@ -33,6 +33,9 @@ class BackendSuite:
   # per-row keys (None: all). Keys reach a kernel as per-row data that no
   # control touches, so a slow subclass may run them with fewer cases.
   row_key_cases: frozenset[str] | None = None
+  # The rows of cases.H that test_top_logprobs_edges's greedy top 128 runs
+  # on (None: all); a slow subclass may take fewer (each row has its ties).
+  greedy_top_rows: int | None = None
 
   def run(self, hidden, weight, key, **kw):
     return fs.sample(hidden, weight, key, backend=self.backend, **kw)
@@ -50,6 +53,12 @@ class BackendSuite:
   def check_controls(self, kw, key=cases.KEYS["scalar"], h=cases.H, w=cases.W,
                      t=cases.T, **extra):
     """Tokens equal to the reference's; log-probabilities within 2e-5."""
+    return self.checked_output(kw, key, h, w, t, **extra)[0]
+
+  def checked_output(self, kw, key=cases.KEYS["scalar"], h=cases.H, w=cases.W,
+                     t=cases.T, **extra):
+    """:meth:`check_controls`, returning ``(tokens, the backend's output)``
+    (for further checks of that output without running the backend again)."""
     got = self.run(h, w, key, temperature=t, **kw, **extra)
     want = fs.reference.sample(h, w, key, temperature=t, **kw, **extra)
     if isinstance(want, fs.SampleOutput):
@@ -74,9 +83,9 @@ class BackendSuite:
           continue
         np.testing.assert_allclose(getattr(got, name), getattr(want, name),
                                    rtol=2e-5, atol=2e-5, err_msg=name)
-      return np.asarray(got.tokens)
+      return np.asarray(got.tokens), got
     np.testing.assert_array_equal(got, want)
-    return np.asarray(got)
+    return np.asarray(got), got
 
   # -- exact inputs: 100% identical tokens --------------------------------
 
@@ -232,12 +241,12 @@ class BackendSuite:
     mask[3] = 0
     mask[5, :-1] = 0
     mask[5, -1] = np.uint32(0xFFFFFFFF) << np.uint32(v % 32)   # only ids >= V
-    out = self.run(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
-                   allowed_mask=jnp.asarray(mask), return_logprobs=True)
+    # Equal to the reference's (below), and those rows -1 with NaN.
+    _, out = self.checked_output(dict(allowed_mask=jnp.asarray(mask)),
+                                 return_logprobs=True)
     assert out.tokens[3] == -1 and out.tokens[5] == -1
     assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
     assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
-    self.check_controls(dict(allowed_mask=jnp.asarray(mask)), return_logprobs=True)
 
   def test_top_logprobs_edges(self):
     h, w, b, v = cases.H, cases.W, cases.B, cases.V
@@ -246,19 +255,23 @@ class BackendSuite:
     only, mask = cases.only_one_allowed(np.random.default_rng(3))
     mask = np.asarray(mask).copy()
     mask[2] = 0                                          # nothing allowed
-    out = self.run(h, w, key, temperature=cases.T, allowed_mask=jnp.asarray(mask),
-                   top_logprobs=3)
+    # Equal to the reference's, and:
+    _, out = self.checked_output(dict(allowed_mask=jnp.asarray(mask)), key=key,
+                                 top_logprobs=3)
     rows = np.delete(np.arange(b), 2)
     np.testing.assert_array_equal(out.top_ids[rows, 0], only[rows])
     assert (out.top_ids[rows, 1:] == -1).all()
     np.testing.assert_allclose(out.top_logprobs[rows, 0], 0.0, atol=1e-6)
     assert np.isneginf(out.top_logprobs[rows, 1:]).all()
     assert (out.top_ids[2] == -1).all() and np.isnan(out.top_logprobs[2]).all()
-    self.check_controls(dict(allowed_mask=jnp.asarray(mask)), top_logprobs=3)
     # Greedy rows report T = 1; the ids are the logits' order, ties by id.
+    h = h[:self.greedy_top_rows]
     l = np.asarray(jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32).T))
     out = self.run(h, w, key, temperature=0.0, top_logprobs=v if v <= 128 else 128)
     order = np.lexsort((np.broadcast_to(np.arange(v), l.shape), -l), axis=1)
+    # (the top 128 of every row hold ties: the order by id is checked)
+    assert all(len(set(r[:out.top_ids.shape[1]])) < out.top_ids.shape[1]
+               for r in np.take_along_axis(l, order, axis=1))
     np.testing.assert_array_equal(out.top_ids, order[:, :out.top_ids.shape[1]])
     np.testing.assert_allclose(
         out.top_logprobs, np.take_along_axis(np.asarray(jax.nn.log_softmax(l)),

@@ -51,13 +51,23 @@ class TestMosaicInterpret(BackendSuite):
   # Per-row keys with a per-row truncation rule, with every control
   # together, and with the penalties (CI time; on the GPU every case runs).
   row_key_cases = frozenset({"top_k", "all", "penalties_all"})
+  # The greedy top 128 of test_top_logprobs_edges on 8 rows (every row
+  # flagged to the early-exit top-N kernel, one CTA per row; CI time).
+  greedy_top_rows = 8
 
 
 SUITE = TestMosaicInterpret()
 
 
 def _interpret_candidates(p, **kw):
-  return jax.block_until_ready(MosaicBackend(interpret=True, **kw).candidates(p))
+  # Jitted, as the samplers run it: one interpret-mode program (called
+  # op by op, the kernel would be compiled again on every call).
+  return jax.block_until_ready(
+      jax.jit(MosaicBackend(interpret=True, **kw).candidates)(p))
+
+
+# The xla backend's candidates, as its sampler runs them (jitted).
+_xla_candidates = jax.jit(xla_backend.candidates)
 
 
 def _winning_scores(p, token, offset=0):
@@ -144,7 +154,7 @@ def test_configs_match_xla_scores(cfg, layout):
   p = problem.prepare(h, w, jax.random.key(3), temperature=t,
                       weight_layout=layout, vocab_size=690)
   got = _interpret_candidates(p, config=cfg)
-  _assert_same_candidates(got, xla_backend.candidates(p), p)
+  _assert_same_candidates(got, _xla_candidates(p), p)
 
 
 def test_batch_over_192_runs_in_blocks():
@@ -157,7 +167,7 @@ def test_batch_over_192_runs_in_blocks():
   t = inputs.pow2_temperatures(b, greedy_every=7, seed=4)
   for key in (jax.random.key(4), inputs.row_keys(b, seed=4)):
     p = problem.prepare(h, w, key, temperature=t)
-    _assert_same_candidates(_interpret_candidates(p), xla_backend.candidates(p),
+    _assert_same_candidates(_interpret_candidates(p), _xla_candidates(p),
                             p)
 
 
@@ -212,7 +222,7 @@ def test_batch_blocks_share_one_launch(blocks, passes, in_flight, b):
   for key in (jax.random.key(8), inputs.row_keys(b, seed=8)):
     p = problem.prepare(h, w, key, temperature=t, vocab_size=690)
     got = _interpret_candidates(p, config=cfg)
-    _assert_same_candidates(got, xla_backend.candidates(p), p)
+    _assert_same_candidates(got, _xla_candidates(p), p)
 
 
 @pytest.mark.parametrize("passes,steps,in_flight", [(1, 4, 0), (4, 6, 1)])
@@ -258,7 +268,7 @@ def test_nan_and_inf_follow_the_combine_rule():
   t = inputs.pow2_temperatures(b, greedy_every=2, seed=6)
   p = problem.prepare(h, w, jax.random.key(6), temperature=t)
   got = _interpret_candidates(p)
-  want = xla_backend.candidates(p)
+  want = _xla_candidates(p)
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
   # Row 5 is NaN wherever a hidden row holds a 0 (0 * -inf), else -inf.
   assert set(np.asarray(got[1]).tolist()) <= {5, 17}
@@ -683,8 +693,10 @@ def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
     SUITE.check_controls(CASES[case], return_logprobs=True)
   p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **CASES["top_k"])
-  st = INTERPRET.controls_state(p, c)
-  _, _, fallback = stage2.finish(p, c, st)
+  # Jitted, as the sampler runs them (functions of their own: traced with
+  # the patched lists).
+  st = jax.jit(lambda p, c: INTERPRET.controls_state(p, c))(p, c)
+  _, _, fallback = jax.jit(lambda p, c, st: stage2.finish(p, c, st))(p, c, st)
   assert np.asarray(fallback).sum() > 0
   # The bound is never below a value the lists missed: every value above
   # it is listed.
