@@ -25,6 +25,10 @@ os.environ["TRITON_CACHE_DIR"] = os.path.join(
     _triton_cache, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.makedirs(os.environ["TRITON_CACHE_DIR"], exist_ok=True)
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -40,6 +44,25 @@ def is_sm90() -> bool:
   if not has_gpu():
     return False
   return getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0"
+
+
+def pytest_configure(config):
+  # On the CPU, a persistent compilation cache for this process only: a new
+  # directory per session and per pytest-xdist worker, removed at exit.
+  # Tests that clear jax's caches (to retrace with a patched constant) and
+  # interpret mode (which traces a kernel's threads again on every trace of
+  # the kernel) compile programs identical to ones compiled before; those
+  # come from the cache (the same executable: the key is the program and
+  # the compile options). ~8% of the CPU time of test_mosaic.py and
+  # test_controls.py. A cache directory of the user's
+  # (JAX_COMPILATION_CACHE_DIR) is left alone.
+  del config
+  if jax.config.jax_compilation_cache_dir or has_gpu():
+    return
+  path = tempfile.mkdtemp(prefix="fsj-jax-cache-")
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_collection_modifyitems(config, items):
