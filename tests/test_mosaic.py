@@ -79,9 +79,12 @@ def _winning_scores(p, token, offset=0):
   tokens on these inputs.)
   """
   tok = np.asarray(token)
-  l = np.asarray(jax.jit(lambda: jax.lax.dot_general(
-      p.hidden.astype(jnp.float32), p.weight.astype(jnp.float32),
-      (((1,), (1 if p.layout == "vd" else 0,)), ((), ()))))())
+  # Exact in float64 (small integers), so exactly XLA's f32 logits (NaN and
+  # inf as well).
+  w = np.asarray(p.weight, np.float64)
+  with np.errstate(invalid="ignore"):
+    l = (np.asarray(p.hidden, np.float64) @ (w.T if p.layout == "vd" else w)
+         ).astype(np.float32)
   rows = np.arange(tok.size)
   l_win = l[rows, tok - offset]
   hi, lo = noise.add_u32(p.ctr_hi, p.ctr_lo, jnp.asarray(tok, jnp.uint32))
@@ -247,10 +250,12 @@ def test_traced_vocab_offset():
   # As the sharded API would: the whole head's vocab_size (and counters).
   p = dataclasses.replace(p, vocab_size=1000)
 
+  # One program per backend for the three offsets (traced).
+  got_f = jax.jit(lambda o: INTERPRET.candidates(p, vocab_offset=o))
+  want_f = jax.jit(lambda o: xla_backend.candidates(p, vocab_offset=o))
   for offset in (0, 400, 800):  # 800: ids past vocab_size=1000 are masked
     off = jnp.int32(offset)
-    got = jax.jit(lambda o: INTERPRET.candidates(p, vocab_offset=o))(off)
-    want = jax.jit(lambda o: xla_backend.candidates(p, vocab_offset=o))(off)
+    got, want = got_f(off), want_f(off)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     if offset < 800:
       _assert_same_candidates(got, want, p, offset)
@@ -621,9 +626,11 @@ def test_history_bits_and_planes(pairwise_max, monkeypatch):
   assert got[0] == {5: (1, 0, 0, 0), 70: (1, 1, 1, 0), 3: (1, 1, 0, 0), 31: (1, 1, 0, 0)}
   assert got[1] == {64: (1, 1, 0, 0)} and got[2] == {99: (1, 0, 0, 0), 0: (1, 0, 0, 0)}
   mask = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, (3, 4)), jnp.uint32)
+  # Jitted as the kernel's operands are computed (the offset traced).
+  planes_f = jax.jit(sm90_controls._planes, static_argnums=(3, 4, 5))
   for offset, rows_k in ((0, 128), (32, 64), (37, 64)):
-    planes = np.asarray(sm90_controls._planes(mask, (jnp.asarray(ids), jnp.asarray(flags)),
-                                              jnp.int32(offset), rows_k, 100, 2))
+    planes = np.asarray(planes_f(mask, (jnp.asarray(ids), jnp.asarray(flags)),
+                                 jnp.int32(offset), rows_k, 100, 2))
     assert planes.shape == (2, rows_k // 32, 5, 2)
     bits = lambda r, k: {offset + 32 * wd + i for wd in range(rows_k // 32) for i in range(32)
                          if planes[r // 2, wd, k, r % 2] >> i & 1}
@@ -635,8 +642,8 @@ def test_history_bits_and_planes(pairwise_max, monkeypatch):
       for k in range(4):
         assert bits(r, 1 + k) == {i for i, f in got[r].items() if f[k]} & window
   # Without a mask the history's planes come first.
-  planes = np.asarray(sm90_controls._planes(None, (jnp.asarray(ids), jnp.asarray(flags)),
-                                            jnp.int32(0), 128, 100, 2))
+  planes = np.asarray(planes_f(None, (jnp.asarray(ids), jnp.asarray(flags)),
+                               jnp.int32(0), 128, 100, 2))
   assert planes.shape == (2, 4, 4, 2)
   for r in range(3):
     for k in range(4):
@@ -803,15 +810,14 @@ def test_exact_top_kernel_orders_as_top_n():
   t[5] = np.nan                            # not flagged
   flags = np.array([1, 1, 1, 1, 1, 0], bool)
   target = sm90_common.Target(interpret=plgpu.InterpretGPUParams(), num_sms=4)
-  vals, ids = jax.jit(lambda t, f: sm90_top.exact_top(t, f, n, valid, target=target))(
-      jnp.asarray(t), jnp.asarray(flags))
+  top = jax.jit(lambda t, f: sm90_top.exact_top(t, f, n, valid, target=target))
+  vals, ids = top(jnp.asarray(t), jnp.asarray(flags))
   want_v, want_i = controls.top_n(jnp.asarray(t[:, :valid]), n)
   np.testing.assert_array_equal(np.asarray(ids)[:5], np.asarray(want_i)[:5])
   np.testing.assert_array_equal(np.asarray(vals)[:5].view(np.uint32),
                                 np.asarray(want_v)[:5].view(np.uint32))
   # No row flagged: the launch returns at once (whatever its outputs hold).
-  jax.block_until_ready(jax.jit(lambda t, f: sm90_top.exact_top(t, f, n, valid, target=target))(
-      jnp.asarray(t), jnp.zeros((rows,), bool)))
+  jax.block_until_ready(top(jnp.asarray(t), jnp.zeros((rows,), bool)))
   with pytest.raises(ValueError, match="multiple of"):
     sm90_top.exact_top(jnp.zeros((2, 100)), jnp.ones((2,), bool), 4, 90)
 
