@@ -3,6 +3,7 @@ candidate lists' pairing (pallas_kernels.state)."""
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,7 +117,8 @@ def test_pair_lists_keeps_the_top_of_each_pair():
   rng = np.random.default_rng(5)
   n, k, p = 9, 4, 6
   vals, ids = _sorted_lists(rng, p, k, n)
-  got_v, got_i, lost = map(np.asarray, state.pair_lists(jnp.asarray(vals), jnp.asarray(ids)))
+  got_v, got_i, lost = map(np.asarray, jax.jit(state.pair_lists)(jnp.asarray(vals),
+                                                                  jnp.asarray(ids)))
   assert got_v.shape == lost.shape == (n, k, p // 2)
   for j in range(n):
     for c in range(p // 2):
@@ -135,8 +137,9 @@ def test_pair_lists_needs_an_even_number_of_parts():
 def test_sort_bitonic_sorts_what_pair_lists_keeps(k):
   rng = np.random.default_rng(k)
   vals, ids = _sorted_lists(rng, 8, k, 7, ids_from=200)
-  kept_v, kept_i, _ = state.pair_lists(jnp.asarray(vals), jnp.asarray(ids))
-  got_v, got_i = map(np.asarray, state.sort_bitonic(kept_v, kept_i))
+  # Jitted, as the backends run them (op by op, every op compiles).
+  kept_v, kept_i, _ = jax.jit(state.pair_lists)(jnp.asarray(vals), jnp.asarray(ids))
+  got_v, got_i = map(np.asarray, jax.jit(state.sort_bitonic)(kept_v, kept_i))
   for j in range(7):
     for c in range(4):
       order = np.lexsort((np.asarray(kept_i)[j, :, c], -np.asarray(kept_v)[j, :, c]))
@@ -156,7 +159,7 @@ def test_halve_parts_keeps_the_top_k_of_each_group_of_parts(rounds):
   n, k, p = 6, 4, 13
   vals, ids = _sorted_lists(rng, p, k, n, ids_from=400)
   bound = rng.integers(-5, 0, size=(n, p)).astype(np.float32)
-  got_v, got_i, got_b = map(np.asarray, state.halve_parts(
+  got_v, got_i, got_b = map(np.asarray, jax.jit(state.halve_parts, static_argnums=3)(
       jnp.asarray(vals), jnp.asarray(ids), jnp.asarray(bound), rounds))
   step = 1 << rounds
   groups = -(-p // step)
