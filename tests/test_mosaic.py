@@ -449,6 +449,33 @@ def test_config_is_frozen():
     cfg.tile_v = 64
 
 
+def test_target_compiler_params():
+  # What every launch compiles with, and the profiler only where asked for
+  # and only on the GPU (it adds a host callback, which neither interpret
+  # mode nor a CUDA lowering on a CPU host can run; the GPU suite runs it).
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels import sm90_common as common
+  default = plgpu.CompilerParams()
+  plain = common.Target().compiler_params()
+  assert plain.lowering_semantics == plgpu.LoweringSemantics.Lane
+  assert plain.reduction_scratch_bytes == common.REDUCTION_SCRATCH_BYTES
+  assert plain.profile_space == default.profile_space == 0
+  assert plain.profile_dir == default.profile_dir
+  no_scratch = common.Target().compiler_params(reduction_scratch=False)
+  assert no_scratch.reduction_scratch_bytes == default.reduction_scratch_bytes
+  prof = common.Target(profile_dir="/tmp/fsj_trace").compiler_params()
+  assert prof.profile_space == common.PROFILE_REGIONS
+  assert prof.profile_dir == "/tmp/fsj_trace"
+  assert prof.profile_bounds_check
+  assert prof.lowering_semantics == plgpu.LoweringSemantics.Lane
+  interp = common.Target(interpret=plgpu.InterpretGPUParams(),
+                         profile_dir="/tmp/fsj_trace").compiler_params()
+  assert interp.profile_space == 0 and interp.profile_dir == default.profile_dir
+  # The backend hands its profile_dir to every launch's target.
+  assert MosaicBackend(profile_dir="/tmp/fsj_trace")._target().profile_dir == "/tmp/fsj_trace"
+  assert MosaicBackend()._target().profile_dir is None
+
+
 # -- support checks and auto -----------------------------------------------------
 
 
