@@ -44,8 +44,9 @@ S_FLOOR="" S_E2E="" S_SHARDED="" S_TP=""
 if [ -n "${SUITE_SMOKE:-}" ]; then
   export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4"
   S_FLOOR="--config tiny --attention xla --tokens 2 --prompt-len 4"
+  # The e2e steps plot as on the GPU (tests/test_benchmarks_smoke.py checks the plots).
   S_E2E="--smoke --configs tiny --generation-config plain,qwen3 --batches 2 --tokens 2
-         --prompt-len 4 --repeats 1 --no-plot"
+         --prompt-len 4 --repeats 1"
   S_SHARDED="--smoke --shape smoke --batches 4 --steps 2 --reps 1 --no-plot"
   S_TP="--smoke --config tiny-tp --batches 2 --tokens 2 --prompt-len 4 --repeats 1 --no-plot"
 fi
