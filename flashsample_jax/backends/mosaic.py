@@ -51,8 +51,14 @@ PLAIN_DENSE = ((8192, 257, 320),)
 # launch, 129; at D = 4096 the two overlapped at 160 and the kernel lost
 # at 176 and 192 (586-704 against 585-659), so it starts at 161. At D =
 # 2048 and 2880 the kernel stays ahead at 192. D between 4096 and 8192 was
-# not measured.
-PLAIN_DENSE_BY_KIND = {"NVIDIA H200": ((8192, 129, 320), (4096, 161, 192))}
+# not measured. With the D >= 8192 settings of the blocked launch
+# (twentieth session, alternating rounds at 192-320 rows) its two blocks
+# cost about the same from 193 to 256 rows (996-1032 us), while the dense
+# route grows with B (834-898 at 208, 963-1006 at 240, 1028-1116 at 256):
+# the two cross near 248, and at 257-320 (three blocks) the dense route
+# stays ahead (1290-1349 against 1358-1382).
+PLAIN_DENSE_BY_KIND = {
+    "NVIDIA H200": ((8192, 129, 248), (8192, 257, 320), (4096, 161, 192))}
 # Bit-planes (allowed mask and history) a launch holds in shared memory
 # next to its pipeline: at most 16, i.e. penalties in the kernel for up to
 # 16383 output ids per row (a frequency penalty's count planes grow with
