@@ -46,21 +46,29 @@ def is_sm90() -> bool:
   return getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0"
 
 
+_SESSION_CACHE = "FSJ_TEST_JAX_CACHE_DIR"
+
+
 def pytest_configure(config):
-  # On the CPU, a persistent compilation cache for this process only: a new
-  # directory per session and per pytest-xdist worker, removed at exit.
-  # Tests that clear jax's caches (to retrace with a patched constant) and
-  # interpret mode (which traces a kernel's threads again on every trace of
-  # the kernel) compile programs identical to ones compiled before; those
-  # come from the cache (the same executable: the key is the program and
-  # the compile options). ~8% of the CPU time of test_mosaic.py and
-  # test_controls.py. A cache directory of the user's
-  # (JAX_COMPILATION_CACHE_DIR) is left alone.
+  # On the CPU, a persistent compilation cache for this session: a new
+  # directory, made by the first process (pytest-xdist's controller, whose
+  # workers inherit the variable) and removed when it exits. Tests that
+  # clear jax's caches (to retrace with a patched constant), interpret mode
+  # (which traces a kernel's threads again on every trace of the kernel) and
+  # the two workers, which run tests on the same shapes, compile programs
+  # identical to ones compiled before; those come from the cache (the same
+  # executable: the key is the program and the compile options). Without
+  # jax's eviction the cache takes no lock: a read that races a write of the
+  # same entry fails to decompress, warns and compiles. A cache directory of
+  # the user's (JAX_COMPILATION_CACHE_DIR) is left alone.
   del config
   if jax.config.jax_compilation_cache_dir or has_gpu():
     return
-  path = tempfile.mkdtemp(prefix="fsj-jax-cache-")
-  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  path = os.environ.get(_SESSION_CACHE)
+  if not path:
+    path = tempfile.mkdtemp(prefix="fsj-jax-cache-")
+    os.environ[_SESSION_CACHE] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
