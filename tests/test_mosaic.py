@@ -518,7 +518,7 @@ def test_plain_dense_points_per_gpu():
         False, False, False, True, True, False, False]
     assert not dense(kind, 4096, 192)
   for kind in ("NVIDIA H200", "NVIDIA H200 NVL"):
-    assert [dense(kind, 8192, b) for b in (128, 129, 192, 248, 249, 256, 257, 320, 321)] == [
+    assert [dense(kind, 8192, b) for b in (128, 129, 192, 240, 241, 256, 257, 320, 321)] == [
         False, True, True, True, False, False, True, True, False]
     assert [dense(kind, 4096, b) for b in (160, 161, 192, 193, 256)] == [
         False, True, True, False, False]

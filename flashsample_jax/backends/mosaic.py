@@ -55,10 +55,11 @@ PLAIN_DENSE = ((8192, 257, 320),)
 # (twentieth session, alternating rounds at 192-320 rows) its two blocks
 # cost about the same from 193 to 256 rows (996-1032 us), while the dense
 # route grows with B (834-898 at 208, 963-1006 at 240, 1028-1116 at 256):
-# the two cross near 248, and at 257-320 (three blocks) the dense route
-# stays ahead (1290-1349 against 1358-1382).
+# the two cross between 240 and 244 (at 244-256 the kernel's median was
+# the lower in a later run), and at 257-320 (three blocks) the dense
+# route stays ahead (1290-1349 against 1358-1382).
 PLAIN_DENSE_BY_KIND = {
-    "NVIDIA H200": ((8192, 129, 248), (8192, 257, 320), (4096, 161, 192))}
+    "NVIDIA H200": ((8192, 129, 240), (8192, 257, 320), (4096, 161, 192))}
 # Bit-planes (allowed mask and history) a launch holds in shared memory
 # next to its pipeline: at most 16, i.e. penalties in the kernel for up to
 # 16383 output ids per row (a frequency penalty's count planes grow with
