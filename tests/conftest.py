@@ -73,6 +73,12 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def session_cache_dir() -> str | None:
+  """The session's compilation cache directory (None on a GPU, or where the
+  user set their own): subprocesses that compile on the CPU share it."""
+  return os.environ.get(_SESSION_CACHE)
+
+
 def pytest_collection_modifyitems(config, items):
   if has_gpu():
     return
