@@ -62,6 +62,7 @@ What differs from calling the module:
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,6 +71,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flashsample_jax import api
+from flashsample_jax.controls import SampleOutput
 
 
 def _array(x) -> jax.Array:
@@ -201,29 +203,95 @@ def head_weight(head) -> tuple[jax.Array, str]:
   return weight, layout
 
 
+# The per-row arguments of :func:`flashsample_jax.sample`, each with the
+# number of dimensions it has after the row's: ``[B]`` controls, the ``[B, n]``
+# histories and the ``[B, W]`` allowed mask.
+_PER_ROW = {"temperature": 0, "top_k": 0, "top_p": 0, "min_p": 0,
+            "repetition_penalty": 0, "presence_penalty": 0, "frequency_penalty": 0,
+            "allowed_mask": 1, "prompt_ids": 1, "output_ids": 1}
+
+
+def _flat_shape(name: str, shape: tuple, lead: tuple, trailing: int,
+                tail: str = "n") -> tuple | None:
+  """The ``[B, ...]`` shape of a per-row argument of shape ``shape`` given for
+  rows ``lead``, or None to leave it as it is (a scalar, or already ``[B,
+  ...]``); ValueError for shapes that fit neither, with the user's shapes."""
+  rows = math.prod(lead)
+  if shape[:len(lead)] == lead and len(shape) == len(lead) + trailing:
+    return (rows, *shape[len(lead):])
+  if len(shape) == 1 + trailing and shape[0] == rows:
+    return None
+  if trailing == 0 and shape == ():
+    return None
+  if trailing == 0:
+    want = f"a scalar, hidden.shape[:-1]={lead} or the flattened [B]=({rows},)"
+  else:
+    want = (f"[*hidden.shape[:-1], {tail}]=({', '.join(map(str, lead))}, {tail}) "
+            f"or the flattened [B, {tail}]=({rows}, {tail})")
+  raise ValueError(f"{name}.shape={shape} must be {want} for hidden with "
+                   f"leading dimensions {lead}")
+
+
+def _flatten_key(key, lead: tuple):
+  """A key given per row of ``lead`` (typed keys of shape ``lead``, raw key
+  data ``[*lead, 2]``) as ``[B]`` keys; scalar and ``[B]`` keys as they are."""
+  if not hasattr(key, "shape") or not hasattr(key, "dtype"):
+    return key                                   # sample() says what is wrong
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    flat = _flat_shape("key", tuple(key.shape), lead, 0)
+    return key if flat is None else key.reshape(flat)
+  if key.ndim < 2 or key.shape[-1] != 2:
+    return key                                   # one raw key, or sample()'s error
+  flat = _flat_shape("key", tuple(key.shape), lead, 1, tail="2")
+  return key if flat is None else key.reshape(flat)
+
+
 def _flatten_rows(hidden, key, kwargs: dict[str, Any]):
   """Reshapes ``hidden [..., D]`` and its per-row arguments to ``[B, ...]``.
 
   ``jax.random.categorical`` on ``[..., V]`` logits draws the noise of element
   ``(i, j, v)`` at linear index ``(i * n_j + j) * V + v``, the same as on the
-  flattened ``[B, V]`` logits, so flattening keeps the tokens exact.
+  flattened ``[B, V]`` logits, so flattening keeps the tokens exact. Every
+  per-row argument (the key, ``temperature``, the ``[B]`` controls, the
+  histories and the allowed mask) may be shaped like the leading dimensions
+  (``[..., n]`` for the histories and the mask) or already flattened.
+
+  Returns:
+    ``(hidden [B, D], key, kwargs, lead)``, ``lead`` None for a 2-D hidden.
   """
-  lead = hidden.shape[:-1]
   if hidden.ndim <= 2:
     return hidden, key, kwargs, None
-  hidden = hidden.reshape(-1, hidden.shape[-1])
-  if hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-    if key.shape == lead:
-      key = key.reshape(-1)
-  elif hasattr(key, "shape") and key.shape == (*lead, 2):  # raw per-row key data
-    key = key.reshape(-1, 2)
-  t = kwargs.get("temperature")
-  if hasattr(t, "shape") and t.shape == lead:
-    kwargs = {**kwargs, "temperature": t.reshape(-1)}
+  lead = tuple(hidden.shape[:-1])
+  hidden = hidden.reshape(math.prod(lead), hidden.shape[-1])
+  key = _flatten_key(key, lead)
+  kwargs = dict(kwargs)
+  for name, trailing in _PER_ROW.items():
+    x = kwargs.get(name)
+    if x is None or not hasattr(x, "shape"):
+      continue                                   # Python numbers: one per call
+    flat = _flat_shape(name, tuple(x.shape), lead, trailing)
+    if flat is not None:
+      kwargs[name] = x.reshape(flat)
   return hidden, key, kwargs, lead
 
 
-def sample_from_head(head, hidden, key, **kwargs) -> jax.Array:
+def _restore_rows(out, lead: tuple):
+  """:func:`flashsample_jax.sample`'s result for ``[B]`` rows reshaped to the
+  leading dimensions ``lead``: tokens ``[B]`` -> ``lead``, ``[S, B]`` ->
+  ``[S, *lead]``, and in a ``SampleOutput`` every field (the top-N ones
+  ``[B, N]`` -> ``[*lead, N]``)."""
+  rows_last = lambda a: None if a is None else a.reshape(*a.shape[:-1], *lead)
+  if not isinstance(out, SampleOutput):
+    return rows_last(out)
+  rows_first = lambda a: None if a is None else a.reshape(*lead, *a.shape[1:])
+  return SampleOutput(
+      tokens=rows_last(out.tokens), logprob=rows_last(out.logprob),
+      logprob_truncated=rows_last(out.logprob_truncated),
+      logsumexp=rows_last(out.logsumexp), top_ids=rows_first(out.top_ids),
+      top_logprobs=rows_first(out.top_logprobs))
+
+
+def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   """Samples from ``softmax(head(hidden) / T)`` without the logits.
 
   Equals ``jax.random.categorical(key, logits / T)`` for the f32 logits of
@@ -232,22 +300,31 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array:
   Args:
     head: see :func:`head_weight`.
     hidden: ``[B, D]`` or ``[..., D]`` hidden states; leading dimensions are
-      flattened (exactly, see :func:`_flatten_rows`) and restored on the
-      tokens.
-    key: a typed key; a scalar key, or one key per row (shape ``[B]`` or
-      ``hidden.shape[:-1]``).
+      flattened (exactly, see :func:`_flatten_rows`) and restored on every
+      output.
+    key: a typed key (or raw key data); a scalar key, or one key per row
+      (shape ``[B]`` or ``hidden.shape[:-1]``).
     **kwargs: passed to :func:`flashsample_jax.sample` (``temperature``,
-      ``vocab_size``, ``backend``, ...). ``temperature`` may also have shape
-      ``hidden.shape[:-1]``. ``weight_layout`` comes from the head.
+      ``vocab_size``, ``backend``, the controls, ...). Per-row arguments
+      (``temperature``, ``top_k``, ``top_p``, ``min_p``, the penalties) may
+      also have shape ``hidden.shape[:-1]``, and ``prompt_ids``,
+      ``output_ids`` and ``allowed_mask`` ``[*hidden.shape[:-1], n]``.
+      ``weight_layout`` comes from the head.
 
   Returns:
-    int32 token ids of shape ``hidden.shape[:-1]``.
+    What :func:`flashsample_jax.sample` returns, with the rows restored to
+    ``hidden.shape[:-1]``: int32 token ids of that shape (``[S, ...]`` with
+    ``num_samples=S``), or a :class:`flashsample_jax.SampleOutput` whose
+    per-token fields have the tokens' shape and whose top-N fields have
+    shape ``[..., N]``.
 
   Raises:
     TypeError: ``weight_layout`` was passed, or ``head`` is not a supported
       head (:func:`head_weight`).
     ValueError: a head whose logits are not ``hidden @`` its stored
-      parameter (:func:`head_weight`), or a bias that is not ``[V]``.
+      parameter (:func:`head_weight`), a bias that is not ``[V]``, or a
+      per-row argument shaped neither per row nor like ``hidden``'s leading
+      dimensions.
     Anything :func:`flashsample_jax.sample` raises for bad arguments.
   """
   if "weight_layout" in kwargs:
@@ -264,25 +341,25 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array:
     extra = kwargs.get("logit_bias")
     bias = bias.astype(jnp.float32)
     kwargs = {**kwargs, "logit_bias": bias if extra is None else bias + extra}
-  tokens = api.sample(hidden2, weight, key, weight_layout=layout, **kwargs)
-  return tokens if lead is None else tokens.reshape(lead)
+  out = api.sample(hidden2, weight, key, weight_layout=layout, **kwargs)
+  return out if lead is None else _restore_rows(out, lead)
 
 
-def sample_from_linear(head: nnx.Linear, hidden, key, **kwargs) -> jax.Array:
+def sample_from_linear(head: nnx.Linear, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   """:func:`sample_from_head` for an ``nnx.Linear`` head (kernel ``[D, V]``)."""
   if not isinstance(head, nnx.Linear):
     raise TypeError(f"head must be an nnx.Linear, got {type(head).__name__}")
   return sample_from_head(head, hidden, key, **kwargs)
 
 
-def sample_from_embed(embed: nnx.Embed, hidden, key, **kwargs) -> jax.Array:
+def sample_from_embed(embed: nnx.Embed, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   """:func:`sample_from_head` for tied embeddings: ``embed.attend`` logits."""
   if not isinstance(embed, nnx.Embed):
     raise TypeError(f"embed must be an nnx.Embed, got {type(embed).__name__}")
   return sample_from_head(embed, hidden, key, **kwargs)
 
 
-def sample_from_params(params: Mapping, hidden, key, **kwargs) -> jax.Array:
+def sample_from_params(params: Mapping, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   """:func:`sample_from_head` for a Linen head's parameter dict."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a Linen parameter dict, got {type(params).__name__}")

@@ -136,6 +136,85 @@ def test_leading_dimensions_flatten_exactly():
     _assert_same(got, _module_tokens(head(h), key, temp[..., None]))
 
 
+def _flat_rows(a, lead, trailing=0):
+  return a.reshape(int(np.prod(lead)), *a.shape[a.ndim - trailing:])
+
+
+@pytest.mark.parametrize("key_kind", ["scalar", "typed", "raw"])
+def test_leading_dimensions_for_every_argument_and_output(key_kind):
+  # Issue #42: with hidden [b, t, D], SampleOutput has no reshape, S samples
+  # could not be reshaped to (b, t), and controls shaped (b, t) were refused
+  # with a [B] size the caller never passed. Every per-row argument may be
+  # shaped like the leading dimensions; every output field comes back so.
+  b, t, p = 2, 3, 4
+  lead = (b, t)
+  h, w = inputs.exact_inputs(b * t, D, V, layout="dv", dtype=jnp.float32, seed=30)
+  head = _linear(w)
+  r = np.random.default_rng(30)
+  key = {"scalar": jax.random.key(30),
+         "typed": jax.random.split(jax.random.key(30), lead),
+         "raw": jax.random.key_data(jax.random.split(jax.random.key(30), lead))}[key_kind]
+  words = -(-V // 32)
+  per_row = dict(
+      temperature=jnp.asarray(inputs.pow2_temperatures(b * t, greedy_every=4,
+                                                       seed=30)).reshape(lead),
+      top_k=jnp.asarray(r.integers(0, 50, lead), jnp.int32),
+      top_p=jnp.asarray(r.choice([0.5, 0.9, 1.0], lead), jnp.float32),
+      min_p=jnp.asarray(r.choice([0.0, 0.05], lead), jnp.float32),
+      repetition_penalty=jnp.full(lead, 1.5, jnp.float32),
+      presence_penalty=jnp.full(lead, 0.5, jnp.float32),
+      frequency_penalty=jnp.full(lead, 0.25, jnp.float32),
+      prompt_ids=jnp.asarray(r.integers(-1, V, (*lead, p)), jnp.int32),
+      output_ids=jnp.asarray(r.integers(-1, V, (*lead, p)), jnp.int32),
+      allowed_mask=jnp.asarray(r.integers(0, 2**32, (*lead, words), dtype=np.uint64)
+                               .astype(np.uint32) | np.uint32(1)))
+  flat = {k: _flat_rows(x, lead, 1 if k in ("prompt_ids", "output_ids",
+                                            "allowed_mask") else 0)
+          for k, x in per_row.items()}
+  flat_key = key if key_kind == "scalar" else _flat_rows(key, lead, key.ndim - 2)
+  for opts in (dict(return_logprobs=True), dict(top_logprobs=3),
+               dict(num_samples=2), dict(num_samples=2, return_logprobs=True,
+                                         top_logprobs=3)):
+    got = flax_heads.sample_from_head(head, h.reshape(*lead, D), key, backend="xla",
+                                      **per_row, **opts)
+    want = fs.reference.sample(h, w, flat_key, weight_layout="dv", **flat, **opts)
+    if not isinstance(want, fs.SampleOutput):
+      want = fs.SampleOutput(want, None, None, None)
+      got = fs.SampleOutput(got, None, None, None)
+    samples = (opts["num_samples"],) if "num_samples" in opts else ()
+    for name, g, x in zip(want._fields, got, want):
+      assert (g is None) == (x is None), name
+      if x is None:
+        continue
+      top = name.startswith("top_")
+      shape = (*lead, x.shape[-1]) if top else (*samples, *lead)
+      assert g.shape == shape, (name, opts, g.shape)
+      np.testing.assert_array_equal(g, x.reshape(shape), err_msg=f"{name} {opts}")
+
+
+def test_leading_dimensions_mismatched_shapes_name_the_callers_shapes():
+  h, w = inputs.exact_inputs(6, D, V, layout="dv", dtype=jnp.float32, seed=31)
+  head, h3 = _linear(w), h.reshape(2, 3, D)
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match=r"top_p.shape=\(2,\) must be a scalar, "
+                                       r"hidden.shape\[:-1\]=\(2, 3\) or the flattened "
+                                       r"\[B\]=\(6,\)"):
+    flax_heads.sample_from_head(head, h3, key, top_p=jnp.full((2,), 0.9))
+  with pytest.raises(ValueError, match=r"prompt_ids.shape=\(3, 2, 4\) must be "
+                                       r"\[\*hidden.shape\[:-1\], n\]=\(2, 3, n\)"):
+    flax_heads.sample_from_head(head, h3, key, repetition_penalty=1.5,
+                                prompt_ids=jnp.zeros((3, 2, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"key.shape=\(3, 2\) must be a scalar, "
+                                       r"hidden.shape\[:-1\]=\(2, 3\)"):
+    flax_heads.sample_from_head(head, h3, jax.random.split(key, (3, 2)))
+  # Already-flattened per-row arguments are accepted as before.
+  flat_t = inputs.pow2_temperatures(6, seed=31)
+  _assert_same(flax_heads.sample_from_head(head, h3, jax.random.split(key, 6),
+                                           temperature=flat_t),
+               fs.reference.sample(h, w, jax.random.split(key, 6), temperature=flat_t,
+                                   weight_layout="dv").reshape(2, 3))
+
+
 def test_under_jit_in_a_decode_loop():
   # The helper inside an nnx.jit-ed step that takes the module as an argument.
   h0, w = inputs.exact_inputs(4, D, 256, layout="vd", dtype=jnp.float32, seed=8)
