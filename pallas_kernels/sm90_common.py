@@ -11,7 +11,8 @@ The public pieces here are the building blocks of both Mosaic GPU kernels
   (:func:`stream_steps`), and each compute warpgroup's loop over its tiles
   (:func:`pingpong_tile`, :func:`consume_tile`). A kernel supplies only its
   epilogue.
-* :func:`col_reduce`, :func:`store_column`, :func:`approx_exp`: epilogue ops
+* :func:`col_reduce`, :func:`store_column`, :func:`store_tile`,
+  :func:`approx_exp`: epilogue ops
   that need inline Mosaic GPU code on the GPU and plain ``jnp`` in interpret
   mode (which cannot run inline code).
 
@@ -175,23 +176,50 @@ def col_reduce(x, op: str, scratch, *, interpret: bool):
   return reduce(x, scratch)
 
 
-def store_column(x, ref, *, interpret: bool):
-  """Stores ``x`` [C] (the column layout ``WGMMA.reduce(0)``) into ``ref``
-  [C, 1], a column of a GMEM array (stride: its row length).
+def store_column(x, ref, *, interpret: bool, axis: int = 0):
+  """Stores ``x`` [C] into ``ref`` [C, 1], a column of a GMEM array (stride:
+  its row length). ``x`` is an accumulator reduced over ``axis``: the layout
+  ``WGMMA.reduce(axis)`` (0: one value per column of a vocabulary-major
+  tile; 1: one per batch row of a batch-major tile).
 
-  Mosaic GPU's vector stores need the layout's vectorized dimension (two
-  adjacent columns per thread here) to be contiguous in memory, so each
-  thread stores its values one by one (the copies of a value that other
-  warps hold store the same value). Interpret mode: a plain store.
+  Each thread stores its values one by one (the copies of a value that other
+  lanes or warps hold store the same value). Why not ``ref[:, 0] = x``: the
+  column is strided, and a vectorized store needs the layout's vectorized
+  dimension contiguous in memory; jax >= 0.12 also refuses a GMEM store
+  whose lanes do not cover whole 32-byte sectors (docs/design.md, "Mosaic
+  GPU facts"). These stores happen once per tile or per launch, so their
+  width costs nothing measurable. Interpret mode: a plain store.
   """
   if interpret:
     ref[:, 0] = x
     return
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType()))
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(axis),
+                                plgpu.RefType()))
   def store(_, v, out):
     zero = mgpu.utils.c(0, ir.IndexType.get())
     v.foreach(lambda val, idx: memref.store(val, out, [idx[0], zero]))
+
+  store(x, ref)
+
+
+def store_tile(x, ref, *, interpret: bool):
+  """Stores ``x`` (the ``WGMMA`` layout) into ``ref``, a GMEM window of the
+  same shape, with each thread's vectors stored as they lie in registers.
+
+  Why not ``ref[...] = x``: jax >= 0.12 plans GMEM stores and refuses one
+  whose warps do not write whole 128-byte cache lines, which a window of
+  a few columns per row never does; jax 0.11 stored it this way, so on
+  both versions the same stores are emitted (docs/design.md, "Mosaic GPU
+  facts"). Interpret mode: a plain store.
+  """
+  if interpret:
+    ref[...] = x
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_, v, out):
+    v.store_untiled(out, optimized=False)
 
   store(x, ref)
 

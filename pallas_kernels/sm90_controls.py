@@ -270,7 +270,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       x = jnp.where(valid, x, -jnp.inf)
       t = common.tempered(x, t_safe, inv_t, zero, interpret=interpret)
       if spec.materialize:   # local columns: the tile's start is base - off
-        t_ref[:, pl.ds(base - off + c * epi, epi)] = t
+        common.store_tile(t, t_ref.at[:, pl.ds(base - off + c * epi, epi)],
+                          interpret=interpret)
       idx = jnp.where(valid, gid, rules.INT_MAX)
       gid_u = gid.astype(jnp.uint32)
       new_best = []
@@ -338,21 +339,26 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
     # Reduce the column slots inside each warp (no shared scratch).
     out = cta * 2 + wg
+
+    def put(x, ref, field):   # x [N] into ref[:, field, out]
+      common.store_column(x, ref.at[:, field, pl.ds(out, 1)],
+                          interpret=interpret, axis=1)
+
     for s, b in enumerate(best):
       m, idx = rules.first_best(b[0], b[1], 1)
-      f_ref[:, s, out] = m
-      i_ref[:, s, out] = idx
+      put(m, f_ref, s)
+      put(idx, i_ref, s)
       if spec.t_best:
         mb = bcast(m)
         hit = (b[0] == mb) | (b[0] != b[0])
         own = hit & (b[1] == bcast(idx))
-        f_ref[:, S + s, out] = jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1)
+        put(jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1), f_ref, S + s)
     if spec.lse:
       m, total = lse
       mx = jnp.max(m, axis=1)
       scale = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - bcast(mx)))
-      f_ref[:, 2 * S, out] = mx
-      f_ref[:, 2 * S + 1, out] = jnp.sum(total * scale, axis=1)
+      put(mx, f_ref, 2 * S)
+      put(jnp.sum(total * scale, axis=1), f_ref, 2 * S + 1)
     if spec.lists:
       vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
       # Values that fell off a full slot list are <= its last entry.
@@ -367,9 +373,9 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
           nxt_i = ids[j + 1] if j + 1 < _SLOT_DEPTH else big()
           vals[j] = jnp.where(pop, nxt_v, vals[j])
           ids[j] = jnp.where(pop, nxt_i, ids[j])
-        f_ref[:, 2 * S + 3 + r, out] = mx
-        i_ref[:, S + r, out] = top_id
-      f_ref[:, 2 * S + 2, out] = jnp.maximum(overflow, jnp.max(vals[0], axis=1))
+        put(mx, f_ref, 2 * S + 3 + r)
+        put(top_id, i_ref, S + r)
+      put(jnp.maximum(overflow, jnp.max(vals[0], axis=1)), f_ref, 2 * S + 2)
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,

@@ -390,8 +390,9 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     # and registers, no shared scratch, so trap 1 does not apply).
     m, idx = rules.first_best(best_s, best_i, 1)
     out = cta * 2 + wg
-    score_ref[:, out] = m
-    index_ref[:, out] = idx
+    put = functools.partial(common.store_column, interpret=interpret, axis=1)
+    put(m, score_ref.at[:, pl.ds(out, 1)])
+    put(idx, index_ref.at[:, pl.ds(out, 1)])
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,

@@ -329,6 +329,20 @@ def test_kernel_noise_lowers_and_matches_in_interpret_mode():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(noise.gumbel_from_bits(bits)))
 
 
+def test_top_kernels_lower_for_cuda():
+  # The exact top-N and the top-lists selection kernels (no heuristic
+  # config: one shape each covers their code); their GMEM stores are ones
+  # jax >= 0.12 plans differently (docs/design.md, "Mosaic GPU facts").
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  with h100_lowering():
+    top = jax.jit(lambda t, f: sm90_top.exact_top(t, f, 24, 3001)).trace(
+        f32(64, 4 * sm90_top.CHUNK), jax.ShapeDtypeStruct((64,), jnp.bool_))
+    lists = jax.jit(lambda v, i, b: sm90_top.top_lists(v, i, b, 28)).trace(
+        f32(64, 924), jax.ShapeDtypeStruct((64, 924), jnp.int32), f32(64))
+    for traced in (top, lists):
+      assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_lowering_other_shapes(layout):
   # D = 64 * odd (Dt=64, 3 blocks), V not a multiple of 64, B > 256 with
