@@ -63,3 +63,36 @@ def test_run_refuses_a_bad_PYTHON(tmp_path, python):
   if python == "old":
     assert "Python 3.11.0" in out.stderr
   assert not (tmp_path / "venv").exists()
+
+
+def _source_modules():
+  """Every module of the two packages, as paths inside a wheel."""
+  return sorted(str(p.relative_to(ROOT)) for pkg in ("flashsample_jax", "pallas_kernels")
+                for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_wheel_holds_every_module(tmp_path):
+  # The wheel users install, built from a copy of the sources (no build
+  # files left in the checkout): every module of every subpackage, which a
+  # list of top-level packages once missed (flashsample_jax.backends).
+  import shutil
+  import sys
+  import zipfile
+  src = tmp_path / "src"
+  src.mkdir()
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
+    shutil.copy(ROOT / name, src / name)
+  for pkg in ("flashsample_jax", "pallas_kernels"):
+    shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+  out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  (wheel,) = (tmp_path / "dist").glob("flashsample_jax-*.whl")
+  names = set(zipfile.ZipFile(wheel).namelist())
+  modules = _source_modules()
+  assert "flashsample_jax/backends/__init__.py" in modules
+  assert [m for m in modules if m not in names] == []
+  # Nothing but the two packages and the metadata.
+  assert {n.split("/")[0] for n in names} == {
+      "flashsample_jax", "pallas_kernels", wheel.name.split("-py3")[0] + ".dist-info"}

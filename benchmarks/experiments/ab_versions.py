@@ -8,8 +8,13 @@ measures an old and a new commit in one device session:
   (cd .ab/old && PYTHONPATH=.:../.. python3 -m benchmarks.experiments.ab_versions old)
   python3 -m benchmarks.experiments.ab_versions new
 
-Points: the default set, or ``--points S:1,256 L:256`` (plain sampling at
-those batches), each followed by XLA's dot + categorical on the same inputs
+Two jax versions (the same checkout; jax 0.12 installed into a folder, e.g.
+by scripts/offline_wheels.sh): ``python3 -m benchmarks.experiments.ab_versions
+jax0.11`` and ``PYTHONPATH=DIR python3 -m ...ab_versions jax0.12``, alternated
+(benchmarks/jax_versions_gpu.sh).
+
+Points: the default set, or ``--points S:1,256 L:256 S:64:topk_topp``
+(plain sampling, or the named control, at those batches), each followed by XLA's dot + categorical on the same inputs
 (``control`` "xla"), so that each process carries its own baseline.
 ``--backend NAME`` (before ``--points``) times that backend instead of auto.
 
@@ -64,16 +69,18 @@ def main(tag: str, points=POINTS, backend: str = "auto"):
     tok = tok.tokens if hasattr(tok, "tokens") else tok
     print(json.dumps(dict(tag=tag, shape=shape, batch=b, control=ctl, us=round(us, 1),
                           token_sum=int(np.asarray(tok).astype(np.int64).sum()),
-                          device=jax.devices()[0].device_kind)), flush=True)
+                          device=jax.devices()[0].device_kind,
+                          jax=jax.__version__)), flush=True)
 
 
 def _points(args):
-  """``["S:1,256", "L:256"]`` -> plain sampling and XLA at those batches."""
+  """``["S:1,256", "L:256", "S:64:topk_topp"]`` -> that control (default
+  plain sampling) at those batches, each followed by XLA's."""
   out = []
   for arg in args:
-    shape, batches = arg.split(":")
+    shape, batches, *ctl = arg.split(":")
     for b in batches.split(","):
-      out += [(shape, int(b), "plain"), (shape, int(b), "xla")]
+      out += [(shape, int(b), ctl[0] if ctl else "plain"), (shape, int(b), "xla")]
   return out
 
 
