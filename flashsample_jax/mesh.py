@@ -109,6 +109,44 @@ class MeshAxes:
     size = _bound_size("batch_axis", self.batch)   # ValueError if unbound
     return _index(self.batch), size
 
+  def check_weight(self, weight, weight_layout: str = "vd") -> None:
+    """Refuses a ``weight`` that is not sharded over the vocabulary axes.
+
+    With ``vocab_axis`` each shard's ``weight`` must be its own slice of the
+    vocabulary: a head replicated over the axis (``in_specs`` ``P()`` for
+    it, or an array closed over) would be read as ``n`` slices of an ``n``
+    times larger vocabulary, and ids up to ``n * V - 1`` come back. JAX's
+    varying-manual-axes types tell: inside a ``shard_map`` with
+    ``check_vma=True`` (its default) a value sharded over an axis is typed
+    as varying over it. Under ``check_vma=False`` no value carries that
+    information, and a replicated head cannot be told from a sharded one:
+    the caller's ``in_specs`` are then trusted. Axes of size 1 are not
+    checked (replicated and sharded are the same there).
+
+    Raises:
+      ValueError: ``weight`` is typed as replicated over a vocabulary axis
+        of size > 1.
+    """
+    if not self.vocab:
+      return
+    if not _varying_axes(_index(self.vocab)):
+      return                         # check_vma=False: no variance is tracked
+    varying = _varying_axes(weight)
+    missing = tuple(a for a in self.vocab if a not in varying)
+    if not missing or int(lax.axis_size(missing)) == 1:
+      return
+    shown = self.vocab[0] if len(self.vocab) == 1 else self.vocab
+    spec = (f"P({shown!r}, None)" if weight_layout == "vd"
+            else f"P(None, {shown!r})")
+    raise ValueError(
+        f"weight is replicated over vocab_axis={shown!r} (weight of shape "
+        f"{tuple(weight.shape)} varies over {sorted(varying) or 'no mesh axis'}, "
+        f"not over {list(missing)}), but with vocab_axis each shard's weight must "
+        "be its own contiguous slice of the vocabulary, or ids beyond the "
+        "vocabulary come back. Shard the head over the axis (in_specs "
+        f"{spec} for {weight_layout=}), or drop vocab_axis to sample from the "
+        "whole head on every shard.")
+
   def vocab_offset(self, weight_rows: int):
     """Global vocabulary id of this shard's first weight row (0 unsharded)."""
     return _index(self.vocab) * weight_rows if self.vocab else 0

@@ -380,6 +380,56 @@ def test_inside_shard_map_with_check_vma():
   check_all_shards_agree(got, want)
 
 
+def _replicated_weight(fn, h, w, mesh, *, w_spec_=P(), check_vma=True):
+  sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(), w_spec_), out_specs=P(),
+                     check_vma=check_vma)
+  return jax.jit(sm)(h, w)
+
+
+def test_check_weight_refuses_a_head_replicated_over_vocab_axis():
+  # Issue #42, defect 4: a head replicated over vocab_axis is read as 4 slices
+  # of a 4x larger vocabulary. vma types (check_vma=True) tell; the check
+  # names weight and vocab_axis and says what to do.
+  from flashsample_jax import mesh as fs_mesh
+  h, w = inputs.exact_inputs(4, 64, 256, seed=16)
+  mesh = make_mesh(2, 4)
+
+  def check(vocab_axis, layout="vd"):
+    def fn(h, w):
+      fs_mesh.MeshAxes.of(vocab_axis).check_weight(w, layout)
+      return h
+    return fn
+
+  for spec, layout in ((P(), "vd"), (P("dp", None), "vd"), (P(), "dv")):
+    with pytest.raises(ValueError, match=r"weight is replicated over vocab_axis='tp'.*"
+                                         r"Shard the head over the axis.*drop vocab_axis"):
+      _replicated_weight(check("tp", layout), h, w, mesh, w_spec_=spec)
+  with pytest.raises(ValueError, match=r"vocab_axis=\('dp', 'tp'\).*not over \['dp'\]"):
+    _replicated_weight(check(("dp", "tp")), h, w, mesh, w_spec_=P("tp", None))
+  # Sharded over the axis: accepted (one axis, a tuple, either layout).
+  _replicated_weight(check("tp"), h, w, mesh, w_spec_=P("tp", None))
+  _replicated_weight(check(("dp", "tp")), h, w, mesh, w_spec_=P(("dp", "tp"), None))
+  _replicated_weight(check("tp", "dv"), h, w.T, mesh, w_spec_=P(None, "tp"))
+  # An axis of size 1: replicated and sharded are the same.
+  _replicated_weight(check("tp"), h, w, make_mesh(8, 1))
+  # check_vma=False tracks no variance: nothing to tell, nothing refused
+  # (documented in MeshAxes.check_weight).
+  _replicated_weight(check("tp"), h, w, mesh, check_vma=False)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "needs api._prepare to call axes.check_weight(p.weight, p.layout) after "
+    "problem.prepare (issue #42, defect 4; api.py is not this change's file)"))
+def test_sample_refuses_a_head_replicated_over_vocab_axis():
+  # The issue's case: every input replicated, vocab_axis="tp": ids up to
+  # 4 * V - 1 came back silently for V = 256.
+  h, w = inputs.exact_inputs(4, 64, 256, seed=17)
+  key = jax.random.key(17)
+  with pytest.raises(ValueError, match=r"weight is replicated over vocab_axis='tp'"):
+    _replicated_weight(lambda h, w: fs.sample(h, w, key, vocab_axis="tp"), h, w,
+                       make_mesh(2, 4))
+
+
 # -- multi-host: 2 processes x 4 CPU devices via jax.distributed ----------------
 
 
