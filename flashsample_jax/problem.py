@@ -3,8 +3,11 @@
 :func:`prepare` turns the user's arguments into a :class:`Problem`: the
 canonical per-row form every backend consumes. Checks on shapes, dtypes and
 static values raise ``TypeError``/``ValueError`` naming the argument; checks
-on *values* run only when the value is concrete (a traced temperature cannot
-be inspected; the README says what invalid traced values do). A ``Problem``
+on *values* raise only when the value is concrete. A traced temperature
+cannot be inspected when the call is traced: it gets a
+``checkify.debug_check`` instead (:func:`check_normal`), which reports an
+invalid value only where the caller wraps the call in ``checkify.checkify``;
+unchecked, it behaves as the README's "Invalid values" say. A ``Problem``
 is a pytree (arrays as leaves, the static facts as its structure), so a
 checked problem passes into ``jax.jit`` and ``shard_map`` without being
 checked again.
@@ -13,13 +16,13 @@ checked again.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
 from flashsample_jax import noise
 
@@ -184,35 +187,104 @@ def key_words(data, batch: int):
   return (jnp.broadcast_to(data[0], (batch,)), jnp.broadcast_to(data[1], (batch,)))
 
 
+# The options of ``sample`` that are Python values (api.STATIC_ARGNAMES):
+# what to say when one arrives traced, e.g. under ``jax.jit(fs.sample)``.
+STATIC_HINT = ("pass it as a static argument, e.g. jax.jit(fs.sample, "
+               "static_argnames=fs.STATIC_ARGNAMES), or close over it")
+
+
+def static_arg_error(name: str, value, want: str) -> TypeError:
+  """The TypeError for an option of :func:`flashsample_jax.sample` that must
+  be a Python value (``want``, e.g. "a bool"); says how to make it static
+  when ``value`` is traced."""
+  if isinstance(value, jax.core.Tracer):
+    return TypeError(f"{name}={value!r} must be {want}, static under jax.jit, but "
+                     f"is traced: {STATIC_HINT}")
+  return TypeError(f"{name}={value!r} must be {want}")
+
+
+# Values the kernels' arithmetic covers for a temperature or a repetition
+# penalty ``r``: normal f32 values whose reciprocals are normal too. The
+# kernels multiply by ``1 / T`` and ``1 / r`` computed by XLA (docs/design.md,
+# "Division"); GPUs flush subnormals to zero, so a subnormal ``T`` makes
+# ``1 / T`` inf (XLA:CPU even compares it equal to 0: the row turns greedy
+# where ``categorical(key, l / T)`` samples), and ``T >= 2**126`` has a
+# subnormal reciprocal, flushed to 0.
+NORMAL_MIN = 2.0**-126     # the smallest normal f32
+NORMAL_BOUND = 2.0**126    # the smallest f32 whose reciprocal is subnormal
+NORMAL_RANGE = "a normal float32 in [2**-126, 2**126) (about [1.2e-38, 8.5e37))"
+_NORMAL_WHY = ("the kernels multiply by its reciprocal, and accelerators flush "
+               "subnormal values and reciprocals to 0")
+
+
+def _normal_bits_ok(bits, zero_ok: bool):
+  """Whether float32 values given as their uint32 ``bits`` (NumPy or JAX) are
+  in ``[NORMAL_MIN, NORMAL_BOUND)`` (or +-0 with ``zero_ok``). On the bits,
+  not on floats: XLA:CPU and GPUs compare a subnormal equal to 0."""
+  exponent = (bits >> 23) & 0xFF
+  ok = ((bits >> 31) == 0) & (exponent >= 1) & (exponent < 253)   # 2**126: 253
+  if zero_ok:
+    ok = ok | ((bits & 0x7FFFFFFF) == 0)
+  return ok
+
+
+def check_normal(name: str, value, *, zero: str | None = None) -> None:
+  """Refuses values outside :data:`NORMAL_RANGE` (and 0 unless ``zero`` says
+  what 0 means, e.g. "greedy").
+
+  A concrete ``value`` (a number or an array, any shape) raises
+  ``ValueError`` naming the first bad entry; a Python or float64 value that
+  is not 0 but rounds to a float32 0 is refused too. A traced one gets a
+  :func:`jax.experimental.checkify.debug_check`: a no-op unless the caller
+  wraps the call in ``checkify.checkify`` (the README's "Invalid values"
+  say what unchecked traced values do).
+
+  Raises:
+    ValueError: a concrete value out of range.
+  """
+  accepted = (f"0 ({zero}) or {NORMAL_RANGE}" if zero is not None else NORMAL_RANGE)
+  if _is_concrete(value):
+    raw = np.asarray(value)
+    wide = raw.astype(np.float64)
+    with np.errstate(over="ignore"):            # 1e300 -> inf: refused below
+      f32 = raw.astype(np.float32)
+    bad = ~_normal_bits_ok(f32.reshape(-1).view(np.uint32), zero is not None)
+    bad |= (wide.reshape(-1) != 0) & (f32.reshape(-1) == 0)        # rounds to 0
+    if bad.any():
+      i = int(np.argmax(bad))
+      where = name if raw.ndim == 0 else f"{name}[{i}]"
+      shown = raw.reshape(-1)[i].item()
+      why = f": {_NORMAL_WHY}" if shown > 0 else ""
+      rows = f"; {int(bad.sum())} of {bad.size} invalid" if bad.size > 1 else ""
+      raise ValueError(f"{where}={shown} must be {accepted}{why}{rows}")
+    return
+  x = jnp.asarray(value, jnp.float32).reshape(-1)
+  ok = _normal_bits_ok(lax.bitcast_convert_type(x, jnp.uint32), zero is not None)
+  i = jnp.argmin(ok)
+  where = name if jnp.ndim(value) == 0 else f"{name}[{{i}}]"
+  checkify.debug_check(jnp.all(ok), f"{where}={{v}} must be {accepted}: {_NORMAL_WHY}",
+                       i=i, v=x[i])
+
+
 def _temperature(temperature, batch: int) -> jax.Array:
   if isinstance(temperature, bool) or temperature is None:
     raise TypeError(f"temperature must be a float or a float array, got {temperature!r}")
   if isinstance(temperature, (int, float, np.integer, np.floating)):
-    t = float(temperature)
-    if math.isnan(t) or t < 0:
-      raise ValueError(f"temperature={t} must be >= 0 (0 means greedy)")
-    return jnp.full((batch,), t, dtype=jnp.float32)
+    check_normal("temperature", temperature, zero="greedy")
+    return jnp.full((batch,), float(temperature), dtype=jnp.float32)
   if not hasattr(temperature, "dtype"):
     raise TypeError(
         f"temperature must be a float or an array, got {type(temperature).__name__}")
   if not (jnp.issubdtype(temperature.dtype, jnp.floating)
           or jnp.issubdtype(temperature.dtype, jnp.integer)):
     raise TypeError(f"temperature.dtype={temperature.dtype} must be a float dtype")
-  if temperature.ndim == 0:
-    temperature = jnp.broadcast_to(temperature, (batch,))
-  elif temperature.shape != (batch,):
+  if temperature.ndim not in (0, 1) or (temperature.ndim == 1
+                                        and temperature.shape != (batch,)):
     raise ValueError(
         f"temperature must be a scalar or have shape [B]=({batch},), got "
         f"temperature.shape={tuple(temperature.shape)}")
-  if _is_concrete(temperature):
-    t = np.asarray(temperature, dtype=np.float32)
-    bad = np.isnan(t) | (t < 0)
-    if bad.any():
-      i = int(np.argmax(bad))
-      raise ValueError(
-          f"temperature[{i}]={t[i]} must be >= 0 (0 means greedy); "
-          f"{int(bad.sum())} row(s) invalid")
-  return jnp.asarray(temperature, dtype=jnp.float32)
+  check_normal("temperature", temperature, zero="greedy")
+  return jnp.broadcast_to(jnp.asarray(temperature, dtype=jnp.float32), (batch,))
 
 
 def _row_offset(row_offset) -> jax.Array:
@@ -261,9 +333,16 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     wdim, rows = weight.shape
   if wdim != dim:
     want = "[V, D]" if weight_layout == "vd" else "[D, V]"
+    other = "dv" if weight_layout == "vd" else "vd"
+    hint = ""
+    if rows == dim:    # the other layout fits: the usual slip is a Flax kernel
+      hint = (f"; weight looks like {'[D, V]' if other == 'dv' else '[V, D]'}: pass "
+              f"weight_layout={other!r}" + (
+                  " (an nnx.Linear / Linen Dense kernel is [D, V])"
+                  if other == "dv" else " (an embedding table is [V, D])"))
     raise ValueError(
         f"weight.shape={tuple(weight.shape)} ({want} for {weight_layout=}) does "
-        f"not match hidden.shape={tuple(hidden.shape)}: D={dim} vs {wdim}")
+        f"not match hidden.shape={tuple(hidden.shape)}: D={dim} vs {wdim}{hint}")
   if dim == 0 or rows == 0:
     raise ValueError(
         f"hidden.shape={tuple(hidden.shape)} and weight.shape="
@@ -275,7 +354,7 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   if vocab_size is None:
     vocab_size = total_rows
   elif isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
-    raise TypeError(f"vocab_size={vocab_size!r} must be a Python int or None")
+    raise static_arg_error("vocab_size", vocab_size, "a Python int or None")
   vocab_size = int(vocab_size)
   if not 1 <= vocab_size <= total_rows:
     shards = f" times {vocab_shards} vocabulary shards" if vocab_shards > 1 else ""

@@ -76,3 +76,27 @@ def test_d_not_multiple_of_64_is_not_mosaic():
   assert fs.which_backend(h, w, jax.random.key(0)) in ("triton", "xla")
   np.testing.assert_array_equal(fs.sample(h, w, jax.random.key(0)),
                                 fs.reference.sample(h, w, jax.random.key(0)))
+
+
+def test_traced_static_option_says_how_to_make_it_static():
+  # Issue #42, defect 8: jax.jit(fs.sample) traces every keyword; the error
+  # must point to fs.STATIC_ARGNAMES, not only say what type it wants.
+  h, w = inputs.exact_inputs(5, 64, 300)
+  with pytest.raises(TypeError, match=r"vocab_size=.*must be a Python int or None, "
+                                      r"static under jax.jit, but is traced: .*"
+                                      r"static_argnames=fs.STATIC_ARGNAMES"):
+    jax.jit(fs.sample)(h, w, jax.random.key(0), vocab_size=200)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "needs controls.prepare_controls to raise problem.static_arg_error(name, value, "
+    "want) for num_samples, return_logprobs and top_logprobs (issue #42, defect 8; "
+    "controls.py is not this change's file)"))
+@pytest.mark.parametrize("option", [dict(return_logprobs=True), dict(num_samples=2),
+                                    dict(top_logprobs=3)])
+def test_traced_control_option_says_how_to_make_it_static(option):
+  h, w = inputs.exact_inputs(5, 64, 300)
+  (name,) = option
+  with pytest.raises(TypeError, match=rf"{name}=.*static under jax.jit, but is traced: "
+                                      r".*static_argnames=fs.STATIC_ARGNAMES"):
+    jax.jit(fs.sample)(h, w, jax.random.key(0), **option)
