@@ -367,10 +367,16 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
 
   ``cand_t [B, M]`` (descending) holds every value of the row above
   ``last [B]``, an upper bound on the values not listed (ties with it may
-  be unlisted). Returns ``(keep [B, M], certified [B])``: which candidates
-  survive every rule, and whether that set is exactly the rows' kept set
-  (every rule's threshold is known from the candidates, and at least one
-  rule's kept set lies inside them). Mirrors :func:`controls.keep_mask`.
+  be unlisted). Returns ``(keep [B, M], decided [B], active [B])``: which
+  candidates survive every rule; whether that set is exactly the row's
+  kept set over the WHOLE vocabulary (every rule's threshold is known from
+  the candidates, and at least one rule's kept set lies inside them, or the
+  lists hold the whole row), so that sampling among the kept candidates is
+  sampling the row; and whether any rule is on for the row. A row with no
+  rule on keeps every id: it is decided only where the lists are complete
+  (its token is otherwise the pass's own best, which :func:`finish` reads
+  for such rows; a caller that samples from the candidates must not).
+  Mirrors :func:`controls.keep_mask`.
   ``lse`` is the rows' online log-sum-exp ``(max, sum)``.
   Rows where the mass before a listed id is within ``margin`` (relative) of
   ``top_p`` are not certified (rounding could move the nucleus edge).
@@ -433,11 +439,11 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     keep &= ~on[:, None] | ok
     inside |= on & (complete | (jnp.exp(last - top[:, 0]) < mp))
     active |= on
-  # A row left with no finite candidate (e.g. a traced min_p > 1) samples
-  # among -inf in keep_mask: the exact path reproduces that.
+  # A row left with no finite candidate (e.g. a traced min_p > 1) keeps
+  # nothing in keep_mask: the exact path decides it.
   nonempty = jnp.any(keep & (cand_t > -jnp.inf), axis=1)
-  certified = ~active | (known & (inside | complete) & nonempty)
-  return keep, certified, active
+  decided = known & (inside | complete) & nonempty
+  return keep, decided, active
 
 
 def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
@@ -510,7 +516,9 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   if c.truncates:
     certify = functools.partial(_certify, cand_t=cand_t, lse=lse,
                                 complete=complete, last=last)
-    keep, certified, active = certify(c)
+    keep, decided, active = certify(c)
+    # Rows with no rule on take the pass's best (``use`` below): certified.
+    certified = ~active | decided
     # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
     # treat them in ways the candidates do not track; the exact path does.
     finite = ~active | jnp.isfinite(st.lse_max)
@@ -541,6 +549,11 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
       # decided here: the kept sets at p -/+ width are nested around the one
       # at p, so if both give the same token (the edge ids rarely win), so
       # does p. Not with logprobs: the kept log-sum-exp depends on the edge.
+      # Each of the two tokens is drawn from the candidates, so each kept set
+      # must be decided on them over the whole vocabulary (``decided``, not
+      # ``certified``): at p + width >= 1 top-p is off, its kept set is every
+      # id (or top-k's / min-p's), and the candidates alone hold it only if
+      # they hold the row (issue #42: a nucleus of 1628 ids, 128 listed).
       # Computed on every call: a second, nested conditional around it cost
       # more than these few small fusions (PERF_LOG c5).
       width = 2 * _TOP_P_MARGIN * c.top_p

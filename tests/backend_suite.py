@@ -248,6 +248,18 @@ class BackendSuite:
     assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
     assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
 
+  @pytest.mark.parametrize("top_p", cases.NUCLEUS_TOP_P,
+                           ids=lambda p: f"1-{1 - p:.0e}")
+  def test_top_p_near_one_with_a_nucleus_past_the_candidates(self, top_p):
+    # Issue #42: a nucleus just inside, just past or far past the 128
+    # candidates, at top_p within rounding-margin reach of 1 (cases.py,
+    # NUCLEUS_ROWS); every row equal to the reference's.
+    h, w, keys, labels = cases.nucleus_inputs()
+    got = np.asarray(self.run(h, w, keys, top_p=top_p))
+    want = np.asarray(fs.reference.sample(h, w, keys, top_p=top_p))
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(labels[i], int(got[i]), int(want[i])) for i in bad]
+
   def test_top_logprobs_edges(self):
     h, w, b, v = cases.H, cases.W, cases.B, cases.V
     key = cases.KEYS["scalar"]

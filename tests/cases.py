@@ -72,3 +72,62 @@ def only_one_allowed(rng):
   mask = np.zeros((B, -(-V // 32)), np.uint32)
   mask[np.arange(B), only // 32] = (1 << (only % 32)).astype(np.uint32)
   return only, jnp.asarray(mask)
+
+
+# -- top-p near 1 with a nucleus wider than the candidate lists (issue #42) --
+#
+# Rows of logits exact in bf16 (row r of ``NUCLEUS_W`` is column r of the
+# weight; ``hidden`` one-hot picks it), V = 2048, every row tempered by 1.
+# The lists hold CANDIDATES = 128 ids; these rows put the nucleus edge of
+# ``top_p`` just past them or just inside them. Before the fix, stage 2's
+# "same token at p -/+ width" shortcut read top-p at p + width >= 1 as off
+# and sampled the whole row from the 128 candidates, losing winners beyond
+# them (about 1e-4 of the rows at p = 1 - 1e-4 .. 1 - 1e-6; never at
+# 1 - 1e-3, whose p + width stays below 1).
+NUCLEUS_V = 2048
+NUCLEUS_TOP_P = (1 - 1e-3, 1 - 1e-4, 1 - 1e-5, 1 - 1e-6)
+
+
+def _row(*groups):
+  """``(count, value)`` groups in order, the rest of the row at -100."""
+  r = np.concatenate([np.full(n, v, np.float32) for n, v in groups])
+  return np.concatenate([r, np.full(NUCLEUS_V - r.size, -100, np.float32)])
+
+
+# The nucleus at each of NUCLEUS_TOP_P (ties of the last kept value count).
+NUCLEUS_ROWS = {
+    # The issue's row: 1628 ids at p >= 1 - 1e-4 (120 at 1 - 1e-3).
+    "wide_1628": _row((120, 0), (8, -10), (1500, -11)),
+    # Zipf, -2.6 log(rank) in bf16: 47 / 200 / 742 / 1603 ids.
+    "zipf": np.asarray(jnp.asarray(-2.6 * np.log(np.arange(1, NUCLEUS_V + 1)),
+                                   jnp.bfloat16).astype(jnp.float32)),
+    # Just above the lists: one id past them (129) from 1 - 1e-4 on ...
+    "above_129": _row((120, 0), (7, -3.5), (1, -4), (1, -4.125)),
+    # ... from 1 - 1e-5 on (128 at 1 - 1e-4) ...
+    "above_129_late": _row((120, 0), (7, -4.5), (1, -4.75), (1, -5)),
+    # ... and six past them (134) from 1 - 1e-4 on.
+    "above_134": _row((120, 0), (7, -4.5), (1, -4.75), (6, -5.5)),
+    # Just inside: 127 at 1 - 1e-4, all 128 listed ids from 1 - 1e-5 on.
+    "inside_128": _row((120, 0), (7, -4.5), (1, -4.75)),
+}
+NUCLEUS_W = np.stack(list(NUCLEUS_ROWS.values()))        # [rows, V]
+# Per-row keys: ``jax.random.split(jax.random.key(2), 65536)[i]`` for these
+# i: a few plain ones, then rows that the shortcut got wrong before the fix
+# (724 and 3048: the issue's; the others found by a search of 65536 keys on
+# each row above, every one of them wrong on some row and top_p).
+NUCLEUS_KEY_IDS = (0, 1, 2, 724, 3048, 8134, 2847, 19967, 23752, 996, 10439,
+                   39898, 40537, 2977, 14047, 52390)
+
+
+def nucleus_inputs():
+  """``(hidden [R, 64], weight [V, 64], keys [R], labels)``: every row of
+  NUCLEUS_ROWS with every key of NUCLEUS_KEY_IDS (``labels[i]``: row i's
+  ``(row name, key id)``), exact in bf16; sample with each of NUCLEUS_TOP_P."""
+  n, k = len(NUCLEUS_ROWS), len(NUCLEUS_KEY_IDS)
+  h = np.zeros((n * k, 64), np.float32)
+  h[np.arange(n * k), np.repeat(np.arange(n), k)] = 1.0
+  w = np.zeros((NUCLEUS_V, 64), np.float32)
+  w[:, :n] = NUCLEUS_W.T
+  keys = jax.random.split(jax.random.key(2), 65536)[jnp.asarray(NUCLEUS_KEY_IDS * n)]
+  labels = [(name, i) for name in NUCLEUS_ROWS for i in NUCLEUS_KEY_IDS]
+  return jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), keys, labels

@@ -7,17 +7,19 @@ the certification of candidates and its exact fallback, and the
 distribution of truncated samples.
 """
 
+import dataclasses
 import types
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
 import flashsample_jax as fs
 from flashsample_jax import controls, problem, stage2
 from flashsample_jax.backends import xla as xla_backend
-from tests import inputs
+from tests import cases, inputs
 from tests.backend_suite import BackendSuite
 from tests.cases import B, CASES, D, H, KEYS, T, V, W
 from tests.test_statistics import N, P_MIN, chi_square_p
@@ -25,6 +27,10 @@ from tests.test_statistics import N, P_MIN, chi_square_p
 
 class _Xla(BackendSuite):
   backend = "xla"
+
+
+class _Dense(BackendSuite):
+  backend = "dense"
 
 
 check = _Xla().check_controls
@@ -265,6 +271,34 @@ def test_nucleus_edge_within_rounding_resolved_when_tokens_agree():
     np.testing.assert_array_equal(tok[0], want, err_msg=f"key {seed}")
     materialized.append(bool(fallback[0]))
   assert any(materialized) and not all(materialized), materialized
+
+
+@pytest.mark.parametrize("top_p", cases.NUCLEUS_TOP_P, ids=lambda p: f"1-{1 - p:.0e}")
+def test_top_p_near_one_on_the_dense_route(top_p):
+  # Issue #42 was found on the dense route (one chunk) as on the streaming
+  # one; the shared suite runs the xla backend, this the dense one.
+  _Dense().test_top_p_near_one_with_a_nucleus_past_the_candidates(top_p)
+
+
+def test_a_kept_set_of_every_id_is_decided_only_on_complete_lists():
+  # _certify's ``decided``: sampling among the kept candidates is sampling
+  # the row. Top-p at p >= 1 is off and keeps every id, so that holds only
+  # where the lists hold the row, whatever the candidates look like
+  # (issue #42: the p + width shortcut sampled 1628 kept ids from 128).
+  row = jnp.asarray(cases.NUCLEUS_ROWS["wide_1628"])[None]        # [1, 2048]
+  cand = lax.top_k(row, 128)[0]
+  lse = (row.max(axis=1), jnp.sum(jnp.exp(row - row.max(axis=1)), axis=1))
+  for p, complete in ((1.0, False), (1.0001, False), (1.0, True)):
+    c = controls.prepare_controls(batch=1, vocab_size=2048, rows=2048, top_p=1.0)
+    c = dataclasses.replace(c, top_p=jnp.full((1,), p, jnp.float32))
+    keep, decided, active = stage2._certify(
+        c, cand, lse, jnp.asarray([complete]), cand[:, -1])
+    assert not bool(active[0]) and bool(keep.all())
+    assert bool(decided[0]) is complete, (p, complete)
+  # With the nucleus inside the lists (p = 0.999: 120 ids), it is decided.
+  c = controls.prepare_controls(batch=1, vocab_size=2048, rows=2048, top_p=0.999)
+  keep, decided, active = stage2._certify(c, cand, lse, jnp.asarray([False]), cand[:, -1])
+  assert bool(active[0]) and bool(decided[0]) and int(keep.sum()) == 120
 
 
 def test_traced_out_of_range_controls_match_reference():
