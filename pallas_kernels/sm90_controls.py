@@ -219,19 +219,22 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
     row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
     f32 = lambda x: lax.bitcast_convert_type(x, jnp.float32)
-    k0, k1 = row(rl.K0), row(rl.K1)
-    greedy, t_safe = rules.split_temperature(f32(row(rl.TEMPERATURE)))
-    inv_t, zero = f32(row(rl.INV_TEMPERATURE)), row(rl.zero)
-    cap = f32(row(rl.SOFTCAP)) if spec.softcap else None
-    ctr = [tuple(row(i) for i in rl.ctr(s)) for s in range(S)]
-    if pen:
-      rep_r, rep_inv, pres, freq = (f32(row(i)) for i in rl.penalty_rows)
-    # A product or sum whose next op XLA rounds separately (not an fma).
-    rnd = (lambda v: v) if interpret else (lambda v: common.rounded(v, zero))
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma)
     off = off_ref[0]
     log = common.noise_log(interpret)
-    noise_scale = rules.noise_scale(greedy)
+
+    def row_values():
+      # Read from SMEM in each tile's epilogue, not once before the tile
+      # loop, so that they are not live next to the accumulator during the
+      # wgmma (as in sm90_sampler; docs/design.md, "Mosaic GPU facts").
+      greedy, t_safe = rules.split_temperature(f32(row(rl.TEMPERATURE)))
+      return dict(
+          k0=row(rl.K0), k1=row(rl.K1), t_safe=t_safe,
+          inv_t=f32(row(rl.INV_TEMPERATURE)), zero=row(rl.zero),
+          cap=f32(row(rl.SOFTCAP)) if spec.softcap else None,
+          ctr=[tuple(row(i) for i in rl.ctr(s)) for s in range(S)],
+          pen=tuple(f32(row(i)) for i in rl.penalty_rows) if pen else None,
+          noise_scale=rules.noise_scale(greedy))
 
     def prologue(tile, start):
       del tile
@@ -242,9 +245,14 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         plgpu.copy_gmem_to_smem(planes_ref.at[pl.ds(start // 32, words)],
                                 planes_smem.at[wg], aux_bar.at[wg])
 
-    def chunk(c, ids, state):
+    def chunk(c, ids, rv, state):
       best, lse, lists = state
       base, first_id, span = ids
+      k0, k1, t_safe, inv_t, zero, cap = (rv[k] for k in (
+          "k0", "k1", "t_safe", "inv_t", "zero", "cap"))
+      ctr, noise_scale = rv["ctr"], rv["noise_scale"]
+      # A product or sum whose next op XLA rounds separately (not an fma).
+      rnd = (lambda v: v) if interpret else (lambda v: common.rounded(v, zero))
       l = plgpu.load(acc_smem.at[c], layout=wgmma)
       gid = col + (base + c * epi)
       valid = common.valid_id(gid, first_id, span)
@@ -262,7 +270,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
                                   layout=row_layout))
           return (word >> shift) & jnp.uint32(1)
       if pen:
-        x = _penalized(x, bit, int(spec.mask), pen, rep_r, rep_inv, pres, freq,
+        x = _penalized(x, bit, int(spec.mask), pen, *rv["pen"],
                        rnd=rnd, divide=lambda a, d, inv: common.divided(
                            a, d, inv, zero, interpret=interpret))
       if spec.mask:
@@ -324,7 +332,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       # written twice), not -inf over them.
       ids = common.tile_ids(off, start, 0 if spec.materialize else first_new,
                             rows_valid, vocab_size)
-      return lax.fori_loop(0, n_chunks, lambda c, st: chunk(c, ids, st), state)
+      rv = row_values()
+      return lax.fori_loop(0, n_chunks, lambda c, st: chunk(c, ids, rv, st), state)
 
     full = lambda v, dtype: plgpu.layout_cast(jnp.full((n, epi), v, dtype), wgmma)
     neg = lambda: full(-jnp.inf, jnp.float32)

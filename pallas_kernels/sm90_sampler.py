@@ -342,17 +342,24 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     rl = _ROWS
     bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
     row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
-    k0, k1 = row(rl.K0), row(rl.K1)
-    c_hi, c_lo = (row(i) for i in rl.ctr(0))
-    f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
-    greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
-    inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
-    noise_scale = rules.noise_scale(greedy)
     log = common.noise_log(interpret)
     col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
     off = off_ref[0]
 
-    def chunk(slot, c, base, first_id, span, best):
+    def row_data():
+      # Read from SMEM in each tile's epilogue, not once before the tile
+      # loop: held across the loop, these rows stay live next to the
+      # accumulator during the wgmma (128 registers a thread at N = 128),
+      # which spilled on jax 0.12 (docs/design.md, "Mosaic GPU facts").
+      k0, k1 = row(rl.K0), row(rl.K1)
+      c_hi, c_lo = (row(i) for i in rl.ctr(0))
+      f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
+      greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
+      inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
+      return k0, k1, c_hi, c_lo, t_safe, inv_t, zero, rules.noise_scale(greedy)
+
+    def chunk(slot, c, base, first_id, span, rd, best):
+      k0, k1, c_hi, c_lo, t_safe, inv_t, zero, noise_scale = rd
       l = plgpu.load(acc_smem.at[slot], layout=wgmma_layout)
       gid = col + (base + c * epi)
       valid = common.valid_id(gid, first_id, span)
@@ -365,6 +372,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
     def epilogue(acc, tile, start, first_new, best):
       del tile
       ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
+      rd = row_data()
       # In passes, the columns of later passes wait in registers. Each
       # thread reads back only what it stored (the same layout both ways),
       # so a pass may overwrite the buffer without a barrier.
@@ -375,7 +383,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
         def body(it, best, first=first):
           for u in range(cfg.epi_unroll):
             slot = it * cfg.epi_unroll + u
-            best = chunk(slot, first + slot, *ids, best)
+            best = chunk(slot, first + slot, *ids, rd, best)
           return best
 
         best = lax.fori_loop(0, per_pass // cfg.epi_unroll, body, best)
