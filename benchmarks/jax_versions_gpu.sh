@@ -53,24 +53,7 @@ case $cmd in
           "jax$v" "$@" >> "$OUT/ab_jax_versions.jsonl" 2>> "$OUT/ab_jax_versions.err"
       done
     done
-    python3 - "$OUT/ab_jax_versions.jsonl" <<'PY'
-import collections, json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-us, toks = collections.defaultdict(list), collections.defaultdict(set)
-for r in rows:
-  point = (r["shape"], r["batch"], r["control"])
-  us[point + (r["jax"][:4],)].append(r["us"])
-  toks[point].add(r["token_sum"])
-print(rows[0]["device"])
-print("| shape | B | control | jax 0.11 us (per round) | jax 0.12 us | median 0.12 / 0.11 | same tokens |")
-print("|---|---|---|---|---|---|---|")
-for p in sorted(toks):
-  a, b = us.get(p + ("0.11",)), us.get(p + ("0.12",))
-  if a and b:
-    ratio = statistics.median(b) / statistics.median(a)
-    print(f"| {p[0]} | {p[1]} | {p[2]} | {' / '.join(map(str, a))} | "
-          f"{' / '.join(map(str, b))} | {ratio:.3f} | {len(toks[p]) == 1} |")
-PY
+    python3 -m benchmarks.ab_report "$OUT/ab_jax_versions.jsonl"
     ;;
   *) sed -n 2,16p "$0"; exit 2 ;;
 esac
