@@ -288,6 +288,19 @@ def rope(x, cos, sin):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def check_attention(attention: str) -> None:
+  """Raises ``ValueError`` unless ``attention`` is one of :data:`ATTENTIONS`,
+  and ``NotImplementedError`` (saying why) where it cannot run on the default
+  device: "cudnn" is cuDNN's flash attention, for NVIDIA GPUs only (on a GPU
+  without cuDNN, or with shapes cuDNN declines, jax raises at trace time)."""
+  if attention not in ATTENTIONS:
+    raise ValueError(f"{attention=} must be one of {ATTENTIONS}")
+  if attention == "cudnn" and jax.default_backend() != "gpu":
+    raise NotImplementedError(
+        "cuDNN attention needs an NVIDIA GPU with cuDNN; the default device is a "
+        f"{jax.default_backend()} (use --attention xla)")
+
+
 def attend(q, k_cache, v_cache, pos, implementation: str = "xla"):
   """Causal GQA over the cache with ``jax.nn.dot_product_attention``.
 
@@ -583,8 +596,7 @@ class Decoding:
                backend: str = "auto", attention: str = "xla", mesh=None):
     if sampler not in SAMPLERS:
       raise ValueError(f"{sampler=} must be one of {SAMPLERS}")
-    if attention not in ATTENTIONS:
-      raise ValueError(f"{attention=} must be one of {ATTENTIONS}")
+    check_attention(attention)
     for name, v in (("batch", batch), ("tokens", tokens), ("prompt_len", prompt_len)):
       if v < 1:
         raise ValueError(f"{name}={v} must be >= 1")

@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from examples import _model  # noqa: E402
+from flashsample_jax.backends import BACKENDS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -54,8 +55,9 @@ def parse_args(argv=None):
   p.add_argument("--top-p", type=float, default=None, help="1 = off")
   p.add_argument("--min-p", type=float, default=None, help="0 = off")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--backend", default="auto",
-                 help="flashsample_jax backend of the fused sampler (auto, mosaic, triton, xla)")
+  p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                 help="flashsample_jax backend of the fused sampler (default: auto, the "
+                 "package's pick for each call)")
   p.add_argument("--attention", default="xla",
                  help=f"comma-separated, from {list(_model.ATTENTIONS)}: one run each")
   p.add_argument("--floor", action="store_true",
@@ -95,9 +97,41 @@ def describe(gen: _model.GenerationConfig) -> str:
   return f"{gen.name} ({', '.join(parts)})"
 
 
+def _refuse(msg: str) -> None:
+  """One line on stderr for a run this machine cannot do (not a bug: no traceback)."""
+  print(f"decode.py: error: {msg}", file=sys.stderr, flush=True)
+
+
+def _cannot_run_here(e: Exception, attention: str) -> bool:
+  """Whether ``e`` says that this machine cannot run the call (a sampler
+  backend or cuDNN declining it), as opposed to a bug."""
+  return isinstance(e, NotImplementedError) or (
+      attention == "cudnn" and isinstance(e, RuntimeError) and "cudnn" in str(e).lower())
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   cfg, gen = _model.CONFIGS[args.config], args.generation
+  samplers = _model.SAMPLERS if args.sampler == "both" else (args.sampler,)
+  picked = None
+  if "fused" in samplers:
+    try:
+      picked = _model.fused_backend(cfg, args.batch, args.backend, generation=gen)
+    except NotImplementedError as e:
+      _refuse(f"--backend {args.backend} cannot run this call here: {e}")
+      return 2
+  failed = False
+  results, records, attentions = {}, [], []
+  for attention in args.attention:
+    try:
+      _model.check_attention(attention)
+      attentions.append(attention)
+    except NotImplementedError as e:
+      _refuse(f"--attention {attention} cannot run here: {e}")
+      failed = True
+      records.append(dict(config=cfg.name, attention=attention, error=f"{e}"))
+  if not attentions:
+    return 2
   dev = jax.devices()[0]
   print(f"{cfg.name}: {cfg.params / 1e9:.3f}B params, D={cfg.dim} V={cfg.vocab} "
         f"L={cfg.layers} heads={cfg.heads}/{cfg.kv_heads} F={cfg.ffn} {cfg.dtype}, "
@@ -112,16 +146,13 @@ def main(argv=None) -> int:
     print(f"weight-read floor: {cfg.step_weight_bytes() / 1e9:.3f} GB of weights per step "
           f"at {bw / 1e12:.2f} TB/s = {floor_ms:.3f} ms")
   graphdef, state = _model.init(cfg, seed=args.seed)
-  samplers = _model.SAMPLERS if args.sampler == "both" else (args.sampler,)
-  results, records = {}, []
-  failed = False
 
   def dump():  # after every run, so that a time limit keeps what ran
     if args.json:
       args.json.parent.mkdir(parents=True, exist_ok=True)
       args.json.write_text(json.dumps({"rows": records}, indent=1) + "\n")
 
-  for attention in args.attention:
+  for attention in attentions:
     for name in samplers:
       try:
         dec = _model.Decoding(cfg, graphdef, state, batch=args.batch, tokens=args.tokens,
@@ -130,18 +161,21 @@ def main(argv=None) -> int:
         dec.warm_up()  # first-execution work stays out of the timed run
         r = dec.run(seed=args.seed)
       except Exception as e:  # noqa: BLE001  e.g. cuDNN declining a shape: report, go on
-        if len(args.attention) == 1:
+        expected = _cannot_run_here(e, attention)
+        if len(args.attention) == 1 and not expected:
           raise
         failed = True
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"[{name}, attention {attention}] failed: {type(e).__name__}: {msg[:300]}")
+        if expected:
+          _refuse(f"[{name}, attention {attention}] cannot run here: {msg[:300]}")
+        else:
+          print(f"[{name}, attention {attention}] failed: {type(e).__name__}: {msg[:300]}")
         records.append(dict(config=cfg.name, attention=attention, sampler=name,
                             error=f"{type(e).__name__}: {msg[:1000]}"))
         dump()
         continue
       results[(attention, name)] = r
-      tag = (f"{name}: {_model.fused_backend(cfg, args.batch, args.backend, generation=gen)}"
-             if name == "fused" else name)
+      tag = f"{name}: {picked}" if name == "fused" else name
       ratio = f", {r.tpot_ms / floor_ms:.2f}x the floor" if floor_ms else ""
       print(f"[{tag}, attention {attention}] B={args.batch} N={args.tokens} "
             f"prompt={args.prompt_len}: TPOT {r.tpot_ms:.3f} ms{ratio}, "
@@ -157,7 +191,7 @@ def main(argv=None) -> int:
                           jax_version=jax.__version__))
       dump()
   rc = 2 if failed else 0
-  for attention in args.attention:
+  for attention in attentions:
     if len(samplers) < 2 or (attention, "fused") not in results or (
         attention, "xla") not in results:
       continue

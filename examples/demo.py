@@ -9,12 +9,15 @@ JAX way of doing the same thing: the f32 logits from ``lax.dot_general``,
 divided by the temperature, then ``jax.random.categorical`` (``argmax`` at
 temperature 0).
 
-The fused kernel runs only on Hopper GPUs; elsewhere ``backend="auto"`` runs
-the pure-JAX ``xla`` backend, so on a CPU the timing compares two XLA programs
-and says nothing about the kernel.
+The fused kernels run on CUDA GPUs (``mosaic``: Hopper; ``triton``: sm80 and
+later); elsewhere ``backend="auto"`` takes one of the package's XLA routes
+(``dense`` or the streaming ``xla`` backend), so on a CPU the timing compares
+two XLA programs and says nothing about the kernels. A backend named with
+``--backend`` that cannot run here is refused in one line, with its reason.
 
   ./run demo                       # picks the config for this device
   ./run demo --config qwen3-8b --batch 64 --temperature 0.7
+  ./run demo --backend xla         # the streaming backend, whatever auto would pick
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import numpy as np
 from jax import lax
 
 import flashsample_jax as fs
+from flashsample_jax import backends
+from flashsample_jax.backends.xla import XlaBackend
 
 # (D, V) of real LM heads, and "tiny" (no model's: a quick smoke run).
 CONFIGS = {
@@ -73,6 +78,41 @@ def baseline_sampler(temperature: float):
   return jax.jit(f)
 
 
+def _is_kernel(name: str) -> bool:
+  """Whether backend ``name`` is a fused kernel (not one of the XLA routes,
+  which materialize or stream the logits with XLA's own ops)."""
+  return not isinstance(backends.get(name), XlaBackend)
+
+
+def _can_run(name: str, hidden, weight, key) -> bool:
+  try:
+    fs.which_backend(hidden, weight, key, backend=name)
+  except NotImplementedError:
+    return False
+  return True
+
+
+def route_note(chosen: str, backend: str, kernels_here) -> str | None:
+  """What the timing line means when ``backend`` (what ``--backend chosen``
+  resolved to) is not a fused kernel; None when it is one.
+
+  Args:
+    chosen: the ``--backend`` argument ("auto" or a name).
+    backend: the backend that ran.
+    kernels_here: the fused kernels' names that can run this call here.
+  """
+  if _is_kernel(backend):
+    return None
+  tail = "the ratio compares two XLA programs and says nothing about the GPU kernels"
+  if chosen != "auto":
+    return f"(you chose {backend!r}, an XLA route, not a fused kernel: {tail})"
+  if not kernels_here:
+    return (f"(no fused kernel on this device: auto picked {backend!r}, an XLA route; "
+            f"{tail})")
+  return (f"(auto picked {backend!r}, an XLA route, over the fused kernels that can run "
+          f"here ({', '.join(kernels_here)}): it measured faster for this call; {tail})")
+
+
 def main(argv=None) -> int:
   dev = jax.devices()[0]
   on_gpu = dev.platform == "gpu"
@@ -81,7 +121,7 @@ def main(argv=None) -> int:
                   default="qwen3-8b" if on_gpu else "qwen3-0.6b")
   ap.add_argument("--batch", type=int, default=64 if on_gpu else 8)
   ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-  ap.add_argument("--backend", default="auto", choices=("auto", *fs.BACKENDS))
+  ap.add_argument("--backend", default="auto", choices=("auto", *backends.BACKENDS))
   ap.add_argument("--iters", type=int, default=20 if on_gpu else 2,
                   help="timed blocks of 10 calls")
   args = ap.parse_args(argv)
@@ -95,7 +135,11 @@ def main(argv=None) -> int:
   kh, kw, ks = jax.random.split(jax.random.key(0), 3)
   hidden = jax.random.normal(kh, (b, d), jnp.bfloat16)
   weight = (jax.random.normal(kw, (v, d), jnp.float32) * (3.0 / d**0.5)).astype(jnp.bfloat16)
-  backend = fs.which_backend(hidden, weight, ks, backend=args.backend)
+  try:
+    backend = fs.which_backend(hidden, weight, ks, backend=args.backend)
+  except NotImplementedError as e:  # a named backend that this device cannot run
+    print(f"demo.py: error: --backend {args.backend} cannot run here: {e}", file=sys.stderr)
+    return 2
   print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
   print(f"LM head: RANDOM weights in {args.config}'s shape (D={d}, V={v}, bf16, "
         f"{v * d * 2 / 1e9:.2f} GB); B={b}, temperature={temp}, backend={backend}")
@@ -130,9 +174,10 @@ def main(argv=None) -> int:
   print(f"median us per call ({args.iters} blocks of 10): fs.sample[{backend}] "
         f"{t_fused:,.0f} | dot_general + categorical {t_base:,.0f} | "
         f"time ratio fs.sample / that {t_fused / t_base:.2f}")
-  if backend != "mosaic":
-    print(f"(no fused kernel on this device: {backend!r} is the portable fallback, "
-          "so the ratio says nothing about the GPU kernel)")
+  note = route_note(args.backend, backend, [
+      n for n in backends.BACKENDS if _is_kernel(n) and _can_run(n, hidden, weight, ks)])
+  if note:
+    print(note)
   ok = exact_ok and same / rows >= 0.999
   print("OK" if ok else "MISMATCH")
   return 0 if ok else 1

@@ -215,3 +215,61 @@ def test_demo_runs_and_does_not_overclaim(capsys):
   # On a CPU the kernel does not run, and the demo must say so.
   assert "no fused kernel on this device" in out
   assert len(out.splitlines()) <= 10
+
+
+@pytest.mark.parametrize("backend", ["dense", "xla"])
+def test_demo_says_what_the_user_chose(backend, capsys):
+  # A backend the user named is not "the portable fallback" nor auto's pick.
+  from examples import demo
+  rc = demo.main(["--config", "tiny", "--batch", "2", "--iters", "1", "--backend", backend])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert f"backend={backend}" in out
+  assert f"you chose {backend!r}" in out
+  assert "fallback" not in out and "auto" not in out
+
+
+def test_demo_route_note_is_true_for_each_route():
+  from examples import demo
+  assert demo.route_note("auto", "mosaic", ["mosaic"]) is None
+  assert demo.route_note("triton", "triton", ["triton"]) is None
+  assert "no fused kernel on this device" in demo.route_note("auto", "dense", [])
+  # On a GPU where auto takes the dense route for a call (large batches): a
+  # kernel could run, so the note must not say that none can.
+  note = demo.route_note("auto", "dense", ["mosaic", "triton"])
+  assert "no fused kernel" not in note and "measured faster" in note
+
+
+# -- the examples refuse what cannot run here: one line on stderr, exit 2 ----
+
+@pytest.mark.parametrize("argv,says", [
+    (["examples/demo.py", "--backend", "mosaic", "--config", "tiny", "--iters", "1"],
+     "--backend mosaic cannot run here: the mosaic backend needs an sm90"),
+    (["examples/decode.py", "--backend", "mosaic"],
+     "--backend mosaic cannot run this call here: the mosaic backend needs an sm90"),
+    (["examples/decode.py", "--attention", "cudnn"],
+     "--attention cudnn cannot run here: cuDNN attention needs an NVIDIA GPU"),
+    (["examples/decode.py", "--backend", "bogus"], "invalid choice: 'bogus'"),
+])
+def test_examples_refuse_in_one_line(argv, says):
+  # The CPU cannot run the Hopper kernel nor cuDNN: expected conditions, so a
+  # one-line message and a nonzero exit, not a traceback. Tiny shapes, and
+  # each refusal comes before any model is built.
+  out = subprocess.run([sys.executable, *argv, "--batch", "1"], cwd=ROOT, env=_cpu_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  errors = [l for l in out.stderr.splitlines() if ": error: " in l]
+  prog = Path(argv[0]).name
+  assert errors == [out.stderr.strip().splitlines()[-1]], out.stderr[-3000:]
+  assert errors[0].startswith(f"{prog}: error: ") and says in errors[0], errors
+
+
+def test_decode_help_lists_every_backend(capsys):
+  # --backend's choices are the package's own list (fs.BACKENDS), dense included.
+  from examples import decode
+  import flashsample_jax as fs
+  with pytest.raises(SystemExit):
+    decode.parse_args(["--help"])
+  out = " ".join(capsys.readouterr().out.split())
+  assert "{" + ",".join(("auto", *fs.BACKENDS)) + "}" in out
