@@ -135,4 +135,38 @@ def test_dense_route_equals_reference(kw):
     want = fs.reference.sample(h, w, key, temperature=t, **kw)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
-  assert fs.which_backend(h, w, jax.random.key(7)) != "dense"  # not on a CPU
+  # One chunk of the streaming backend is this program: auto keeps its name.
+  assert fs.which_backend(h, w, jax.random.key(7)) != "dense"
+
+
+def _auto_pick(b, v, d=1024, **kw):
+  # which_backend on shapes alone: no [B, D] or [V, D] array is made.
+  picked = []
+
+  def probe(h, w):
+    picked.append(fs.which_backend(h, w, jax.random.key(0), **kw))
+    return h
+
+  jax.eval_shape(probe, jax.ShapeDtypeStruct((b, d), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((v, d), jnp.bfloat16))
+  return picked[0]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto's route on a CPU")
+@pytest.mark.parametrize("kw", [{}, dict(temperature=0.6, top_k=20, top_p=0.95)])
+def test_auto_on_cpu_takes_dense_up_to_its_bound(kw):
+  # The demo's head (Qwen3-0.6B, V = 151936): dense where it measured faster
+  # than streaming (benchmarks/experiments/exp_cpu_route.py), up to
+  # DENSE_CPU_MAX_LOGIT_BYTES of [rows, V] f32 logits; the streaming backend
+  # within one chunk (the same program) and above the bound.
+  v = 151936
+  b_max = xla_backend.DENSE_CPU_MAX_LOGIT_BYTES // (4 * v)
+  assert b_max == 55
+  assert _auto_pick(4, v, **kw) == "xla"     # one chunk: 4 x V < 2**20
+  assert _auto_pick(8, v, **kw) == "dense"   # small: the demo's B
+  assert _auto_pick(b_max, v, **kw) == "dense"
+  assert _auto_pick(b_max + 1, v, **kw) == "xla"
+  assert _auto_pick(4096, v, **kw) == "xla"  # huge: 2.5 GB of logits
+  # Several samples are rows of the pass: 16 rows x 4 samples is over the bound.
+  assert _auto_pick(4, v, num_samples=4, **kw) == "dense"
+  assert _auto_pick(16, v, num_samples=4, **kw) == "xla"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashsample_jax import controls, problem, stage2
-from flashsample_jax.backends import SamplerBackend
+from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from flashsample_jax.problem import Problem
 from pallas_kernels import rules
 from pallas_kernels.state import ControlsState
@@ -29,6 +29,17 @@ from pallas_kernels.state import ControlsState
 _CHUNK_ELEMENTS = {"gpu": 2**22}
 _DEFAULT_CHUNK_ELEMENTS = 2**20
 _MIN_CHUNK = 512
+
+# auto's route on a CPU (issue #42, defect 7): where the streaming backend
+# splits the vocabulary into more than one chunk, the dense route measured
+# faster up to about this many bytes of [rows, V] f32 logits, on the demo's
+# head (Qwen3-0.6B: D=1024, V=151936; bf16 and f32 weights;
+# benchmarks/experiments/exp_cpu_route.py): 0.2-0.4x the streaming time at
+# B 8-16, plain and top-k + top-p; at B 32-48 even for plain sampling and
+# 0.6-0.8x with top-k + top-p; at B 64 plain sampling 1.25-2x slower, and
+# top-k + top-p no longer clearly faster (0.86-0.97x at B 64-128). Above the
+# bound auto stays on the streaming backend, which also keeps memory bounded.
+DENSE_CPU_MAX_LOGIT_BYTES = 2**25  # 32 MiB: B <= 55 at V=151936
 
 
 def _platform() -> str:
@@ -188,7 +199,8 @@ class DenseBackend(XlaBackend):
   pass adds the noise and takes the argmax (the xla backend with a single
   chunk). It holds ``B x V x 4`` bytes of logits, which the fused kernels
   never write: where the kernels lose to XLA (large batches on a GPU) it is
-  the fastest exact route, and ``auto`` takes it there.
+  the fastest exact route, and ``auto`` takes it there; on a CPU ``auto``
+  takes it up to :data:`DENSE_CPU_MAX_LOGIT_BYTES` of logits.
   """
 
   name: ClassVar[str] = "dense"
@@ -197,7 +209,17 @@ class DenseBackend(XlaBackend):
   def prefers(self, p, c):
     # On a GPU, after the fused kernels (which come first in the registry
     # and prefer the calls where they measured faster): XLA's GEMM and one
-    # fused pass beat the streaming backend's chunked GEMMs there. Elsewhere
-    # the bounded-memory streaming backend is the fallback.
-    del p, c
-    return jax.default_backend() == "gpu"
+    # fused pass beat the streaming backend's chunked GEMMs there. On a CPU
+    # up to DENSE_CPU_MAX_LOGIT_BYTES of logits, where the streaming backend
+    # would take more than one chunk (within one chunk it runs this very
+    # program, and auto keeps its name). Elsewhere (not measured) the
+    # bounded-memory streaming backend is the fallback.
+    platform = jax.default_backend()
+    if platform == "gpu":
+      return True
+    if platform != "cpu":
+      return False
+    rows = rows_per_pass(self, p, c)
+    if chunk_size(rows, p.weight_rows) >= p.weight_rows:
+      return False
+    return rows * p.weight_rows * 4 <= DENSE_CPU_MAX_LOGIT_BYTES
