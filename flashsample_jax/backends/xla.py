@@ -36,9 +36,10 @@ _MIN_CHUNK = 512
 # head (Qwen3-0.6B: D=1024, V=151936; bf16 and f32 weights;
 # benchmarks/experiments/exp_cpu_route.py): 0.2-0.4x the streaming time at
 # B 8-16, plain and top-k + top-p; at B 32-48 even for plain sampling and
-# 0.6-0.8x with top-k + top-p; at B 64 plain sampling 1.25-2x slower, and
-# top-k + top-p no longer clearly faster (0.86-0.97x at B 64-128). Above the
-# bound auto stays on the streaming backend, which also keeps memory bounded.
+# 0.6-0.8x with top-k + top-p; at B 64-128 plain sampling 1.25-2.4x slower
+# and top-k + top-p 0.8-0.97x. One bound for both, where plain sampling stops
+# gaining: above it auto stays on the streaming backend, which also keeps
+# memory bounded.
 DENSE_CPU_MAX_LOGIT_BYTES = 2**25  # 32 MiB: B <= 55 at V=151936
 
 
