@@ -157,7 +157,7 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     logit_bias: f32 ``[vocab_size]`` added to the (soft-capped) logits.
     allowed_mask: uint32/int32 ``[B, ceil(vocab_size / 32)]`` bitmask, bit
       ``v % 32`` of word ``v // 32`` allows id ``v`` (grammar-constrained
-      decoding). A row that allows no id returns ``-1``.
+      decoding). A row that allows no id returns ``-1`` (see Returns).
     softcap: ``c`` for logit soft-capping ``c * tanh(l / c)`` (Gemma 2).
     repetition_penalty: float or ``[B]`` > 0 (1 = off): the logit ``x`` of
       an id in ``prompt_ids`` or ``output_ids`` becomes ``x / r`` if
@@ -187,6 +187,20 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     :class:`flashsample_jax.SampleOutput` ``(tokens, logprob,
     logprob_truncated, logsumexp, top_ids, top_logprobs)`` (the fields not
     asked for are None).
+
+    No token possible: with any control (the arguments from ``top_k`` on,
+    ``num_samples`` aside), a row with nothing to sample returns ``-1`` on
+    every backend and in the reference, whatever emptied it: ``allowed_mask``
+    allows no id, every logit is ``-inf`` after soft-cap, ``logit_bias``,
+    penalties and the mask, or (sampled rows) truncation keeps no id (e.g.
+    ``min_p`` on a row with a ``+inf`` logit). Its ``logprob`` and
+    ``logprob_truncated`` are NaN, ``logsumexp`` is ``logsumexp(t)``
+    (``-inf`` when every logit is ``-inf``), and ``top_ids`` /
+    ``top_logprobs`` are ``-1`` / NaN where every logit is ``-inf``. Plain
+    sampling (``temperature``, ``num_samples`` only) returns
+    ``jax.random.categorical``'s token, id 0 for a row of ``-inf`` logits
+    (only non-finite ``hidden``/``weight`` values or an overflowing product
+    make one).
 
   Raises:
     TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).

@@ -484,12 +484,14 @@ class SampleOutput(NamedTuple):
   Shapes are ``[B]`` (or ``[S, B]`` with ``num_samples=S``), the top-N fields
   ``[B, N]`` (per row, not per sample). Log-probabilities are of the tempered
   distribution (greedy rows: temperature 1) after penalties, ``NaN`` for rows
-  with no allowed token. Fields that were not asked for are None:
+  with nothing to sample (token ``-1``). Fields that were not asked for are None:
   ``logprob``, ``logprob_truncated`` and ``logsumexp`` without
   ``return_logprobs=True``, the top-N ones without ``top_logprobs``.
 
   Attributes:
-    tokens: int32 sampled ids (``-1`` where ``allowed_mask`` allows nothing).
+    tokens: int32 sampled ids (``-1`` where the row has nothing to sample:
+      ``allowed_mask`` allows nothing, every logit is ``-inf``, or truncation
+      keeps nothing; :func:`flashsample_jax.sample`, Returns).
     logprob: ``log softmax(t)[token]`` before truncation.
     logprob_truncated: the same after top-k/top-p/min-p (renormalized).
     logsumexp: ``logsumexp(t)`` of the row, before truncation.

@@ -59,12 +59,24 @@ def _sample(p: problem.Problem, c: _controls.Controls):
   greedy = p.temperature == 0
   # Greedy rows keep T = 1 for their log-probabilities.
   t = x / jnp.where(t_col == 0, 1.0, t_col)
+  # One value of t for every use: XLA may recompute t inside each fusion
+  # that reads it, and two copies can round apart by an ulp (x / T becomes
+  # x * (1 / T), and LLVM may contract the soft-cap's multiply and the
+  # bias's add into an FMA in one copy only). keep_mask would then compare
+  # t with a threshold sorted from another copy and keep nothing.
+  t = jax.lax.optimization_barrier(t)
   kept = jnp.where(_controls.keep_mask(t, c), t, -jnp.inf) if c.truncates else t
   tokens = jnp.where(greedy[None, :], jnp.argmax(x, axis=-1)[None, :],
                      _categorical(p, kept, c.samples)).astype(jnp.int32)   # [S, B]
-  if c.allowed_mask is not None:
-    tokens = jnp.where(_controls.none_allowed(c.allowed_mask, p.vocab_size)[None, :],
-                       -1, tokens)
+  if not c.samples_only:
+    # Nothing to sample (every id -inf after the controls; for sampled rows
+    # also every id truncated away): -1, not categorical's id 0. Plain
+    # sampling (temperature, num_samples) stays categorical's own.
+    none = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=-1),
+                     jnp.all(kept == -jnp.inf, axis=-1))
+    if c.allowed_mask is not None:
+      none |= _controls.none_allowed(c.allowed_mask, p.vocab_size)
+    tokens = jnp.where(none[None, :], -1, tokens)
   out = tokens if num_samples is not None else tokens[0]
   if not c.returns_output:
     return out
@@ -103,7 +115,9 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   Computes ``l = hidden @ W.T`` in f32, keeps the first ``vocab_size``
   columns, applies the controls (:mod:`flashsample_jax.controls`), and returns
   ``jax.random.categorical(key, kept / T)`` per row (``jax.vmap``-ed over
-  per-row keys), or ``argmax`` where ``T == 0``.
+  per-row keys), or ``argmax`` where ``T == 0``; with any control, ``-1``
+  for a row with nothing to sample (every id ``-inf`` after the controls,
+  or for a sampled row every id truncated away).
 
   Args: as :func:`flashsample_jax.sample`; ``backend`` is checked and ignored.
 

@@ -455,8 +455,10 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   shards' states are gathered (one collective, O(B x M) bytes) and merged first. Then
   truncated rows are decided on the candidates, or, where those cannot
   certify the kept set, on the exact materialized path (the rare uncertified
-  rows gather the full logits over ``axis``). Rows that ``allowed_mask``
-  leaves empty return ``-1`` (log-probabilities NaN).
+  rows gather the full logits over ``axis``). Rows with nothing to sample
+  (``allowed_mask`` allows nothing, every transformed logit is ``-inf``, or
+  truncation keeps nothing) return ``-1`` (log-probabilities NaN) unless
+  ``c.samples_only`` (then the tokens are ``jax.random.categorical``'s).
 
   Returns:
     ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``:
@@ -612,15 +614,25 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     if top is not None:
       out = out._replace(top_ids=jnp.where(top[0] == -jnp.inf, -1, top[1]),
                          top_logprobs=top[0] - lse_all[:, None])
-  if c.allowed_mask is not None:
-    empty = controls.none_allowed(c.allowed_mask, p.vocab_size)
+  if not c.samples_only:
+    # Rows with nothing to sample return -1 (the reference's rule). Every
+    # transformed logit -inf: the merged best score is -inf only then (the
+    # noise is finite; greedy rows score x). A sampled row whose logits are
+    # not all -inf but that truncation leaves empty (a traced min_p > 1, a
+    # +inf logit under min_p) is never certified on the candidates (they
+    # vouch for a kept top id), and the exact path returns -1 for it.
+    empty = st.best_score[:, 0] == -jnp.inf
+    masked = None
+    if c.allowed_mask is not None:
+      masked = controls.none_allowed(c.allowed_mask, p.vocab_size)
+      empty |= masked
     tokens = jnp.where(empty[None], -1, tokens)
     if out is not None:
-      nan = lambda a, e=empty[None]: None if a is None else jnp.where(e, jnp.nan, a)
+      nan = lambda a, e=tokens < 0: None if a is None else jnp.where(e, jnp.nan, a)
       out = out._replace(tokens=tokens, logprob=nan(out.logprob),
                          logprob_truncated=nan(out.logprob_truncated))
-      if top is not None:
-        out = out._replace(top_logprobs=nan(out.top_logprobs, empty[:, None]))
+      if top is not None and masked is not None:
+        out = out._replace(top_logprobs=nan(out.top_logprobs, masked[:, None]))
   return tokens, out, fallback
 
 
@@ -637,10 +649,17 @@ def _materialized(p: Problem, c: controls.Controls, rows, results, perturbed, ax
   hist = controls.dense_history(c, p.batch, l.shape[1]) if c.penalizes else None
   x = controls.transform(l, gid, c, p.vocab_size, history=hist)[:, :p.vocab_size]
   gid = gid[:p.vocab_size]
-  t = tempered(p, x)
+  # One value of t for keep_mask's sort and its comparisons (as in the
+  # reference): copies of t recomputed in two fusions can round apart by an
+  # ulp, and a row could then keep nothing.
+  t = lax.optimization_barrier(tempered(p, x))
   kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
   j = jnp.argmax(perturbed(x, kept, gid), axis=2)                # [B, S]
-  new_t = jnp.take_along_axis(t, j, axis=1)
+  # A sampled row that keeps no id has nothing to sample: -1 (finish's
+  # rule; greedy rows take the argmax of x whatever the rules keep).
+  none = (p.temperature != 0) & jnp.all(kept == -jnp.inf, axis=1)
+  j = jnp.where(none[:, None], -1, j)
+  new_t = jnp.take_along_axis(t, jnp.maximum(j, 0), axis=1)
   r = rows[None]
   if top is not None:
     # controls.top_n sorts (no lax.top_k, which could take the conditional

@@ -248,6 +248,36 @@ class BackendSuite:
     assert np.isnan(out.logprob[3]) and np.isnan(out.logprob_truncated[5])
     assert (np.delete(np.asarray(out.tokens), [3, 5]) >= 0).all()
 
+  @pytest.mark.parametrize("kw", [{}, dict(top_k=5, top_p=0.9), dict(min_p=0.05)],
+                           ids=["no_truncation", "top_k_top_p", "min_p"])
+  def test_rows_with_nothing_to_sample_return_minus_one(self, kw):
+    # Issue #42, defect 3: one answer for "no token possible", whatever
+    # empties the row (here a bias of -inf on every id the row's mask
+    # allows): -1, with NaN log-probabilities, as for a mask that allows
+    # nothing; logsumexp -inf, top ids -1 with NaN log-probabilities.
+    b, v = cases.B, cases.V
+    banned = 1504                                    # ids [0, 1504): 47 words
+    bias = np.zeros(v, np.float32)
+    bias[:banned] = -np.inf
+    mask = np.full((b, -(-v // 32)), 0xFFFFFFFF, np.uint32)
+    empty = [3, 7, 10]                               # row 7 is greedy (cases.T)
+    mask[empty] = 0
+    mask[empty, :banned // 32] = 0xFFFFFFFF          # only banned ids allowed
+    kw = dict(kw, logit_bias=jnp.asarray(bias), allowed_mask=jnp.asarray(mask))
+    for key in cases.KEYS.values():
+      _, out = self.checked_output(kw, key=key, num_samples=2, return_logprobs=True,
+                                   top_logprobs=3)
+      tok = np.asarray(out.tokens)
+      assert (tok[:, empty] == -1).all() and (np.delete(tok, empty, axis=1) >= banned).all()
+      for name in ("logprob", "logprob_truncated"):
+        assert np.isnan(np.asarray(getattr(out, name))[:, empty]).all(), name
+      assert np.isneginf(np.asarray(out.logsumexp)[:, empty]).all()
+      assert (np.asarray(out.top_ids)[empty] == -1).all()
+      assert np.isnan(np.asarray(out.top_logprobs)[empty]).all()
+    # A bias of -inf everywhere: every row, greedy ones too, bare tokens.
+    tok = self.check_controls(dict(kw, logit_bias=jnp.full((v,), -jnp.inf), allowed_mask=None))
+    np.testing.assert_array_equal(tok, -1)
+
   @pytest.mark.parametrize("top_p", cases.NUCLEUS_TOP_P,
                            ids=lambda p: f"1-{1 - p:.0e}")
   def test_top_p_near_one_with_a_nucleus_past_the_candidates(self, top_p):

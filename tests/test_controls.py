@@ -236,7 +236,11 @@ def test_nan_and_inf_logits_with_truncation_match_reference():
   key = jax.random.key(0)
   for bad in (w.at[5, 0].set(jnp.nan), w.at[9, 0].set(jnp.inf)):
     for kw in (dict(top_k=3), dict(min_p=0.1), dict(top_p=0.5), dict(top_k=3, min_p=0.1)):
-      check(kw, key=key, h=h, w=bad, t=1.0)
+      tok = check(kw, key=key, h=h, w=bad, t=1.0)
+      # min_p on a row with NaN or +inf: exp(t - max t) is NaN or 0 for
+      # every id, none is kept, and the row returns -1 (README, "Invalid
+      # values").
+      assert ((tok == -1).all() if "min_p" in kw else (tok >= 0).all()), kw
 
 
 def test_top_p_at_a_rounding_boundary_matches_reference():
@@ -301,6 +305,31 @@ def test_a_kept_set_of_every_id_is_decided_only_on_complete_lists():
   assert bool(active[0]) and bool(decided[0]) and int(keep.sum()) == 120
 
 
+@pytest.mark.parametrize("sampler", [fs.sample, fs.reference.sample],
+                         ids=["xla", "reference"])
+def test_no_token_possible_is_minus_one_only_with_controls(sampler):
+  # Issue #42, defect 3: every row whose transformed logits are all -inf
+  # (here from W) returns -1 once any control is given, as one whose mask
+  # allows nothing; plain sampling (temperature, num_samples) is
+  # jax.random.categorical's own, which returns id 0 for such a row.
+  w = jnp.where(jnp.arange(300) < 150, 1.0, 2.0)[:, None]
+  h = jnp.asarray([[1.0], [-jnp.inf], [1.0]])      # row 1: every logit -inf
+  key, t = jax.random.key(0), jnp.asarray([1.0, 1.0, 0.0])
+  run = lambda **kw: np.asarray(jax.tree.leaves(sampler(h, w, key, temperature=t, **kw))[0])
+  assert run()[1] == 0 and (run(num_samples=2)[:, 1] == 0).all()
+  # (A soft-cap is not among them: it maps -inf to -c, a finite logit.)
+  for kw in (dict(return_logprobs=True), dict(top_logprobs=2),
+             dict(allowed_mask=jnp.full((3, 10), 0xFFFFFFFF, jnp.uint32)),
+             dict(logit_bias=jnp.zeros(300)), dict(top_k=3), dict(min_p=0.5),
+             dict(top_p=0.5, num_samples=2)):
+    tok = run(**kw)
+    np.testing.assert_array_equal(tok[..., 1], -1, err_msg=str(kw))
+    assert (tok[..., [0, 2]] >= 0).all(), kw
+  out = sampler(h, w, key, temperature=t, return_logprobs=True, top_logprobs=2)
+  assert np.isnan(out.logprob[1]) and np.isnan(out.logprob_truncated[1])
+  assert np.isneginf(out.logsumexp[1]) and (out.top_ids[1] == -1).all()
+
+
 def test_traced_out_of_range_controls_match_reference():
   f = jax.jit(lambda m, p: fs.sample(H[:4], W, KEYS["scalar"], temperature=4.0,
                                      min_p=m, top_p=p))
@@ -309,6 +338,9 @@ def test_traced_out_of_range_controls_match_reference():
   for m, p in ((2.0, 1.0), (jnp.nan, 1.0), (0.0, jnp.nan)):
     args = (jnp.float32(m), jnp.float32(p))
     np.testing.assert_array_equal(f(*args), g(*args))
+    # A min_p above 1 or NaN keeps no id: nothing to sample, -1 (issue #42);
+    # a NaN top_p keeps the top id.
+    assert (np.asarray(g(*args)) == -1).all() == (m != 0.0), (m, p)
 
 
 def test_top_logprobs_treat_signed_zeros_as_equal():
