@@ -34,6 +34,7 @@ def _prepare(hidden, weight, key, *, temperature, weight_layout, vocab_size,
                       weight_layout=weight_layout, vocab_size=vocab_size,
                       vocab_shards=axes.vocab_shards(),
                       batch_shard=axes.batch_shard())
+  axes.check_weight(p.weight, p.layout)
   c = _controls.prepare_controls(
       batch=p.batch, vocab_size=p.vocab_size, rows=p.total_rows,
       num_samples=num_samples, return_logprobs=return_logprobs, **controls)

@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from flashsample_jax import problem
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,7 @@ def _concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
+def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off, check=None):
   """A scalar or ``[B]`` control as a ``[B]`` array; range-checks concrete values.
 
   Values are checked before the cast to int32/float32, so an out-of-range
@@ -183,15 +185,20 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off):
     raw = np.asarray(value) if _concrete(value) else None
   if raw is not None:
     v = np.atleast_1d(raw).astype(np.float64)
-    bad = np.isnan(v)
+    bad = np.isnan(v) if check is None else np.zeros(v.shape, bool)
     bad |= (v <= lo) if lo_open else (v < lo)
     bad |= v > hi
     if bad.any():
       i = int(np.argmax(bad))
       shown = raw.item() if raw.ndim == 0 else raw[i]
       where = name if raw.ndim == 0 else f"{name}[{i}]"
-      rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-      raise ValueError(f"{where}={shown} must be in {rng} ({off})")
+      if (lo, hi) == (-_F32_MAX, _F32_MAX):
+        rng = "finite"
+      else:
+        rng = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+      raise ValueError(f"{where}={shown} must be {rng} ({off})")
+  if check is not None:
+    check(name, value)
   dtype = jnp.int32 if integer else jnp.float32
   return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
@@ -282,28 +289,28 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     softcap = jnp.asarray(softcap, jnp.float32)
   if num_samples is not None:
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
-      raise TypeError(f"num_samples={num_samples!r} must be a Python int or None")
+      raise problem.static_arg_error("num_samples", num_samples, "a Python int or None")
     if num_samples < 1:
       raise ValueError(f"{num_samples=} must be >= 1")
     num_samples = int(num_samples)
   if not isinstance(return_logprobs, bool):
-    raise TypeError(f"return_logprobs={return_logprobs!r} must be a bool")
+    raise problem.static_arg_error("return_logprobs", return_logprobs, "a bool")
   if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)):
-    raise TypeError(f"top_logprobs={top_logprobs!r} must be a Python int (0 = off)")
+    raise problem.static_arg_error("top_logprobs", top_logprobs, "a Python int (0 = off)")
   top_max = min(TOP_LOGPROBS_MAX, vocab_size)
   if not 0 <= top_logprobs <= top_max:
     raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {top_max}] "
                      f"(at most {TOP_LOGPROBS_MAX} and the vocabulary size)")
   top_logprobs = int(top_logprobs)
   repetition_penalty = _per_row("repetition_penalty", repetition_penalty, batch,
-                                integer=False, lo=0.0, hi=_F32_MAX, lo_open=True,
-                                off="1 turns it off")
+                                integer=False, lo=-np.inf, hi=np.inf,
+                                off="1 turns it off", check=problem.check_normal)
   presence_penalty = _per_row("presence_penalty", presence_penalty, batch,
                               integer=False, lo=-_F32_MAX, hi=_F32_MAX,
-                              off="a finite float; 0 turns it off")
+                              off="0 turns it off")
   frequency_penalty = _per_row("frequency_penalty", frequency_penalty, batch,
                                integer=False, lo=-_F32_MAX, hi=_F32_MAX,
-                               off="a finite float; 0 turns it off")
+                               off="0 turns it off")
   prompt_ids = _history("prompt_ids", prompt_ids, batch, vocab_size)
   output_ids = _history("output_ids", output_ids, batch, vocab_size)
   penalties = (repetition_penalty, presence_penalty, frequency_penalty)

@@ -88,10 +88,6 @@ def test_traced_static_option_says_how_to_make_it_static():
     jax.jit(fs.sample)(h, w, jax.random.key(0), vocab_size=200)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs controls.prepare_controls to raise problem.static_arg_error(name, value, "
-    "want) for num_samples, return_logprobs and top_logprobs (issue #42, defect 8; "
-    "controls.py is not this change's file)"))
 @pytest.mark.parametrize("option", [dict(return_logprobs=True), dict(num_samples=2),
                                     dict(top_logprobs=3)])
 def test_traced_control_option_says_how_to_make_it_static(option):

@@ -135,7 +135,7 @@ def test_truncated_distribution_chi_square(kw):
     (dict(top_logprobs=2.0), TypeError, r"top_logprobs=2.0"),
     (dict(top_logprobs=jnp.int32(3)), TypeError, r"top_logprobs"),
     (dict(repetition_penalty=0.0, output_ids=jnp.zeros((B, 2), jnp.int32)), ValueError,
-     r"repetition_penalty=0.0 must be in \(0.0, "),
+     r"repetition_penalty=0.0 must be a normal float32"),
     (dict(repetition_penalty=jnp.full(B, -1.0)), ValueError, r"repetition_penalty\[0\]=-1.0"),
     (dict(presence_penalty=float("inf")), ValueError, r"presence_penalty=inf"),
     (dict(frequency_penalty=float("nan")), ValueError, r"frequency_penalty=nan"),

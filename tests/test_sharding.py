@@ -417,9 +417,6 @@ def test_check_weight_refuses_a_head_replicated_over_vocab_axis():
   _replicated_weight(check("tp"), h, w, mesh, check_vma=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs api._prepare to call axes.check_weight(p.weight, p.layout) after "
-    "problem.prepare (issue #42, defect 4; api.py is not this change's file)"))
 def test_sample_refuses_a_head_replicated_over_vocab_axis():
   # The issue's case: every input replicated, vocab_axis="tp": ids up to
   # 4 * V - 1 came back silently for V = 256.

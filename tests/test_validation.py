@@ -152,14 +152,9 @@ def test_traced_temperatures_outside_fail_a_checkify_check(t):
 # The repetition penalty divides like the temperature (x / r is x times XLA's
 # 1 / r): the same range, eager and traced; and ranges read as text, not as
 # "(0.0, 3.4028234663852886e+38]". Its checks live in controls.py.
-_CONTROLS_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "needs controls.prepare_controls to check repetition_penalty with "
-    "problem.check_normal and to word the penalties' ranges as text (issue #42, "
-    "defects 8 and 9; controls.py is not this change's file)"))
 _HISTORY = jnp.zeros((4, 2), jnp.int32)
 
 
-@_CONTROLS_XFAIL
 @pytest.mark.parametrize("r", [0.0, -1.0, _LARGEST_SUBNORMAL, 1e-45, 2.0**126,
                                float("inf")])
 def test_repetition_penalty_outside_the_normal_range_is_refused(r):
@@ -173,7 +168,6 @@ def test_repetition_penalty_outside_the_normal_range_is_refused(r):
   assert err.get() is not None and re.search(rf"repetition_penalty=\S+ {normal}", err.get())
 
 
-@_CONTROLS_XFAIL
 def test_penalty_ranges_read_as_text():
   with pytest.raises(ValueError, match=r"presence_penalty=inf must be finite") as e:
     fs.sample(H, W, KEY, presence_penalty=float("inf"), output_ids=_HISTORY)
