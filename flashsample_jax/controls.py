@@ -160,7 +160,8 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off, check=N
   """A scalar or ``[B]`` control as a ``[B]`` array; range-checks concrete values.
 
   Values are checked before the cast to int32/float32, so an out-of-range
-  int64 cannot wrap into range.
+  int64 cannot wrap into range. ``check(name, value)``, if given, replaces
+  the ``[lo, hi]`` check (e.g. :func:`flashsample_jax.problem.check_normal`).
   """
   if value is None:
     return None
@@ -183,9 +184,11 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off, check=N
       raise ValueError(f"{name} must be a scalar or have shape [B]=({batch},), got "
                        f"{name}.shape={tuple(value.shape)}")
     raw = np.asarray(value) if _concrete(value) else None
-  if raw is not None:
+  if check is not None:   # its own range, eager or (traced) under checkify
+    check(name, value)
+  elif raw is not None:
     v = np.atleast_1d(raw).astype(np.float64)
-    bad = np.isnan(v) if check is None else np.zeros(v.shape, bool)
+    bad = np.isnan(v)
     bad |= (v <= lo) if lo_open else (v < lo)
     bad |= v > hi
     if bad.any():
@@ -197,8 +200,6 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off, check=N
       else:
         rng = f"in {'(' if lo_open else '['}{lo}, {hi}]"
       raise ValueError(f"{where}={shown} must be {rng} ({off})")
-  if check is not None:
-    check(name, value)
   dtype = jnp.int32 if integer else jnp.float32
   return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
@@ -303,7 +304,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      f"(at most {TOP_LOGPROBS_MAX} and the vocabulary size)")
   top_logprobs = int(top_logprobs)
   repetition_penalty = _per_row("repetition_penalty", repetition_penalty, batch,
-                                integer=False, lo=-np.inf, hi=np.inf,
+                                integer=False, lo=None, hi=None,
                                 off="1 turns it off", check=problem.check_normal)
   presence_penalty = _per_row("presence_penalty", presence_penalty, batch,
                               integer=False, lo=-_F32_MAX, hi=_F32_MAX,
