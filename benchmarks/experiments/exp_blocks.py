@@ -1,8 +1,8 @@
 """Variants of the blocked batch-major launch (issue #20), at B >= 193.
 
-Measures settings of the heuristic's blocked config in alternating rounds
-(as ``exp_interleave``: at the power cap a variant's time depends on what
-ran before it) and checks that every variant returns the same tokens as the
+Measures settings of the heuristic's blocked config in interleaved rounds
+(at the power cap a variant's time depends on what ran before it:
+docs/performance.md, "Measuring at the power cap") and checks that every variant returns the same tokens as the
 heuristic's launch:
 
   python3 -m benchmarks.experiments.exp_blocks S:256,512 L:256 --rounds 3 \
@@ -14,8 +14,9 @@ dot + categorical) always runs; ``same_tokens`` compares each variant's
 tokens with the first variant's. ``--once NAME`` runs one variant once per
 point instead (for Nsight Compute).
 
-The nineteenth session (PERF_LOG) also measured the weight tiles multicast
-across clusters of 2 and 4 CTAs with this script; that code is in commit
+What it decided: docs/performance.md, "Routes on the GPU", "Batch blocks" and
+"Deep D: epilogue passes and a wgmma in flight". Weight tiles multicast across
+clusters of 2 and 4 CTAs were measured with it too; that code is in commit
 8a3333b, and was removed because it did not pay.
 """
 

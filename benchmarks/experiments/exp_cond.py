@@ -1,9 +1,9 @@
 """What the ``lax.cond`` around the exact fallback costs on a GPU.
 
-    PYTHONPATH=. python3 benchmarks/exp_cond.py [B]             # variants
-    PYTHONPATH=. python3 benchmarks/exp_cond.py B --finish      # cond vs none
-    PYTHONPATH=. python3 benchmarks/exp_cond.py B [B ...] --finish --quick  # cond, plain
-    TAG=_x PYTHONPATH=. python3 benchmarks/exp_cond.py B --profile [--plain|--barrier]
+    python3 -m benchmarks.experiments.exp_cond [B]             # variants
+    python3 -m benchmarks.experiments.exp_cond B --finish      # cond vs none
+    python3 -m benchmarks.experiments.exp_cond B [B ...] --finish --quick  # cond, plain
+    TAG=_x python3 -m benchmarks.experiments.exp_cond B --profile [--plain|--barrier]
 
 ``CTL=top_logprobs20`` (environment) runs ``top_logprobs=20`` where the
 default runs top-k 50 + top-p 0.9 (``--finish``, ``--profile``).
