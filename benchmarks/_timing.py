@@ -41,8 +41,8 @@ def timed_rounds(variants, *args, rounds: int, **tags):
   """Times ``variants`` (name -> function of ``args``) in turn, ``rounds``
   times, and prints one JSON line per round: ``tags`` and each variant's
   median us. At the power cap a variant's time depends on what ran just
-  before it, so a decision should rest on the rounds' spread (PERF_LOG,
-  sixteenth session)."""
+  before it, so a decision should rest on the rounds' spread
+  (docs/performance.md, "Measuring at the power cap")."""
   import json
   for r in range(rounds):
     rec = dict(tags, round=r)
