@@ -29,8 +29,8 @@ from pallas_kernels import devices, rowdata
 # drawn as S * B rows of one plain launch while those fit the fast plain
 # kernels (N <= 128): row ``s * B + b`` is sample ``s`` of row ``b`` with its
 # own counters, so the tokens are the same. The controls kernel pads B to
-# 64 rows and evaluates every sample's noise for each (PERF_LOG: S = 4 at
-# B = 1 took twice XLA's time that way).
+# 64 rows and evaluates every sample's noise for each (S = 4 at B = 1 took
+# twice XLA's time that way: docs/performance.md, "Routes on the GPU").
 SAMPLES_AS_ROWS_MAX = 128
 # Rows (batch x samples) up to which auto prefers the controls kernel to
 # the dense route without truncation (see MosaicBackend.prefers).
@@ -40,19 +40,19 @@ ROUTE_MAX_ROWS = 192
 # blocks) the kernel ran 4-6% behind the dense route on the H100 in
 # alternating rounds; at B = 256 (two blocks, since its epilogue passes and
 # wgmma in flight) it ran 8-10% ahead of it and 2-8% ahead of XLA's dot +
-# categorical, and at B = 128 and 512 it wins too (PERF_LOG, sixteenth and
-# nineteenth sessions).
+# categorical, and at B = 128 and 512 it wins too (docs/performance.md,
+# "Routes on the GPU").
 PLAIN_DENSE = ((8192, 257, 320),)
 # Where a GPU's points differ. The H200's faster memory leaves its single
-# launches of 129-192 rows behind the dense route sooner (PERF_LOG,
-# sixteenth session, alternating rounds at B = 128, 144, 160, 176, 192): at
+# launches of 129-192 rows behind the dense route sooner (docs/performance.md,
+# "Routes on the GPU"; interleaved rounds at B = 128, 144, 160, 176, 192): at
 # D = 8192 the kernel won at 128 and lost from 144 on (817-907 us against
 # 739-837), so the range starts at the first row count of the single
 # launch, 129; at D = 4096 the two overlapped at 160 and the kernel lost
 # at 176 and 192 (586-704 against 585-659), so it starts at 161. At D =
 # 2048 and 2880 the kernel stays ahead at 192. D between 4096 and 8192 was
 # not measured. With the D >= 8192 settings of the blocked launch
-# (twentieth session, alternating rounds at 192-320 rows) its two blocks
+# (interleaved rounds at 192-320 rows) its two blocks
 # cost about the same from 193 to 256 rows (996-1032 us), while the dense
 # route grows with B (834-898 at 208, 963-1006 at 240, 1028-1116 at 256):
 # the two cross between 240 and 244 (at 244-256 the kernel's median was
@@ -162,10 +162,11 @@ class MosaicBackend(SamplerBackend):
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
     # uncertified rows: the conditional's CUDA graph node alone cost more
-    # than both launches when they do nothing (PERF_LOG, seventeenth
-    # session). One launch of at most EXACT_TOP_MAX_ROWS rows: its [B, V]
-    # f32 buffer is allocated on every call. Truncation rules keep the
-    # conditional (their exact path also re-decides the tokens).
+    # than both launches when they do nothing (docs/performance.md, "Stage 2
+    # and the exact path's conditional"). One launch of at most
+    # EXACT_TOP_MAX_ROWS rows: its [B, V] f32 buffer is allocated on every
+    # call. Truncation rules keep the conditional (their exact path also
+    # re-decides the tokens).
     if not self._offers_exact_top(p, c):
       return None
     _, _, _, controls_kernel = _kernels()
@@ -193,9 +194,8 @@ class MosaicBackend(SamplerBackend):
     # one fused noise pass) on the H100: plain sampling in batch blocks is
     # faster at every batch up to 1024 on the four benchmark heads but the
     # points of PLAIN_DENSE, and so is a truncation rule (the dense route
-    # sorts [B, V]; PERF_LOG "Batch blocks"); other controls up to
-    # ROUTE_MAX_ROWS rows per pass over W (PERF_LOG "Routes"; not measured
-    # in blocks).
+    # sorts [B, V]); other controls up to ROUTE_MAX_ROWS rows per pass over
+    # W (not measured in blocks). docs/performance.md, "Routes on the GPU".
     if not c.active:
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
                      for d, lo, hi in plain_dense(devices.device_kind()))
@@ -203,8 +203,8 @@ class MosaicBackend(SamplerBackend):
 
   def fuses_penalties(self, p, c):
     # Bit-planes of the history beside the allowed mask: a few bits per id
-    # instead of gathering B x (P + O) weight rows (PERF_LOG "Penalties
-    # in the kernel").
+    # instead of gathering B x (P + O) weight rows (docs/performance.md,
+    # "Penalties in the kernel").
     del p
     planes = stage2.penalty_planes(c).planes + int(c.allowed_mask is not None)
     return planes <= MAX_PLANES

@@ -47,8 +47,9 @@ SAMPLES_AS_ROWS_MAX = 64
 # Rows (batch x samples) up to which auto prefers the kernels to the dense
 # route without truncation (see TritonBackend.prefers). At B = 128 the kernel
 # measured 1.06-1.10x faster than XLA's dot + categorical on an H100 but
-# 0.82-0.88x on an H200 (PERF_LOG, fourteenth session), and it is not
-# measured on the GPUs it is meant for (sm80, sm89, sm100): 64 until it is.
+# 0.82-0.88x on an H200 (docs/performance.md, "Routes on the GPU"), and it
+# is not measured on the GPUs it is meant for (sm80, sm89, sm100): 64 until
+# it is.
 ROUTE_MAX_ROWS = 64
 
 
@@ -151,8 +152,8 @@ class TritonBackend(SamplerBackend):
         first.lse_max, first.lse_sum, *lists, m=stage2.candidate_count(p, c))
 
   def prefers(self, p, c):
-    # As the mosaic backend's (PERF_LOG "Routes"): with truncation always,
-    # otherwise up to ROUTE_MAX_ROWS rows per pass over W.
+    # As the mosaic backend's (docs/performance.md, "Routes on the GPU"):
+    # with truncation always, otherwise up to ROUTE_MAX_ROWS rows per pass over W.
     return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def samples_as_rows(self, p, c):

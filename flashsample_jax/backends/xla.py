@@ -23,8 +23,9 @@ from pallas_kernels import rules
 from pallas_kernels.state import ControlsState
 
 # Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
-# logits, about as much again for the scores): measured on an H200
-# (PERF_LOG), 2**20 left the GEMMs too small (B=256: 1.7x slower). On a
+# logits, about as much again for the scores): measured on an H200, 2**20
+# left the GEMMs too small (B=256: 1.7x slower; docs/performance.md, "The
+# streaming xla backend's chunks"). On a
 # CPU, where each chunk's slice of W is a copy, 2**20 keeps memory small.
 _CHUNK_ELEMENTS = {"gpu": 2**22}
 _DEFAULT_CHUNK_ELEMENTS = 2**20
@@ -34,7 +35,8 @@ _MIN_CHUNK = 512
 # splits the vocabulary into more than one chunk, the dense route measured
 # faster up to about this many bytes of [rows, V] f32 logits, on the demo's
 # head (Qwen3-0.6B: D=1024, V=151936; bf16 and f32 weights;
-# benchmarks/experiments/exp_cpu_route.py): 0.2-0.4x the streaming time at
+# benchmarks/experiments/exp_cpu_route.py; docs/performance.md, "Routes on
+# the CPU"): 0.2-0.4x the streaming time at
 # B 8-16, plain and top-k + top-p; at B 32-48 even for plain sampling and
 # 0.6-0.8x with top-k + top-p; at B 64-128 plain sampling 1.25-2.4x slower
 # and top-k + top-p 0.8-0.97x. One bound for both, where plain sampling stops
@@ -55,7 +57,8 @@ def chunk_size(batch: int, rows: int) -> int:
   return min(c, rows)
 
 
-# How _stream walks the chunks (measured on an H200, benchmarks/PERF_LOG.md):
+# How _stream walks the chunks (measured on an H200; docs/performance.md,
+# "The streaming xla backend's chunks"):
 # on a GPU, static slices of W fuse into XLA's GEMM, while a fori_loop's
 # dynamic slice is copied out of W first (a [chunk, D] copy per step: 2.7x
 # slower at B=64). So there chunks are unrolled, each one's matmul ordered
