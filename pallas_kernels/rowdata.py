@@ -97,7 +97,7 @@ def _reciprocal(x):
   """``1 / x`` (1 where ``x`` is 0), computed by XLA: on a GPU XLA divides
   as ``div.full.f32``, and ``l * (1 / x)`` with this reciprocal equals XLA's
   own ``l / x`` bit for bit (every one of 33.5M quotients on an H200,
-  PERF_LOG "Division"); on a CPU XLA divides in IEEE, and a kernel run
+  docs/design.md, "Division"); on a CPU XLA divides in IEEE, and a kernel run
   there divides by ``x``."""
   x = jnp.asarray(x, jnp.float32)
   return 1.0 / jnp.where(x == 0, 1.0, x)

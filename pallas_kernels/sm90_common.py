@@ -350,7 +350,8 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   have fewer rows than ``n`` (a multiple of 8, batch-major: the controls
   kernel's launches of fewer than 64 rows): its rows fill the top of each
   H slot, the rest of the slot is never written, and the accumulator rows
-  it feeds are padding the caller drops (PERF_LOG c8). The schedule's
+  it feeds are padding the caller drops (docs/performance.md, "The controls
+  kernel"). The schedule's
   ``batch_major`` decides the operand order of the wgmma. ``cta``: this
   CTA's index among the ``num_ctas`` that share the tiles (default: its
   grid index; a kernel whose CTAs split into groups passes its own).

@@ -4,8 +4,8 @@ A launch is described by a :class:`TuningConfig`, a frozen dataclass validated
 on construction (and against a problem's shapes by
 :meth:`TuningConfig.check_problem`). Its :class:`Schedule` names how the
 warpgroups share the work; :func:`pick_config` chooses one from a table of
-measured settings (the measurements are in ``benchmarks/PERF_LOG.md``), with
-no autotuning at call time.
+measured settings (the measurements behind them: ``docs/performance.md``),
+with no autotuning at call time.
 """
 
 from __future__ import annotations
@@ -303,7 +303,8 @@ def wg_scratch_elems(epi_cols: int) -> int:
 
 # Rows per launch (one pass over W each): full chunks first, then the rest.
 # A launch's cost grows slower than its rows, so chunks are as full as the
-# kernel allows (PERF_LOG v7: one launch of 256 rows against two of 128).
+# kernel allows (one launch of 256 rows against two of 128:
+# docs/performance.md, "Launches of up to 256 rows").
 CHUNK_ROWS = MAX_N
 
 
@@ -331,17 +332,18 @@ class _Row:
 
 
 # Two compute warpgroups (V >= 128): the schedule by batch side N. Each row
-# is the best of the settings PERF_LOG measured at those N on the H100/H200
-# (Qwen3-8B and Llama-3-70B heads):
+# is the best of the settings measured at those N on the H100/H200
+# (Qwen3-8B and Llama-3-70B heads; docs/performance.md, "Schedules by batch
+# size"):
 # * N <= 48: vocabulary on M, tiles of 128 rows; H slices this small leave
 #   room for 4-5 slots of Dt = 128, and each slot is released as soon as its
-#   wgmma is done (v4, v7, v7c).
-# * N = 64: batch on M, chunks of [64, 16], one wgmma kept in flight (v5).
+#   wgmma is done.
+# * N = 64: batch on M, chunks of [64, 16], one wgmma kept in flight.
 # * N = 128: batch on M, chunks of [128, 8] (half the loop body), each slot
-#   released at once (v7, v9).
+#   released at once.
 # * N > 128: vocabulary on M over tiles of 64 rows (an accumulator [64, N]
 #   is 128 registers at N = 256), a quarter-accumulator buffer per
-#   warpgroup so both epilogues may run at once (v9).
+#   warpgroup so both epilogues may run at once.
 _TABLE = (
     _Row(48, Schedule.PINGPONG_VOCAB_M, tile_v=128, epi_cols=16, mma_in_flight=0),
     _Row(64, Schedule.PINGPONG_BATCH_M, tile_v=128, epi_cols=16, mma_in_flight=1,
@@ -355,9 +357,10 @@ _TABLE = (
 
 def _one_warpgroup(n: int) -> tuple[TuningConfig, int]:
   """V < 128 (one compute warpgroup): cooperative, vocabulary on M, the
-  accumulator in passes of at most 64 columns (PERF_LOG v3). Epilogue loop
+  accumulator in passes of at most 64 columns. Epilogue loop
   iterations of 16 noise elements per thread: the loop body bounds the code
-  size (v1 unrolled every chunk and ran at 0.07 IPC per warp) while leaving
+  size (an unrolled epilogue ran at 0.07 IPC per warp: docs/performance.md,
+  "The epilogue loop") while leaving
   ILP; one chunk per iteration where N <= 16 (no padding to a second chunk)
   or N > 128 (the later passes' columns in registers pushed the loop over
   the register cap)."""
@@ -406,7 +409,7 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2) -> TuningConfig:
 
 # Plain sampling of more rows than BLOCKED_MIN_ROWS - 1 runs in batch blocks
 # (TuningConfig.batch_blocks) of BLOCK_ROWS rows, up to MAX_BLOCKS per
-# launch. Measured on an H100 (PERF_LOG "Batch blocks"): at B = 256..1024
+# launch. Measured on an H100 (docs/performance.md, "Batch blocks"): at B = 256..1024
 # the blocks beat the vocabulary-major N = 256 launches (one per 256 rows,
 # each a pass over W) on every head, by 1.1-1.35x; at B = 192 the single
 # N = 192 launch is faster than two blocks (a quarter of padding).
@@ -448,7 +451,8 @@ def pick_blocked_config(batch: int, dim: int, rows: int,
 # wgmma steps (128 per tile at D = 8192, Dt = 64) take longer than the
 # other warpgroup's epilogue, so the gap each wgmma_wait(0) leaves between
 # steps is what the tensor cores lose. Measured on an H100 in alternating
-# rounds (PERF_LOG, nineteenth session): at D = 8192 4-8% faster at B = 256,
+# rounds (docs/performance.md, "Deep D: epilogue passes and a wgmma in
+# flight"): at D = 8192 4-8% faster at B = 256,
 # 512 and 1024; at D = 2048 and 4096 no better or slower (the epilogue
 # passes cost more than the slots gain).
 DEEP_D = 8192
@@ -457,7 +461,7 @@ DEEP_D_PASSES = 4
 
 # The fewest batch blocks whose launch takes Dt = 128 in 2 slots, for the
 # devices where that differs from WIDE_D_MIN_BLOCKS. Measured at B = 256
-# (two blocks; PERF_LOG "Batch blocks" and the fourteenth session): on an
+# (two blocks; docs/performance.md, "Batch blocks"): on an
 # H200 Dt = 128 took 626-663 / 1086-1113 us on shapes S / L against
 # 714-725 / 1175-1197 with Dt = 64 in 4 slots; on an H100 Dt = 64 was as
 # fast on L and 0-4% faster on S. From three blocks Dt = 128 won on both.

@@ -72,7 +72,8 @@ BATCH = 64
 # for little per-element state: [128, 8] epilogue chunks keep the state's
 # registers those of [64, 16] ones next to an accumulator twice as large
 # (the candidate lists or more samples would not fit beside it), and each
-# pass over W serves twice the rows (PERF_LOG v9).
+# pass over W serves twice the rows (docs/performance.md, "The controls
+# kernel").
 BATCH_WIDE = 128
 # Largest tempered logits kept per (row, column slot) of a warpgroup's
 # registers; a slot covers about V / (2 * SMs * 16) ids (~36 for V = 152k).
@@ -102,7 +103,8 @@ def _wg_candidates(blocks: int) -> int:
   the smallest K for which a CTA pair's list (K after :func:`~pallas_kernels.state.pair_lists`)
   misses one of a row's top 50 with P < 2e-6 per row, for 132 / nb CTAs per
   block (binomial tail: K = 7, 9, 11, 11 for nb = 1 .. 4). Measured: with
-  K = 7 at nb = 4, 1 row in 256 took the exact path (PERF_LOG)."""
+  K = 7 at nb = 4, 1 row in 256 took the exact path (docs/performance.md,
+  "The controls kernel")."""
   return _WG_CANDIDATES + 2 * min(2, blocks - 1)
 # Tile starts are multiples of 32 (the rows are padded to it), so a 16-wide
 # column chunk lies in one word of the allowed mask.
@@ -559,7 +561,8 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
     # of ``top_logprobs`` off the lists (no second sort). On the GPU by a
     # selection kernel: XLA's two-key sort of ~900 candidates ran 55
     # dependent compare-exchange steps and copied both operands first
-    # (PERF_LOG, eighteenth session). Interpret mode keeps the sort (the
+    # (docs/performance.md, "Stage 2 and the exact path's conditional").
+    # Interpret mode keeps the sort (the
     # kernel is checked against it on its own): a second kernel in the
     # program could deadlock there (see exact_top).
     if (by_id and target.interpret is None and vals[0].size <= sm90_top.LIST_WIDTH

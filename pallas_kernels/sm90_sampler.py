@@ -10,7 +10,7 @@ each warpgroup's tiles); plain JAX then reduces the few candidates::
 
 One kernel body per :class:`~pallas_kernels.sm90_config.Schedule` (the
 heuristic :func:`~pallas_kernels.sm90_config.pick_config` picks one by batch
-size; the measurements are in ``benchmarks/PERF_LOG.md``):
+size; why: ``docs/performance.md``, "Schedules by batch size"):
 
 * :func:`_kernel_pingpong` (``PINGPONG_VOCAB_M``): vocabulary on the wgmma M
   side ("swap AB"); the two compute warpgroups alternate whole tiles over the
@@ -66,7 +66,7 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
   The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
   the noise runs in a (not unrolled) loop over column chunks: unrolled, the
   epilogue was ~10k straight-line instructions per tile and ran at ~0.07
-  IPC per warp (PERF_LOG v1). ``passes`` lists the (first, end) chunks
+  IPC per warp (docs/performance.md, "The epilogue loop"). ``passes`` lists the (first, end) chunks
   of each pass: the copy of a pass, then its loop.
   """
   vw = acc.shape[0]
@@ -253,7 +253,7 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   ring of ``S`` SMEM slots, and local tile ``i`` belongs to compute
   warpgroup ``i % 2``. While one warpgroup runs its epilogue, the other
   consumes the stream, so neither the weight stream nor the tensor cores
-  wait for the noise (PERF_LOG v4).
+  wait for the noise (docs/performance.md, "Schedules by batch size").
 
   Barriers: ``full[w * S + slot]`` completes when a step for warpgroup
   ``w`` has landed in ``slot`` (each warpgroup waits only on its own, so
@@ -269,7 +269,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   to warpgroup ``w``, so the epilogues take turns. With more passes each
   warpgroup has its own buffer of one pass's columns (the later passes'
   columns wait in registers) and the epilogues of both may run at once
-  (N > 128, where that measured faster than taking turns: PERF_LOG v9).
+  (N > 128, where that measured faster than taking turns:
+  docs/performance.md, "Schedules by batch size").
   """
   epi = cfg.epi_cols
   n_chunks = n // epi
@@ -308,7 +309,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
                         index_ref, *, cfg: TuningConfig, layout: str, n: int,
                         dim: int, rows: int, rows_valid: int, vocab_size: int,
                         n_tiles: int, num_ctas: int, interpret: bool):
-  """One CTA, ping-pong, batch on the wgmma M side (PERF_LOG v5).
+  """One CTA, ping-pong, batch on the wgmma M side (docs/performance.md,
+  "Schedules by batch size").
 
   ``acc[N, Vt] = H[N, :] @ W[tile].T``: rows are batch rows (16 per warp),
   columns vocabulary ids (spread over the lanes of a quad and registers),
@@ -439,7 +441,8 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
                            interpret=target.interpret is not None)
   # Candidates on the minor axis (each store is a strided column): stage 2
   # is then one row reduction, which XLA runs as one kernel; over the major
-  # axis it took three (max, select, min; PERF_LOG c9).
+  # axis it took three (max, select, min; docs/performance.md, "Stage 2 and
+  # the exact path's conditional").
   if cfg.schedule.batch_major:  # one candidate per compute warpgroup
     n_out = 2 * num_ctas
     shape = (nb, n, n_out) if nb > 1 else (n, n_out)

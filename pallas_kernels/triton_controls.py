@@ -35,7 +35,8 @@ and ``+ bias`` round separately), and ``tanh`` is XLA's own rational
 approximation (``TANH_RATIONAL``, the default): on an H200 it matched
 ``jnp.tanh``, ``c * tanh(x / c)`` and ``+ bias`` on all of 9.4M inputs, where
 libdevice's ``__nv_tanhf`` (``TANH_LIBDEVICE``, kept for comparison) differed
-on 38% of them (``benchmarks/gpu_triton_check.py``, PERF_LOG "Triton").
+on 38% of them (``benchmarks/experiments/triton_check.py``; docs/performance.md,
+"The Triton kernels' configs").
 """
 
 from __future__ import annotations
