@@ -561,7 +561,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
     # of ``top_logprobs`` off the lists (no second sort). On the GPU by a
     # selection kernel: XLA's two-key sort of ~900 candidates ran 55
     # dependent compare-exchange steps and copied both operands first
-    # (docs/performance.md, "Stage 2 and the exact path's conditional").
+    # (docs/performance.md, "The exact path's conditional").
     # Interpret mode keeps the sort (the
     # kernel is checked against it on its own): a second kernel in the
     # program could deadlock there (see exact_top).

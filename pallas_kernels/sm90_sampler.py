@@ -441,8 +441,8 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
                            interpret=target.interpret is not None)
   # Candidates on the minor axis (each store is a strided column): stage 2
   # is then one row reduction, which XLA runs as one kernel; over the major
-  # axis it took three (max, select, min; docs/performance.md, "Stage 2 and
-  # the exact path's conditional").
+  # axis it took three (max, select, min; docs/performance.md, "The exact
+  # path's conditional").
   if cfg.schedule.batch_major:  # one candidate per compute warpgroup
     n_out = 2 * num_ctas
     shape = (nb, n, n_out) if nb > 1 else (n, n_out)

@@ -14,7 +14,7 @@ lanes' heads inside the warp (``redux``, no shared memory) and the lane
 that held the winner pops it. Mosaic GPU's warpgroup reductions go
 through shared memory and two barriers: one row per warpgroup with three
 such reductions per pass was slower than the sort (docs/performance.md,
-"Stage 2 and the exact path's conditional").
+"The exact path's conditional").
 
 ``top_logprobs=N`` reads its N largest tempered logits from the candidate
 lists of the controls kernel; a row whose lists cannot certify them (a list
@@ -22,7 +22,7 @@ overflowed above the N-th, or the row has NaN or infinite logits) needs the
 exact answer from the whole row. An XLA conditional around that work costs
 its CUDA graph node on every call, even when no row needs it: about a third
 of what ``top_logprobs`` added to plain sampling (docs/performance.md,
-"Stage 2 and the exact path's conditional"). So the work is launched on every call and skipped
+"The exact path's conditional"). So the work is launched on every call and skipped
 inside the kernels instead: the controls kernel materializes the rows'
 tempered logits only when some row of its launch is flagged
 (``sm90_controls.exact_top``), and this kernel, one CTA per row, reads

@@ -162,8 +162,8 @@ class MosaicBackend(SamplerBackend):
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
     # uncertified rows: the conditional's CUDA graph node alone cost more
-    # than both launches when they do nothing (docs/performance.md, "Stage 2
-    # and the exact path's conditional"). One launch of at most
+    # than both launches when they do nothing (docs/performance.md, "The
+    # exact path's conditional"). One launch of at most
     # EXACT_TOP_MAX_ROWS rows: its [B, V] f32 buffer is allocated on every
     # call. Truncation rules keep the conditional (their exact path also
     # re-decides the tokens).
