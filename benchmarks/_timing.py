@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks (docs/design.md, "Performance").
+"""Timing helpers shared by the benchmarks (docs/design.md, "Performance: how it is measured";
+docs/performance.md, "How it is measured").
 
 JAX exposes no device events, so a timed sample is a block of ``inner``
 back-to-back asynchronous calls between two host clock reads, synchronized

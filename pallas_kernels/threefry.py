@@ -44,7 +44,7 @@ _KS_PARITY = 0x1BD11BDA
 # Bounds of mode-"low" Gumbel noise in float32: u is in [tiny, 1 - 2**-23].
 # g(tiny) = -log(-log(1.1754944e-38)) = -4.46977; g(1 - 2**-23) = 15.94238.
 # Rounded outwards; they bound how far below a row's best logit an element
-# can be and still win (docs/design.md, "An exact shortcut").
+# can be and still win (docs/design.md, "Gumbel bounds and an exact shortcut").
 GUMBEL_MIN = -4.47
 GUMBEL_MAX = 15.95
 
