@@ -25,8 +25,17 @@ Truncation of sampled rows, on the tempered ``t``:
   last prefix sum of ``e``, the mass before an id ``cumsum(q) - q``.
 * ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
   least ``m`` times the row's top probability. For finite logits the top id
-  is never removed by any rule, so min-p's order among the rules does not
-  matter (a ``+inf`` logit makes ``exp(t - max t)`` NaN: nothing is kept).
+  is never removed by any rule, so min-p's kept set does not depend on its
+  place among the rules (a ``+inf`` logit makes ``exp(t - max t)`` NaN:
+  nothing is kept).
+
+``truncation_order`` says what top-p's mass is measured over; the kept set is
+the intersection of the three rules' sets either way:
+
+* ``"hf"`` (default; Hugging Face's warpers): over what top-k kept.
+* ``"vllm"`` (vLLM V1's sampler, which applies min-p first and renormalizes):
+  over what top-k *and* min-p kept. With both top-p and min-p on, the nucleus
+  is then larger or equal.
 
 The token is then ``argmax(t + gumbel)`` over the kept ids, with the same
 noise counters as without truncation: the result equals
@@ -46,6 +55,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
@@ -80,6 +90,8 @@ class Controls:
       every sampled row is decided on the candidates (:meth:`for_pass`).
     noise: static; False in the controls of a pass that draws no noise: its
       best of each row is the argmax of ``x`` (:meth:`for_pass`).
+    truncation_order: static, ``"hf"`` or ``"vllm"``: what top-p's mass is
+      measured over (the module docstring).
   """
 
   top_k: Any = None
@@ -98,6 +110,7 @@ class Controls:
   top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
   every_row_truncates: bool = dataclasses.field(default=False, metadata=dict(static=True))
   noise: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  truncation_order: str = dataclasses.field(default="hf", metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
@@ -186,7 +199,9 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off, check=N
     raw = np.asarray(value) if _concrete(value) else None
   if check is not None:   # its own range, eager or (traced) under checkify
     check(name, value)
-  elif raw is not None:
+  elif raw is None:
+    _debug_check_range(name, value, lo=lo, hi=hi, lo_open=lo_open, off=off)
+  else:
     v = np.atleast_1d(raw).astype(np.float64)
     bad = np.isnan(v)
     bad |= (v <= lo) if lo_open else (v < lo)
@@ -195,13 +210,38 @@ def _per_row(name, value, batch, *, integer, lo, hi, lo_open=False, off, check=N
       i = int(np.argmax(bad))
       shown = raw.item() if raw.ndim == 0 else raw[i]
       where = name if raw.ndim == 0 else f"{name}[{i}]"
-      if (lo, hi) == (-_F32_MAX, _F32_MAX):
-        rng = "finite"
-      else:
-        rng = f"in {'(' if lo_open else '['}{lo}, {hi}]"
-      raise ValueError(f"{where}={shown} must be {rng} ({off})")
+      raise ValueError(f"{where}={shown} must be {_range_text(lo, hi, lo_open)} ({off})")
   dtype = jnp.int32 if integer else jnp.float32
   return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
+
+
+def _range_text(lo, hi, lo_open: bool) -> str:
+  if (lo, hi) == (-_F32_MAX, _F32_MAX):
+    return "finite"
+  return f"in {'(' if lo_open else '['}{lo}, {hi}]"
+
+
+def _debug_check(name: str, value, ok, want: str) -> None:
+  """A :func:`jax.experimental.checkify.debug_check` that every entry of a
+  traced ``value`` is ``ok`` (bool, ``value``'s shape): a no-op unless the
+  caller wraps the call in ``checkify.checkify`` (README, "Invalid values"),
+  then an error naming the first bad entry."""
+  flat_ok = jnp.ravel(ok)
+  i = jnp.argmin(flat_ok)
+  if jnp.ndim(value) == 0:
+    where = name
+  else:
+    shape = tuple(jnp.shape(value))
+    where = f"{name}[{{i}}]" if len(shape) == 1 else f"{name} entry {{i}} (flat, shape {shape})"
+  checkify.debug_check(jnp.all(flat_ok), f"{where}={{v}} must be {want}",
+                       i=i, v=jnp.ravel(value)[i])
+
+
+def _debug_check_range(name: str, value, *, lo, hi, lo_open: bool, off: str) -> None:
+  """The range check of :func:`_per_row` for a traced value (NaN fails)."""
+  x = jnp.asarray(value)
+  ok = (x > lo) if lo_open else (x >= lo)
+  _debug_check(name, x, ok & (x <= hi), f"{_range_text(lo, hi, lo_open)} ({off})")
 
 
 def _on_everywhere(value, on) -> bool:
@@ -220,6 +260,8 @@ def _on_everywhere(value, on) -> bool:
 # this many ids per row (stage2.CANDIDATES).
 TOP_LOGPROBS_MAX = 128
 _F32_MAX = float(np.finfo(np.float32).max)
+# What top-p's mass is measured over (the module docstring).
+TRUNCATION_ORDERS = ("hf", "vllm")
 
 
 def _history(name, ids, batch, vocab_size):
@@ -234,13 +276,15 @@ def _history(name, ids, batch, vocab_size):
   if ids.ndim != 2 or ids.shape[0] != batch:
     raise ValueError(f"{name}.shape={tuple(ids.shape)} must be [B, n] with "
                      f"B={batch} (pad rows with -1)")
+  want = f"an id in [0, {vocab_size}) or -1 (padding)"
   if _concrete(ids) and ids.size:
     raw = np.asarray(ids)
     bad = (raw < -1) | (raw >= vocab_size)
     if bad.any():
       b, j = np.argwhere(bad)[0]
-      raise ValueError(f"{name}[{b}, {j}]={raw[b, j]} must be an id in [0, "
-                       f"{vocab_size}) or -1 (padding)")
+      raise ValueError(f"{name}[{b}, {j}]={raw[b, j]} must be {want}")
+  elif ids.size:
+    _debug_check(name, ids, (ids >= -1) & (ids < vocab_size), want)
   return jnp.asarray(ids, jnp.int32)
 
 
@@ -249,8 +293,14 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      softcap=None, repetition_penalty=None, presence_penalty=None,
                      frequency_penalty=None, prompt_ids=None, output_ids=None,
                      num_samples=None, return_logprobs=False,
-                     top_logprobs=0) -> Controls:
+                     top_logprobs=0, truncation_order="hf") -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
+  if not isinstance(truncation_order, str) or truncation_order not in TRUNCATION_ORDERS:
+    if isinstance(truncation_order, jax.core.Tracer):
+      raise problem.static_arg_error("truncation_order", truncation_order,
+                                     f"one of {TRUNCATION_ORDERS}")
+    raise ValueError(f"truncation_order={truncation_order!r} must be one of "
+                     f"{TRUNCATION_ORDERS}")
   every_row_truncates = (_on_everywhere(top_k, lambda k: k > 0)
                          or _on_everywhere(top_p, lambda p: p < 1)
                          or _on_everywhere(min_p, lambda m: m > 0))
@@ -285,8 +335,11 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
         isinstance(softcap, (int, float, np.integer, np.floating))
         or (hasattr(softcap, "dtype") and getattr(softcap, "ndim", 1) == 0)):
       raise TypeError(f"softcap={softcap!r} must be a positive float scalar")
-    if _concrete(softcap) and not float(softcap) > 0:
-      raise ValueError(f"softcap={float(softcap)} must be > 0 (None turns it off)")
+    if _concrete(softcap):
+      if not float(softcap) > 0:
+        raise ValueError(f"softcap={float(softcap)} must be > 0 (None turns it off)")
+    else:
+      _debug_check("softcap", softcap, softcap > 0, "> 0 (None turns it off)")
     softcap = jnp.asarray(softcap, jnp.float32)
   if num_samples is not None:
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
@@ -329,7 +382,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   output_ids=output_ids, num_samples=num_samples,
                   return_logprobs=return_logprobs,
                   top_logprobs=top_logprobs,
-                  every_row_truncates=every_row_truncates)
+                  every_row_truncates=every_row_truncates,
+                  truncation_order=truncation_order)
 
 
 def allowed_bits(allowed_mask, gid):
@@ -461,12 +515,19 @@ def keep_mask(t, c: Controls):
     k = c.top_k[:, None]
     kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, v - 1), axis=1)
     keep &= (k <= 0) | (t >= kth)
+  if c.min_p is not None:
+    m = jnp.max(t, axis=1, keepdims=True)
+    keep_min = (c.min_p[:, None] <= 0) | (jnp.exp(t - m) >= c.min_p[:, None])
   if c.top_p is not None:
     # The top-k survivors sorted (ties by id), then -inf: the kept set of
-    # top-k is a prefix of ``desc`` (every value >= kth).
+    # top-k is a prefix of ``desc`` (every value >= kth), and so is min-p's
+    # (every value with exp(t - max) >= m), which "vllm" also applies first.
     ts = desc
     if c.top_k is not None:
       ts = jnp.where((k <= 0) | (desc >= kth), desc, -jnp.inf)
+    if c.min_p is not None and c.truncation_order == "vllm":
+      ts = jnp.where((c.min_p[:, None] <= 0) | (jnp.exp(desc - m) >= c.min_p[:, None]),
+                     ts, -jnp.inf)
     tk = jnp.where(keep, t, -jnp.inf)
     e = jnp.exp(ts - ts[:, :1])
     # The normalizer is the last prefix sum, not jnp.sum: on a GPU a
@@ -480,8 +541,7 @@ def keep_mask(t, c: Controls):
     thr = jnp.take_along_axis(ts, (n - 1)[:, None], axis=1)
     keep &= (c.top_p[:, None] >= 1) | (tk >= thr)
   if c.min_p is not None:
-    m = jnp.max(t, axis=1, keepdims=True)
-    keep &= (c.min_p[:, None] <= 0) | (jnp.exp(t - m) >= c.min_p[:, None])
+    keep &= keep_min
   return keep
 
 

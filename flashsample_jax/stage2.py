@@ -212,8 +212,8 @@ def history(c: controls.Controls) -> History:
 
 # Histories up to this many (row, id, id) pairs find their distinct ids by
 # comparing every pair (one fusion); longer ones sort (history(): a sort
-# and a few scans, ~15 us at B = 64 on an H100, PERF_LOG "Penalties in the
-# kernel").
+# and a few scans, ~15 us at B = 64 on an H100, docs/performance.md,
+# "Penalties in the kernel").
 PAIRWISE_MAX = 2**25
 
 
@@ -305,16 +305,7 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
   """
   local = hist.ids - vocab_offset
   ok = (hist.ids >= 0) & (local >= 0) & (local < p.weight_rows)
-  rows = jnp.clip(local, 0, p.weight_rows - 1)
-  axis = 0 if p.layout == "vd" else 1
-  w = jnp.take(p.weight, rows, axis=axis)        # [B, H, D] ("vd"), [D, B, H] ("dv")
-  # A multiply and a row sum (not a dot): XLA fuses the gather into it and
-  # reads each weight row once; the products are exact in f32 as the dot's.
-  h = p.hidden.astype(jnp.float32)
-  if p.layout == "vd":
-    l = jnp.sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
-  else:
-    l = jnp.sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
+  l = _history_logits(p, jnp.clip(local, 0, p.weight_rows - 1))
   gid = jnp.where(ok, hist.ids, rules.INT_MAX)
   x = controls.transform(l, jnp.where(ok, hist.ids, 0), c, p.vocab_size,
                          history=(ok, hist.count))
@@ -333,6 +324,20 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
     st = st._replace(cand_vals=vals, cand_ids=ids,
                      cand_bound=jnp.full((p.batch,), -jnp.inf))
   return st
+
+
+def _history_logits(p: Problem, rows):
+  """f32 logits ``[B, H]`` of each row's local vocabulary rows ``rows``
+  (int32 ``[B, H]``), from the gathered weight rows."""
+  if p.layout == "logits":
+    return jnp.take_along_axis(p.weight, rows, axis=1).astype(jnp.float32)
+  w = jnp.take(p.weight, rows, axis=0 if p.layout == "vd" else 1)  # [B, H, D] / [D, B, H]
+  # A multiply and a row sum (not a dot): XLA fuses the gather into it and
+  # reads each weight row once; the products are exact in f32 as the dot's.
+  h = p.hidden.astype(jnp.float32)
+  if p.layout == "vd":
+    return jnp.sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
+  return jnp.sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
 
 
 def per_sample(st: ControlsState, samples: int) -> ControlsState:
@@ -399,20 +404,34 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     in_k = ~on | complete | ((k <= m) & (last < thr))
     inside |= on & in_k
     active |= on
+  # Min-p's kept set, a prefix of the list where it lies inside it; with
+  # truncation_order="vllm" top-p's mass is measured over it too.
+  mp_on = jnp.zeros((b,), bool)
+  in_mp = jnp.zeros((b,), bool)
+  if c.min_p is not None:
+    mp = c.min_p
+    mp_on = ~(mp <= 0)
+    keep_min = ~mp_on[:, None] | (jnp.exp(cand_t - top) >= mp[:, None])
+    in_mp = mp_on & (complete | (jnp.exp(last - top[:, 0]) < mp))
   if c.top_p is not None:
     pp = c.top_p
     on = ~(pp >= 1)
-    tk = jnp.where(keep, cand_t, -jnp.inf)
-    # The normalizer: over the top-k set when it lies in the candidates
-    # (the last prefix sum), else (top-k off) over the whole row, from the
+    # The normalizer: over the set top-p's mass is measured over (top-k's,
+    # and with "vllm" also min-p's) when it lies in the candidates (the
+    # last prefix sum), else (no such rule on) over the whole row, from the
     # online log-sum-exp. The prefix sums are of exp(t - top), normalized
     # after: the sum and the cumsum are then one pass, not two in a row
     # (the rounding differs from keep_mask's by far less than the margin).
+    k_on = (c.top_k > 0) if c.top_k is not None else jnp.zeros((b,), bool)
+    restrict_on, restrict_in = k_on, k_on & in_k
+    if c.min_p is not None and c.truncation_order == "vllm":
+      keep &= keep_min
+      restrict_on, restrict_in = k_on | mp_on, restrict_in | in_mp
+    tk = jnp.where(keep, cand_t, -jnp.inf)
     e = jnp.exp(tk - top)
     cs = jnp.cumsum(e, axis=1)
     z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
-    k_on = (c.top_k > 0) if c.top_k is not None else jnp.zeros((b,), bool)
-    z = jnp.where(k_on, cs[:, -1], z_all)
+    z = jnp.where(restrict_on, cs[:, -1], z_all)
     before = (cs - e) / z[:, None]
     # The mass before an id grows down the list, so the ids with mass < p
     # before them are a prefix (at least the first): its smallest t is the
@@ -429,21 +448,44 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     # edge: such rows take the exact path.
     near = jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
                                       <= margin * pp[:, None]), axis=1)
-    known &= ~on | (((k_on & in_k) | (~k_on & edge_inside) | complete) & ~near)
+    known &= ~on | ((restrict_in | (~restrict_on & edge_inside) | complete) & ~near)
     inside |= on & (complete | (last < thr))
     active |= on
   if c.min_p is not None:
-    mp = c.min_p
-    on = ~(mp <= 0)
-    ok = jnp.exp(cand_t - top) >= mp[:, None]
-    keep &= ~on[:, None] | ok
-    inside |= on & (complete | (jnp.exp(last - top[:, 0]) < mp))
-    active |= on
+    keep &= keep_min
+    inside |= in_mp
+    active |= mp_on
   # A row left with no finite candidate (e.g. a traced min_p > 1) keeps
   # nothing in keep_mask: the exact path decides it.
   nonempty = jnp.any(keep & (cand_t > -jnp.inf), axis=1)
   decided = known & (inside | complete) & nonempty
   return keep, decided, active
+
+
+class _Rows(NamedTuple):
+  """What :func:`finish` decides per row, step by step: ``tokens`` int32
+  ``[S, B]``, their tempered logits ``t_tok [S, B]``, the kept set's
+  log-sum-exp ``lse_kept [S, B]``, the row's ``lse_all [B]``, the top N
+  ``(vals [B, N], ids [B, N])`` or None, and ``fallback`` bool ``[B]``, the
+  rows the exact materialized path redoes."""
+
+  tokens: jax.Array
+  t_tok: jax.Array
+  lse_kept: jax.Array
+  lse_all: jax.Array
+  top: tuple | None
+  fallback: jax.Array
+
+
+class _Lists(NamedTuple):
+  """The merged candidate lists as :func:`_certify` reads them: ``vals``
+  (descending) and ``ids`` ``[B, M]``, ``last [B]`` (no unlisted value is
+  larger) and ``complete [B]`` (the lists hold the whole row)."""
+
+  vals: jax.Array
+  ids: jax.Array
+  last: jax.Array
+  complete: jax.Array
 
 
 def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
@@ -452,27 +494,20 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
 
   ``st`` is the state of this shard's rows (:func:`state_combine`'s form);
   with ``axis`` (inside ``shard_map``, the vocabulary sharded over it) the
-  shards' states are gathered (one collective, O(B x M) bytes) and merged first. Then
-  truncated rows are decided on the candidates, or, where those cannot
-  certify the kept set, on the exact materialized path (the rare uncertified
-  rows gather the full logits over ``axis``). Rows with nothing to sample
-  (``allowed_mask`` allows nothing, every transformed logit is ``-inf``, or
-  truncation keeps nothing) return ``-1`` (log-probabilities NaN) unless
-  ``c.samples_only`` (then the tokens are ``jax.random.categorical``'s).
+  shards' states are gathered (one collective, O(B x M) bytes) and merged
+  first. Then, in steps: truncated rows are decided on the candidates
+  (:func:`_truncate`), the top N read off them (:func:`_top_n`), the rows
+  neither can certify redone on the exact materialized path
+  (:func:`_exact_path`; the rare uncertified rows gather the full logits
+  over ``axis``), and the output assembled (:func:`_output`). Rows with
+  nothing to sample (``allowed_mask`` allows nothing, every transformed
+  logit is ``-inf``, or truncation keeps nothing) return ``-1``
+  (log-probabilities NaN) unless ``c.samples_only`` (then the tokens are
+  ``jax.random.categorical``'s): :func:`_nothing_to_sample`.
 
   Returns:
     ``(tokens int32 [S, B], SampleOutput or None, fallback bool [B])``:
     ``fallback`` marks the rows that took the materialized path.
-
-  The exact path sits behind ``lax.cond``. On a GPU, XLA keeps such a
-  conditional inside its CUDA graph (decided on the device) only if every
-  op of both branches can live in a graph; else it copies the predicate to
-  the host on every call, and nothing after it is launched until the copy
-  lands (PERF_LOG c5). Hence :func:`controls.keep_mask` sorts with two keys
-  (never a CUB sort). The sharded path's all-gather in the branch may still
-  need the host. Inside the graph the conditional node still has a cost of
-  its own even with trivial branches (PERF_LOG c5), so there is one, not
-  nested.
 
   ``exact_top``: None, or ``flags bool [B] -> (vals f32 [B, N], ids
   int32 [B, N])``, the exact top N of ``t`` of the flagged rows in
@@ -481,167 +516,227 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   rows are those of ``top_logprobs`` (no truncation rule) then take it
   instead of the conditional.
   """
-  samples = c.samples
-  m = candidate_count(p, c)
-  total_rows = p.total_rows
-  combine = state_combine(c, m)
-  perturb = lambda x, t, gid: perturbed(p, x, t, gid, samples)
   if axis:
-    parts = mesh.all_gather_tree(st, axis)
-    n = jax.tree.leaves(parts)[0].shape[0]
-    st = jax.tree.map(lambda a: a[0], parts)
-    for i in range(1, n):       # shard order = id order: ties keep lower ids
-      st = combine(st, jax.tree.map(lambda a, i=i: a[i], parts))
+    st = _gather_shards(st, axis, state_combine(c, candidate_count(p, c)))
+  rows = _pass_rows(st)
+  lists = _lists(p, c, st) if c.lists else None
+  if c.truncates:
+    rows = _truncate(p, c, st, lists, rows)
+  own_exact_top = exact_top is not None and c.top_logprobs and not c.truncates
+  if c.top_logprobs:
+    rows = _top_n(c, st, lists, rows, exact_top if own_exact_top else None)
+  if c.lists and not own_exact_top:
+    rows = _exact_path(p, c, rows, axis)
+  out = _output(c, rows) if c.returns_output else None
+  if not c.samples_only:
+    rows, out = _nothing_to_sample(p, c, st, rows, out)
+  return rows.tokens, out, rows.fallback
+
+
+def _gather_shards(st: ControlsState, axis, combine) -> ControlsState:
+  """Every vocabulary shard's state of these rows, merged in shard order
+  (= id order: ties keep lower ids)."""
+  parts = mesh.all_gather_tree(st, axis)
+  n = jax.tree.leaves(parts)[0].shape[0]
+  st = jax.tree.map(lambda a: a[0], parts)
+  for i in range(1, n):
+    st = combine(st, jax.tree.map(lambda a, i=i: a[i], parts))
+  return st
+
+
+def _pass_rows(st: ControlsState) -> _Rows:
+  """The rows as the pass left them: its best of each sample, no truncation."""
   tokens = st.best_id.T                                      # [S, B]
-  t_tok = st.best_t.T
-  lse = (st.lse_max, st.lse_sum)
   # Rows with NaN or infinite t: the max is what jax.nn.logsumexp gives.
   lse_all = jnp.where(jnp.isfinite(st.lse_max), st.lse_max + jnp.log(st.lse_sum),
                       st.lse_max)
-  lse_kept = jnp.broadcast_to(lse_all, tokens.shape)
-  fallback = jnp.zeros((p.batch,), bool)
-  top = None
-  if c.lists:
-    # Values at or below ``bound`` may have unlisted neighbours: only the
-    # values above it are known to be complete and in order; the lists hold
-    # -inf in their place (_topm_merge).
-    cand_t, cand_i, bound = st.cand_vals, st.cand_ids, st.cand_bound
-    if jax.default_backend() == "cpu":
-      # XLA's CPU compiler turns a top_k into a sort and back into its fast
-      # TopK call only if the sort is read through [0:k] slices; reading
-      # single entries (the top, the k-th, the last) folds them into the
-      # sort, which then stays a full sort of the chunk (B=4, V=4096: 2.5
-      # ms of a 2.6 ms call). The barrier keeps those reads off the sort.
-      cand_t = lax.optimization_barrier(cand_t)
-    last = jnp.maximum(bound, cand_t[:, -1])
-    complete = (bound == -jnp.inf) & ((m >= total_rows) | (last == -jnp.inf))
-  if c.truncates:
-    certify = functools.partial(_certify, cand_t=cand_t, lse=lse,
-                                complete=complete, last=last)
-    keep, decided, active = certify(c)
-    # Rows with no rule on take the pass's best (``use`` below): certified.
-    certified = ~active | decided
-    # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
-    # treat them in ways the candidates do not track; the exact path does.
-    finite = ~active | jnp.isfinite(st.lse_max)
-    certified &= finite
-    sampled = p.temperature != 0
-    if not c.return_logprobs:  # greedy rows ignore truncation (argmax of x)
-      certified |= ~sampled
-    use = active & sampled & (st.lse_max > -jnp.inf)
-
-    def pick(keep):
-      """Tokens, their t and the kept log-sum-exp with ``keep`` applied."""
-      kept_t = jnp.where(keep, cand_t, -jnp.inf)
-      sc = perturb(kept_t, kept_t, cand_i)                         # [B, S, M]
-      # The list is sorted by t, not id: ties of the perturbed score must
-      # go to the lowest id (the combine rule), not the first list position.
-      # One variadic row reduction (with the winner's t), not a max, then a
-      # min of the ids that attain it, then a max of their t.
-      _, tok, new_t = rules.argbest(sc, cand_i[:, None], axis=2,
-                                    carry=cand_t[:, None])         # [B, S]
-      return (jnp.where(use[None], tok.T, tokens),
-              jnp.where(use[None], new_t.T, t_tok),
-              jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], lse_kept))
-
-    tokens, t_tok, lse_kept = pick(keep)
-    fallback = ~certified
-    if c.top_p is not None and not c.return_logprobs:
-      # Rows whose nucleus edge lies within rounding of top_p can still be
-      # decided here: the kept sets at p -/+ width are nested around the one
-      # at p, so if both give the same token (the edge ids rarely win), so
-      # does p. Not with logprobs: the kept log-sum-exp depends on the edge.
-      # Each of the two tokens is drawn from the candidates, so each kept set
-      # must be decided on them over the whole vocabulary (``decided``, not
-      # ``certified``): at p + width >= 1 top-p is off, its kept set is every
-      # id (or top-k's / min-p's), and the candidates alone hold it only if
-      # they hold the row (issue #42: a nucleus of 1628 ids, 128 listed).
-      # Computed on every call: a second, nested conditional around it cost
-      # more than these few small fusions (PERF_LOG c5).
-      width = 2 * _TOP_P_MARGIN * c.top_p
-      (k_lo, ok_lo, _), (k_hi, ok_hi, _) = (
-          certify(dataclasses.replace(c, top_p=c.top_p + d), margin=0.0)
-          for d in (-width, width))
-      (tok_lo, t_lo, _), (tok_hi, _, _) = pick(k_lo), pick(k_hi)
-      same = fallback & ok_lo & ok_hi & finite & jnp.all(tok_lo == tok_hi, axis=0)
-      tokens = jnp.where(same[None], tok_lo, tokens)
-      t_tok = jnp.where(same[None], t_lo, t_tok)
-      fallback = fallback & ~same
-  skipped = exact_top is not None and c.top_logprobs and not c.truncates
-  if c.top_logprobs:
-    # The N largest t by (t descending, id ascending), controls.top_n's
-    # order. Certified where the N-th lies above ``last`` (every value
-    # above it is listed, ties included), and for rows with finite logits
-    # (the exact path follows the reference).
-    n = c.top_logprobs
-    finite = jnp.isfinite(st.lse_max)
-    if skipped:
-      # Lists already in top_n's order (state.top_m(by_id=True)) are read
-      # as they are; a row whose list is not (from a merge that keeps
-      # equal values in any order) takes the exact path too.
-      top = (cand_t[:, :n], cand_i[:, :n])
-      v, i = cand_t, cand_i
-      in_order = jnp.all((v[:, :-1] > v[:, 1:]) | ((v[:, :-1] == v[:, 1:]) & (i[:, :-1] < i[:, 1:]))
-                         | (v[:, 1:] == -jnp.inf), axis=1)
-      flags = ~((complete | (top[0][:, n - 1] > last)) & finite & in_order)
-      vals, ids = exact_top(flags)
-      top = (jnp.where(flags[:, None], vals, top[0]),
-             jnp.where(flags[:, None], ids, top[1]))
-      fallback |= flags
-    else:
-      # The lists are ordered by value only.
-      top = controls.top_n(cand_t, n, ids=cand_i)
-      fallback |= ~((complete | (top[0][:, n - 1] > last)) & finite)
-  if c.lists and not skipped:
-    def exact():
-      # The key words are split from the key (a program parameter) inside
-      # the branch: slices of it passed in were each copied into the
-      # conditional on every call (PERF_LOG c5).
-      k0, k1 = problem.key_words(p.key_data, p.batch)
-      pb = dataclasses.replace(p, k0=k0, k1=k1)
-      return _materialized(
-          pb, c, fallback, (tokens, t_tok, lse_kept, lse_all, top),
-          lambda x, t, gid: perturbed(pb, x, t, gid, samples), axis)
-
-    tokens, t_tok, lse_kept, lse_all, top = lax.cond(
-        jnp.any(fallback), exact, lambda: (tokens, t_tok, lse_kept, lse_all, top))
-  out = None
-  if c.returns_output:
-    out = controls.SampleOutput(tokens, None, None, None)
-    if c.return_logprobs:
-      out = out._replace(logprob=t_tok - lse_all[None], logprob_truncated=t_tok - lse_kept,
-                         logsumexp=jnp.broadcast_to(lse_all, tokens.shape))
-    if top is not None:
-      out = out._replace(top_ids=jnp.where(top[0] == -jnp.inf, -1, top[1]),
-                         top_logprobs=top[0] - lse_all[:, None])
-  if not c.samples_only:
-    # Rows with nothing to sample return -1 (the reference's rule). Every
-    # transformed logit -inf: the merged best score is -inf only then (the
-    # noise is finite; greedy rows score x). A sampled row whose logits are
-    # not all -inf but that truncation leaves empty (a traced min_p > 1, a
-    # +inf logit under min_p) is never certified on the candidates (they
-    # vouch for a kept top id), and the exact path returns -1 for it.
-    empty = st.best_score[:, 0] == -jnp.inf
-    masked = None
-    if c.allowed_mask is not None:
-      masked = controls.none_allowed(c.allowed_mask, p.vocab_size)
-      empty |= masked
-    tokens = jnp.where(empty[None], -1, tokens)
-    if out is not None:
-      nan = lambda a, e=tokens < 0: None if a is None else jnp.where(e, jnp.nan, a)
-      out = out._replace(tokens=tokens, logprob=nan(out.logprob),
-                         logprob_truncated=nan(out.logprob_truncated))
-      if top is not None and masked is not None:
-        out = out._replace(top_logprobs=nan(out.top_logprobs, masked[:, None]))
-  return tokens, out, fallback
+  return _Rows(tokens=tokens, t_tok=st.best_t.T,
+               lse_kept=jnp.broadcast_to(lse_all, tokens.shape), lse_all=lse_all,
+               top=None, fallback=jnp.zeros((tokens.shape[1],), bool))
 
 
-def _materialized(p: Problem, c: controls.Controls, rows, results, perturbed, axis):
-  """The exact path for ``rows``: full logits, :func:`controls.keep_mask`.
+def _lists(p: Problem, c: controls.Controls, st: ControlsState) -> _Lists:
+  """The merged lists, with what is known of the values they do not hold.
+  Values at or below the bound may have unlisted neighbours: only the
+  values above it are known to be complete and in order; the lists hold
+  -inf in their place (topm_merge)."""
+  cand_t, bound = st.cand_vals, st.cand_bound
+  if jax.default_backend() == "cpu":
+    # XLA's CPU compiler turns a top_k into a sort and back into its fast
+    # TopK call only if the sort is read through [0:k] slices; reading
+    # single entries (the top, the k-th, the last) folds them into the
+    # sort, which then stays a full sort of the chunk (B=4, V=4096: 2.5
+    # ms of a 2.6 ms call). The barrier keeps those reads off the sort.
+    cand_t = lax.optimization_barrier(cand_t)
+  last = jnp.maximum(bound, cand_t[:, -1])
+  complete = (bound == -jnp.inf) & ((candidate_count(p, c) >= p.total_rows)
+                                    | (last == -jnp.inf))
+  return _Lists(cand_t, st.cand_ids, last, complete)
 
-  ``results``: finish's ``(tokens, t_tok, lse_kept, lse_all, top)``, replaced
-  in ``rows`` by their exact values."""
-  tokens, t_tok, lse_kept, lse_all, top = results
+
+def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: _Lists,
+              rows: _Rows) -> _Rows:
+  """Decides the truncated rows on the candidates: each sample's token among
+  the kept candidates, its t and the kept log-sum-exp; rows the candidates
+  cannot certify are marked for the exact path."""
+  certify = functools.partial(_certify, cand_t=lists.vals, lse=(st.lse_max, st.lse_sum),
+                              complete=lists.complete, last=lists.last)
+  keep, decided, active = certify(c)
+  # Rows with no rule on take the pass's best (``use`` below): certified.
+  certified = ~active | decided
+  # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
+  # treat them in ways the candidates do not track; the exact path does.
+  finite = ~active | jnp.isfinite(st.lse_max)
+  certified &= finite
+  sampled = p.temperature != 0
+  if not c.return_logprobs:  # greedy rows ignore truncation (argmax of x)
+    certified |= ~sampled
+  use = active & sampled & (st.lse_max > -jnp.inf)
+  pick = functools.partial(_pick_kept, p, c.samples, lists, rows, use=use, active=active)
+  tokens, t_tok, lse_kept = pick(keep)
+  fallback = ~certified
+  if c.top_p is not None and not c.return_logprobs:
+    tokens, t_tok, fallback = _top_p_edge(c, certify, pick, finite, tokens, t_tok,
+                                          fallback)
+  return rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
+                       fallback=rows.fallback | fallback)
+
+
+def _pick_kept(p: Problem, samples: int, lists: _Lists, rows: _Rows, keep, *, use, active):
+  """Tokens, their t and the kept log-sum-exp of each sample with ``keep``
+  (``[B, M]``, over the candidates) applied, in the rows ``use`` (sampled,
+  a rule on); the pass's elsewhere."""
+  kept_t = jnp.where(keep, lists.vals, -jnp.inf)
+  sc = perturbed(p, kept_t, kept_t, lists.ids, samples)               # [B, S, M]
+  # The list is sorted by t, not id: ties of the perturbed score must go
+  # to the lowest id (the combine rule), not the first list position. One
+  # variadic row reduction (with the winner's t), not a max, then a min of
+  # the ids that attain it, then a max of their t.
+  _, tok, new_t = rules.argbest(sc, lists.ids[:, None], axis=2,
+                                carry=lists.vals[:, None])          # [B, S]
+  return (jnp.where(use[None], tok.T, rows.tokens),
+          jnp.where(use[None], new_t.T, rows.t_tok),
+          jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], rows.lse_kept))
+
+
+def _top_p_edge(c: controls.Controls, certify, pick, finite, tokens, t_tok, fallback):
+  """Rows whose nucleus edge lies within rounding of top_p, decided anyway
+  where they can be: the kept sets at p -/+ width are nested around the one
+  at p, so if both give the same token (the edge ids rarely win), so does p.
+  Not with logprobs: the kept log-sum-exp depends on the edge.
+
+  Each of the two tokens is drawn from the candidates, so each kept set must
+  be decided on them over the whole vocabulary (``decided``, not
+  ``certified``): at p + width >= 1 top-p is off, its kept set is every id
+  (or top-k's / min-p's), and the candidates alone hold it only if they hold
+  the row (issue #42: a nucleus of 1628 ids, 128 listed). Computed on every
+  call: a second, nested conditional around it cost more than these few
+  small fusions (docs/performance.md, "The exact path's conditional")."""
+  width = 2 * _TOP_P_MARGIN * c.top_p
+  (k_lo, ok_lo, _), (k_hi, ok_hi, _) = (
+      certify(dataclasses.replace(c, top_p=c.top_p + d), margin=0.0)
+      for d in (-width, width))
+  (tok_lo, t_lo, _), (tok_hi, _, _) = pick(k_lo), pick(k_hi)
+  same = fallback & ok_lo & ok_hi & finite & jnp.all(tok_lo == tok_hi, axis=0)
+  return (jnp.where(same[None], tok_lo, tokens), jnp.where(same[None], t_lo, t_tok),
+          fallback & ~same)
+
+
+def _top_n(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
+           exact_top) -> _Rows:
+  """The N largest t by (t descending, id ascending), controls.top_n's
+  order, read off the lists. Certified where the N-th lies above ``last``
+  (every value above it is listed, ties included), and for rows with finite
+  logits (the exact path follows the reference). ``exact_top`` (see
+  :func:`finish`) redoes the others here; else they join ``fallback``."""
+  n = c.top_logprobs
+  finite = jnp.isfinite(st.lse_max)
+  v, i = lists.vals, lists.ids
+  certain = lambda top: (lists.complete | (top[0][:, n - 1] > lists.last)) & finite
+  if exact_top is None:
+    # The lists are ordered by value only.
+    top = controls.top_n(v, n, ids=i)
+    return rows._replace(top=top, fallback=rows.fallback | ~certain(top))
+  # Lists already in top_n's order (state.top_m(by_id=True)) are read as
+  # they are; a row whose list is not (from a merge that keeps equal values
+  # in any order) takes the exact kernels too.
+  top = (v[:, :n], i[:, :n])
+  in_order = jnp.all((v[:, :-1] > v[:, 1:]) | ((v[:, :-1] == v[:, 1:]) & (i[:, :-1] < i[:, 1:]))
+                     | (v[:, 1:] == -jnp.inf), axis=1)
+  flags = ~(certain(top) & in_order)
+  vals, ids = exact_top(flags)
+  top = (jnp.where(flags[:, None], vals, top[0]), jnp.where(flags[:, None], ids, top[1]))
+  return rows._replace(top=top, fallback=rows.fallback | flags)
+
+
+def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
+  """The fallback rows redone from materialized logits (:func:`_materialized`),
+  behind one ``lax.cond`` that skips it when no row needs it.
+
+  On a GPU, XLA keeps such a conditional inside its CUDA graph (decided on
+  the device) only if every op of both branches can live in a graph; else
+  it copies the predicate to the host on every call, and nothing after it
+  is launched until the copy lands (docs/performance.md, "The exact path's
+  conditional"). Hence :func:`controls.keep_mask` sorts with two keys (never
+  a CUB sort). The sharded path's all-gather in the branch may still need
+  the host. Inside the graph the conditional node still has a cost of its
+  own even with trivial branches, so there is one, not nested."""
+  samples = c.samples
+
+  def exact():
+    # The key words are split from the key (a program parameter) inside the
+    # branch: slices of it passed in were each copied into the conditional
+    # on every call (same section of docs/performance.md).
+    k0, k1 = problem.key_words(p.key_data, p.batch)
+    pb = dataclasses.replace(p, k0=k0, k1=k1)
+    return _materialized(pb, c, rows, lambda x, t, gid: perturbed(pb, x, t, gid, samples),
+                         axis)
+
+  return lax.cond(jnp.any(rows.fallback), exact, lambda: rows)
+
+
+def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
+  """The :class:`~flashsample_jax.controls.SampleOutput` of the decided rows."""
+  out = controls.SampleOutput(rows.tokens, None, None, None)
+  if c.return_logprobs:
+    out = out._replace(logprob=rows.t_tok - rows.lse_all[None],
+                       logprob_truncated=rows.t_tok - rows.lse_kept,
+                       logsumexp=jnp.broadcast_to(rows.lse_all, rows.tokens.shape))
+  if rows.top is not None:
+    vals, ids = rows.top
+    out = out._replace(top_ids=jnp.where(vals == -jnp.inf, -1, ids),
+                       top_logprobs=vals - rows.lse_all[:, None])
+  return out
+
+
+def _nothing_to_sample(p: Problem, c: controls.Controls, st: ControlsState,
+                       rows: _Rows, out):
+  """Rows with nothing to sample return -1 (the reference's rule), their
+  log-probabilities NaN. Every transformed logit -inf: the merged best score
+  is -inf only then (the noise is finite; greedy rows score x). A sampled
+  row whose logits are not all -inf but that truncation leaves empty (a
+  traced min_p > 1, a +inf logit under min_p) is never certified on the
+  candidates (they vouch for a kept top id), and the exact path returns -1
+  for it."""
+  empty = st.best_score[:, 0] == -jnp.inf
+  masked = None
+  if c.allowed_mask is not None:
+    masked = controls.none_allowed(c.allowed_mask, p.vocab_size)
+    empty |= masked
+  tokens = jnp.where(empty[None], -1, rows.tokens)
+  if out is not None:
+    nan = lambda a, e=tokens < 0: None if a is None else jnp.where(e, jnp.nan, a)
+    out = out._replace(tokens=tokens, logprob=nan(out.logprob),
+                       logprob_truncated=nan(out.logprob_truncated))
+    if out.top_logprobs is not None and masked is not None:
+      out = out._replace(top_logprobs=nan(out.top_logprobs, masked[:, None]))
+  return rows._replace(tokens=tokens), out
+
+
+def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis) -> _Rows:
+  """The exact path for ``rows.fallback``: full logits, :func:`controls.keep_mask`;
+  the other rows' results are kept."""
+  r = rows.fallback
   l = problem.logits(p.hidden, p.weight, p.layout)               # [B, local rows]
   if axis:   # every shard's logits, in global id order
     l = jnp.moveaxis(mesh.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
@@ -660,15 +755,15 @@ def _materialized(p: Problem, c: controls.Controls, rows, results, perturbed, ax
   none = (p.temperature != 0) & jnp.all(kept == -jnp.inf, axis=1)
   j = jnp.where(none[:, None], -1, j)
   new_t = jnp.take_along_axis(t, jnp.maximum(j, 0), axis=1)
-  r = rows[None]
+  top = rows.top
   if top is not None:
     # controls.top_n sorts (no lax.top_k, which could take the conditional
     # around this branch to the host on every call).
     top_t, top_i = controls.top_n(t, top[0].shape[1])
-    top = (jnp.where(rows[:, None], top_t, top[0]),
-           jnp.where(rows[:, None], top_i, top[1]))
-  return (jnp.where(r, j.T.astype(jnp.int32), tokens),
-          jnp.where(r, new_t.T, t_tok),
-          jnp.where(r, jax.nn.logsumexp(kept, axis=1)[None], lse_kept),
-          jnp.where(rows, jax.nn.logsumexp(t, axis=1), lse_all),
-          top)
+    top = (jnp.where(r[:, None], top_t, top[0]), jnp.where(r[:, None], top_i, top[1]))
+  return rows._replace(
+      tokens=jnp.where(r[None], j.T.astype(jnp.int32), rows.tokens),
+      t_tok=jnp.where(r[None], new_t.T, rows.t_tok),
+      lse_kept=jnp.where(r[None], jax.nn.logsumexp(kept, axis=1)[None], rows.lse_kept),
+      lse_all=jnp.where(r, jax.nn.logsumexp(t, axis=1), rows.lse_all),
+      top=top)

@@ -29,6 +29,9 @@ CASES = {
     "top_p": dict(top_p=jnp.asarray(_R.uniform(0.05, 1.0, B), jnp.float32)),
     "min_p": dict(min_p=jnp.asarray(_R.uniform(0.0, 0.5, B), jnp.float32)),
     "k_p_minp": dict(top_k=40, top_p=0.8, min_p=0.02),
+    # vLLM's order: top-p's mass over what min-p kept (half the rows keep
+    # other ids than with "hf"; tests/test_params.py checks that they do).
+    "p_minp_vllm": dict(top_p=0.8, min_p=0.05, truncation_order="vllm"),
     "bias": dict(logit_bias=jnp.asarray(_R.integers(-4, 5, V), jnp.float32)),
     "softcap": dict(softcap=3.0),
     "mask": dict(allowed_mask=_mask(B)),

@@ -1,0 +1,99 @@
+"""Traced controls out of range (issue #42, defect 5).
+
+A traced value cannot be range-checked when the call is traced; each control
+carries a ``checkify`` check instead: a no-op in a plain call (the call runs
+and returns what it returns for such a value), an error naming the control
+and its first bad entry under ``checkify.checkify``. Concrete values are
+refused eagerly (tests/test_validation.py); the temperature's and the
+repetition penalty's traced checks are tested there too.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import flashsample_jax as fs
+from tests import inputs
+
+B, V = 4, 100
+H, W = inputs.exact_inputs(B, 64, V)
+KEY = jax.random.key(0)
+HISTORY = jnp.zeros((B, 2), jnp.int32)
+NAN = float("nan")
+
+# (control, bad value, entry shown, what the message says it must be; the
+# other keywords the call needs).
+BAD = [
+    ("top_p", 1.5, "1.5", r"in \(0.0, 1.0\]", {}),
+    ("top_p", 0.0, "0.0", r"in \(0.0, 1.0\]", {}),
+    ("top_p", -1.0, "-1.0", r"in \(0.0, 1.0\]", {}),
+    ("top_p", NAN, "nan", r"in \(0.0, 1.0\]", {}),
+    ("min_p", 2.0, "2.0", r"in \[0.0, 1.0\]", {}),
+    ("min_p", NAN, "nan", r"in \[0.0, 1.0\]", {}),
+    ("top_k", -3, "-3", r"in \[0, 2147483647\]", {}),
+    ("softcap", -1.0, "-1.0", r"> 0", {}),
+    ("softcap", NAN, "nan", r"> 0", {}),
+    ("presence_penalty", float("inf"), "inf", "finite", {"output_ids": HISTORY}),
+    ("frequency_penalty", NAN, "nan", "finite", {"output_ids": HISTORY}),
+    ("repetition_penalty", -2.0, "-2.0", "a normal float32", {"prompt_ids": HISTORY}),
+    ("temperature", NAN, "nan", "0 \\(greedy\\) or a normal float32", {}),
+]
+
+
+def _dtype(name):
+  return jnp.int32 if name == "top_k" else jnp.float32
+
+
+@pytest.mark.parametrize("name, bad, shown, want, extra", BAD,
+                         ids=[f"{b[0]}={b[1]}" for b in BAD])
+def test_traced_control_out_of_range_fails_a_checkify_check(name, bad, shown, want, extra):
+  f = jax.jit(lambda v: fs.sample(H, W, KEY, backend="xla", **{name: v}, **extra))
+  checked = checkify.checkify(f, errors=checkify.user_checks)
+  # A scalar: the control's name; a [B] row: the first bad entry.
+  err, _ = checked(jnp.asarray(bad, _dtype(name)))
+  assert err.get() is not None and re.search(rf"{name}={shown}\S* must be {want}", err.get())
+  good = {"top_k": 5, "softcap": 3.0, "repetition_penalty": 2.0,
+          "temperature": 0.5}.get(name, 0.5)
+  if name == "softcap":                    # a scalar only
+    f(jnp.float32(bad))
+    assert checked(jnp.float32(good))[0].get() is None
+    return
+  rows = jnp.asarray([good, good, bad, good], _dtype(name))
+  err, _ = checked(rows)
+  assert err.get() is not None and re.search(rf"{name}\[2\]={shown}\S* must be {want}",
+                                             err.get())
+  f(rows)                                  # unchecked: the call runs (no check)
+  err, _ = checked(jnp.full((B,), good, _dtype(name)))
+  assert err.get() is None
+
+
+@pytest.mark.parametrize("name", ["prompt_ids", "output_ids"])
+def test_traced_history_ids_out_of_range_fail_a_checkify_check(name):
+  f = jax.jit(lambda ids: fs.sample(H, W, KEY, backend="xla", repetition_penalty=2.0,
+                                    **{name: ids}))
+  checked = checkify.checkify(f, errors=checkify.user_checks)
+  ids = np.full((B, 3), -1, np.int32)
+  ids[1, 1] = 7
+  err, out = checked(jnp.asarray(ids))
+  assert err.get() is None
+  np.testing.assert_array_equal(out, fs.reference.sample(H, W, KEY, repetition_penalty=2.0,
+                                                         **{name: jnp.asarray(ids)}))
+  for bad in (V, -2):
+    ids[2, 2] = bad
+    err, _ = checked(jnp.asarray(ids))
+    assert err.get() is not None and re.search(
+        rf"{name} entry 8 \(flat, shape \(4, 3\)\)={bad} must be an id in \[0, {V}\) "
+        r"or -1", err.get())
+    f(jnp.asarray(ids))                    # unchecked: ignored, as the reference does
+
+
+def test_checks_reach_sample_logits_and_params():
+  logits = jnp.zeros((B, V), jnp.float32)
+  f = jax.jit(lambda p: fs.sample_logits(logits, KEY, p))
+  err, _ = checkify.checkify(f, errors=checkify.user_checks)(fs.SamplingParams(
+      top_p=jnp.float32(1.5)))
+  assert err.get() is not None and "top_p=1.5 must be in (0.0, 1.0]" in err.get()
