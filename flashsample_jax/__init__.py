@@ -6,12 +6,14 @@ writing the ``[B, V]`` logits to device memory.
 """
 
 from flashsample_jax import backends, controls, mesh, noise, problem, reference, sharding
-from flashsample_jax.api import STATIC_ARGNAMES, sample, which_backend
+from flashsample_jax.api import STATIC_ARGNAMES, sample, sample_logits, which_backend
 from flashsample_jax.backends import BACKENDS, Backend
 from flashsample_jax.controls import SampleOutput
+from flashsample_jax.params import SamplingParams
 from flashsample_jax.sharding import sample_sharded
 
-__all__ = ["sample", "sample_sharded", "SampleOutput", "Backend", "BACKENDS",
+__all__ = ["sample", "sample_logits", "sample_sharded", "SamplingParams",
+           "SampleOutput", "Backend", "BACKENDS",
            "STATIC_ARGNAMES", "which_backend", "reference", "noise", "sharding",
            "controls", "backends", "mesh", "problem"]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from the registry (:mod:`flashsample_jax.backends`), and the jitted
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,34 +18,73 @@ import jax.numpy as jnp
 
 from flashsample_jax import backends, controls as _controls, mesh, problem, stage2
 from flashsample_jax.backends import BACKENDS, Backend  # noqa: F401  (re-exported)
+from flashsample_jax.params import CONTROL_NAMES, SamplingParams
 
-__all__ = ["sample", "which_backend", "run", "BACKENDS", "Backend", "STATIC_ARGNAMES"]
+__all__ = ["sample", "sample_logits", "which_backend", "run", "BACKENDS", "Backend",
+           "STATIC_ARGNAMES", "SamplingParams"]
 
 # The options of :func:`sample` that must be static under ``jax.jit``:
 # ``jax.jit(fs.sample, static_argnames=fs.STATIC_ARGNAMES)``.
 STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
-                   "batch_axis", "num_samples", "return_logprobs", "top_logprobs")
+                   "batch_axis", "num_samples", "return_logprobs", "top_logprobs",
+                   "truncation_order")
+
+# The keyword defaults of the controls (SamplingParams' fields): with
+# ``params``, every control keyword must still be its default.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
-def _prepare(hidden, weight, key, *, temperature, weight_layout, vocab_size,
-             axes: mesh.MeshAxes, controls: dict, num_samples, return_logprobs):
+def settings(params, given: dict) -> dict:
+  """The controls of a call: ``params``' fields, or the keywords ``given``.
+
+  Raises:
+    TypeError: ``params`` is not a :class:`SamplingParams`, or keywords were
+      passed beside it.
+  """
+  if params is None:
+    return given
+  if not isinstance(params, SamplingParams):
+    raise TypeError(f"params must be a flashsample_jax.SamplingParams or None, got "
+                    f"{type(params).__name__} (controls as keywords go after key: "
+                    f"sample(hidden, weight, key, temperature=...))")
+  mixed = [k for k in CONTROL_NAMES if not _is_default(given[k], _DEFAULTS[k])]
+  if mixed:
+    raise TypeError(f"pass the controls either in params or as keywords, not both: "
+                    f"got params and {mixed} (params.replace(...) changes a field)")
+  return params.as_kwargs()
+
+
+def _is_default(value, default) -> bool:
+  """Whether a keyword holds its default: the same Python value (arrays are
+  never a default: they have no truth value)."""
+  if value is default:
+    return True
+  return (type(value) is type(default) and isinstance(value, (bool, int, float, str))
+          and value == default)
+
+
+def _prepare(hidden, weight, key, *, weight_layout, vocab_size,
+             axes: mesh.MeshAxes, controls: dict):
   """The checked ``(Problem, Controls)`` of this call (this shard's part
-  inside ``shard_map``)."""
-  p = problem.prepare(hidden, weight, key, temperature=temperature,
+  inside ``shard_map``); ``controls``: :func:`settings`."""
+  controls = dict(controls)
+  p = problem.prepare(hidden, weight, key, temperature=controls.pop("temperature"),
                       weight_layout=weight_layout, vocab_size=vocab_size,
                       vocab_shards=axes.vocab_shards(),
                       batch_shard=axes.batch_shard())
   axes.check_weight(p.weight, p.layout)
-  c = _controls.prepare_controls(
-      batch=p.batch, vocab_size=p.vocab_size, rows=p.total_rows,
-      num_samples=num_samples, return_logprobs=return_logprobs, **controls)
+  c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                                 rows=p.total_rows, **controls)
   return p, c
 
 
-def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
+def which_backend(hidden, weight, key, params=None, *, backend="auto", temperature=1.0,
                   weight_layout="vd", vocab_size=None, vocab_axis=None,
-                  batch_axis=None, num_samples=None, return_logprobs=False,
-                  top_logprobs=0, **controls):
+                  batch_axis=None, top_k=None, top_p=None, min_p=None, logit_bias=None,
+                  allowed_mask=None, softcap=None, repetition_penalty=None,
+                  presence_penalty=None, frequency_penalty=None, prompt_ids=None,
+                  output_ids=None, num_samples=None, return_logprobs=False,
+                  top_logprobs=0, truncation_order="hf"):
   """The name of the backend :func:`sample` would run these arguments on.
 
   Args: as :func:`sample` (controls and mesh axes included).
@@ -55,11 +95,16 @@ def which_backend(hidden, weight, key, *, backend="auto", temperature=1.0,
   Raises:
     What :func:`sample` raises for these arguments.
   """
-  axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
-  p, c = _prepare(hidden, weight, key, temperature=temperature,
-                  weight_layout=weight_layout, vocab_size=vocab_size, axes=axes,
-                  controls=dict(controls, top_logprobs=top_logprobs),
-                  num_samples=num_samples, return_logprobs=return_logprobs)
+  ctl = settings(params, dict(
+      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+      logit_bias=logit_bias, allowed_mask=allowed_mask, softcap=softcap,
+      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+      frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
+      output_ids=output_ids, num_samples=num_samples, return_logprobs=return_logprobs,
+      top_logprobs=top_logprobs, truncation_order=truncation_order))
+  p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
+                  vocab_size=vocab_size, axes=mesh.MeshAxes.of(vocab_axis, batch_axis),
+                  controls=ctl)
   return backends.resolve(backend, p, c).name
 
 
@@ -105,13 +150,13 @@ def run(p: problem.Problem, c: _controls.Controls, *,
   return tokens if c.num_samples is not None else tokens[0]
 
 
-def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
+def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="vd",
            vocab_size=None, backend="auto", vocab_axis=None, batch_axis=None,
            top_k=None, top_p=None, min_p=None, logit_bias=None,
            allowed_mask=None, softcap=None, repetition_penalty=None,
            presence_penalty=None, frequency_penalty=None, prompt_ids=None,
            output_ids=None, num_samples=None, return_logprobs=False,
-           top_logprobs=0):
+           top_logprobs=0, truncation_order="hf"):
   """Samples one token per row from ``softmax(hidden @ W.T / T)``.
 
   Never writes the ``[B, V]`` logits to device memory. Returns exactly the
@@ -128,6 +173,9 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     key: a typed threefry key (``jax.random.key``): a scalar key gives one
       stream for the batch, a ``[B]`` key array one stream per row. Raw
       ``uint32[2]`` / ``uint32[B, 2]`` key data is accepted too.
+    params: a :class:`flashsample_jax.SamplingParams` holding the controls
+      (``temperature`` and the arguments from ``top_k`` on) instead of the
+      keywords; then none of those keywords may be passed.
     temperature: a float or a ``[B]`` array. ``0`` makes that row greedy
       (argmax of the logits, lowest id on ties); rows may mix.
     weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
@@ -155,6 +203,9 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     top_p: float or ``[B]`` in (0, 1]: nucleus after top-k; 1 = off.
     min_p: float or ``[B]`` in [0, 1]: keep ids with probability >= min_p x
       the row's top probability; 0 = off.
+    truncation_order: ``"hf"`` (top-p's mass over what top-k kept: Hugging
+      Face's) or ``"vllm"`` (over what top-k and min-p kept: vLLM V1 applies
+      min-p first and renormalizes). Differs only with both top-p and min-p.
     logit_bias: f32 ``[vocab_size]`` added to the (soft-capped) logits.
     allowed_mask: uint32/int32 ``[B, ceil(vocab_size / 32)]`` bitmask, bit
       ``v % 32`` of word ``v // 32`` allows id ``v`` (grammar-constrained
@@ -204,28 +255,77 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
     make one).
 
   Raises:
-    TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key).
+    TypeError: a wrong type or dtype (non-float hidden/weight, a non-key key),
+      a traced static option, ``params`` beside control keywords.
     ValueError: mismatched shapes, an unknown backend or layout, a
-      ``vocab_size`` out of range, a negative or NaN concrete temperature,
-      a ``vocab_axis``/``batch_axis`` that is not an axis of the enclosing
+      ``vocab_size`` out of range, a concrete control out of its range, a
+      ``vocab_axis``/``batch_axis`` that is not an axis of the enclosing
       ``shard_map`` (or both naming one axis).
     NotImplementedError: the named backend cannot run these arguments on this
       device (``"auto"`` then picks another).
+
+  Traced controls cannot be range-checked when the call is traced; each
+  carries a ``jax.experimental.checkify`` check instead, a no-op unless the
+  call is wrapped in ``checkify.checkify`` (README, "Invalid values").
   """
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
-  ctl = dict(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
-             allowed_mask=allowed_mask, softcap=softcap,
-             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-             frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
-             output_ids=output_ids, top_logprobs=top_logprobs)
-  p, c = _prepare(hidden, weight, key, temperature=temperature,
-                  weight_layout=weight_layout, vocab_size=vocab_size, axes=axes,
-                  controls=ctl, num_samples=num_samples,
-                  return_logprobs=return_logprobs)
+  ctl = settings(params, dict(
+      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+      logit_bias=logit_bias, allowed_mask=allowed_mask, softcap=softcap,
+      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+      frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
+      output_ids=output_ids, num_samples=num_samples, return_logprobs=return_logprobs,
+      top_logprobs=top_logprobs, truncation_order=truncation_order))
+  p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
+                  vocab_size=vocab_size, axes=axes, controls=ctl)
   impl = backends.resolve(backend, p, c)
   if p.batch == 0:
     return empty_result(c)
   return run(p, c, backend=impl, axes=axes)
+
+
+def sample_logits(logits, key, params=None, *, temperature=1.0, vocab_size=None,
+                  top_k=None, top_p=None, min_p=None, logit_bias=None,
+                  allowed_mask=None, softcap=None, repetition_penalty=None,
+                  presence_penalty=None, frequency_penalty=None, prompt_ids=None,
+                  output_ids=None, num_samples=None, return_logprobs=False,
+                  top_logprobs=0, truncation_order="hf"):
+  """:func:`sample` for logits that are already materialized.
+
+  The same controls, the same exact semantics and the same outputs as
+  :func:`sample` with ``hidden @ weight.T`` replaced by ``logits`` (cast to
+  f32): the tokens equal ``jax.random.categorical(key, kept / T)``
+  (:func:`flashsample_jax.reference.sample_logits`), and ``-1`` where a
+  row has nothing to sample. The package's stage 2 runs over the logits as
+  one chunk (the ``dense`` route), so one sampler serves fused and
+  materialized logits alike.
+
+  Args:
+    logits: bf16, f16 or f32 ``[B, V]``.
+    key, params, temperature and the controls: as :func:`sample`.
+    vocab_size: the logical vocabulary when ``logits`` has padding columns
+      (ids ``>= vocab_size`` are never returned). Default: ``V``.
+
+  Returns:
+    As :func:`sample`.
+
+  Raises:
+    As :func:`sample`, naming ``logits``.
+  """
+  ctl = dict(settings(params, dict(
+      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+      logit_bias=logit_bias, allowed_mask=allowed_mask, softcap=softcap,
+      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+      frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
+      output_ids=output_ids, num_samples=num_samples, return_logprobs=return_logprobs,
+      top_logprobs=top_logprobs, truncation_order=truncation_order)))
+  p = problem.prepare_logits(logits, key, temperature=ctl.pop("temperature"),
+                             vocab_size=vocab_size)
+  c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                                 rows=p.weight_rows, **ctl)
+  if p.batch == 0:
+    return empty_result(c)
+  return run(p, c, backend=backends.for_logits())
 
 
 def empty_result(c: _controls.Controls):

@@ -121,7 +121,10 @@ class Problem:
 def logits(hidden, weight, layout: str) -> jax.Array:
   """f32 logits ``[B, Vc]`` of ``hidden [B, D]`` against a weight slice
   (``[Vc, D]`` for "vd", ``[D, Vc]`` for "dv"): f32 accumulation, the
-  package's definition of the logits."""
+  package's definition of the logits. Layout "logits" (:func:`prepare_logits`):
+  the slice ``[B, Vc]`` is the logits."""
+  if layout == "logits":
+    return weight.astype(jnp.float32)
   contract = 1 if layout == "vd" else 0
   return lax.dot_general(hidden, weight, (((1,), (contract,)), ((), ())),
                          preferred_element_type=jnp.float32)
@@ -348,21 +351,56 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
         f"hidden.shape={tuple(hidden.shape)} and weight.shape="
         f"{tuple(weight.shape)} need D >= 1 and V >= 1")
   vocab_shards = _check_int("vocab_shards", vocab_shards, 1)
-  shard_index, shard_count = batch_shard
-  shard_count = _check_int("batch_shard count", shard_count, 1)
-  total_rows = rows * vocab_shards
+  vocab_size = _vocab_size(vocab_size, rows * vocab_shards,
+                           f"the rows of weight for {weight_layout=}"
+                           + (f" times {vocab_shards} vocabulary shards"
+                              if vocab_shards > 1 else ""))
+  return _problem(hidden.astype(weight.dtype), weight, key, temperature,
+                  layout=weight_layout, vocab_size=vocab_size,
+                  vocab_shards=vocab_shards, batch_shard=batch_shard)
+
+
+def prepare_logits(logits, key, *, temperature=1.0, vocab_size=None) -> Problem:
+  """The :class:`Problem` of sampling from given logits ``[B, V]``
+  (:func:`flashsample_jax.sample_logits`): layout ``"logits"``, whose
+  "weight" is the logits themselves and whose :func:`logits` of a slice is
+  that slice in f32 (``hidden`` is an empty ``[B, 0]`` placeholder). Only
+  the xla backends run it.
+
+  Raises:
+    TypeError, ValueError: as :func:`prepare`, naming ``logits``.
+  """
+  logits = _check_float_array("logits", logits)
+  batch, rows = logits.shape
+  if rows == 0:
+    raise ValueError(f"logits.shape={tuple(logits.shape)} needs V >= 1")
+  vocab_size = _vocab_size(vocab_size, rows, "the columns of logits")
+  return _problem(jnp.zeros((batch, 0), logits.dtype), logits, key, temperature,
+                  layout="logits", vocab_size=vocab_size, vocab_shards=1,
+                  batch_shard=(0, 1))
+
+
+def _vocab_size(vocab_size, total_rows: int, rows_are: str) -> int:
+  """The checked logical vocabulary (default: every row)."""
   if vocab_size is None:
-    vocab_size = total_rows
-  elif isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+    return total_rows
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
     raise static_arg_error("vocab_size", vocab_size, "a Python int or None")
   vocab_size = int(vocab_size)
   if not 1 <= vocab_size <= total_rows:
-    shards = f" times {vocab_shards} vocabulary shards" if vocab_shards > 1 else ""
-    raise ValueError(
-        f"{vocab_size=} must be in [1, {total_rows}] (the rows of weight for "
-        f"{weight_layout=}{shards})")
+    raise ValueError(f"{vocab_size=} must be in [1, {total_rows}] ({rows_are})")
   if vocab_size >= 2**31:
     raise ValueError(f"{vocab_size=} must be < 2**31")
+  return vocab_size
+
+
+def _problem(hidden, weight, key, temperature, *, layout: str, vocab_size: int,
+             vocab_shards: int, batch_shard) -> Problem:
+  """The :class:`Problem` of checked arrays: the key, the temperature and
+  each row's noise counters (the class docstring)."""
+  batch = hidden.shape[0]
+  shard_index, shard_count = batch_shard
+  shard_count = _check_int("batch_shard count", shard_count, 1)
   data, per_row = key_data(key, batch)
   k0, k1 = key_words(data, batch)
   temp = _temperature(temperature, batch)
@@ -392,7 +430,7 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
         "flashsample_jax reproduces jax.random with jax_threefry_partitionable="
         "True (the default since jax 0.5); it is False in this process")
   return Problem(
-      hidden=hidden.astype(weight.dtype), weight=weight, k0=k0, k1=k1,
+      hidden=hidden, weight=weight, k0=k0, k1=k1,
       ctr_hi=ctr_hi, ctr_lo=ctr_lo, temperature=temp, key_data=data,
-      layout=weight_layout, vocab_size=vocab_size, per_row_keys=per_row,
+      layout=layout, vocab_size=vocab_size, per_row_keys=per_row,
       vocab_shards=vocab_shards, sample_stride=stride)

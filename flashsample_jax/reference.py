@@ -19,12 +19,16 @@ from flashsample_jax import backends, controls as _controls, problem
 def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   """Transformed, untempered f32 logits ``[B, vocab_size]``.
 
-  ``l = hidden @ W.T`` in f32, then soft-cap, bias, penalties and the
-  allowed mask in the order of :mod:`flashsample_jax.controls`.
+  ``l = hidden @ W.T`` in f32 (layout "logits": the given logits in f32),
+  then soft-cap, bias, penalties and the allowed mask in the order of
+  :mod:`flashsample_jax.controls`.
   """
-  contract = 1 if p.layout == "vd" else 0
-  l = jax.lax.dot_general(p.hidden, p.weight, (((1,), (contract,)), ((), ())),
-                          preferred_element_type=jnp.float32)
+  if p.layout == "logits":
+    l = p.weight.astype(jnp.float32)
+  else:
+    contract = 1 if p.layout == "vd" else 0
+    l = jax.lax.dot_general(p.hidden, p.weight, (((1,), (contract,)), ((), ())),
+                            preferred_element_type=jnp.float32)
   x = l[:, :p.vocab_size]
   if c is None:
     return x
@@ -106,7 +110,7 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
            logit_bias=None, allowed_mask=None, softcap=None,
            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
            prompt_ids=None, output_ids=None, num_samples=None,
-           return_logprobs=False, top_logprobs=0):
+           return_logprobs=False, top_logprobs=0, truncation_order="hf"):
   """Reference sampler: :func:`flashsample_jax.sample`'s arguments, on one device.
 
   (The mesh arguments ``vocab_axis``/``batch_axis`` are not taken: compare a
@@ -134,5 +138,18 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       top_p=top_p, min_p=min_p, logit_bias=logit_bias, allowed_mask=allowed_mask,
       softcap=softcap, repetition_penalty=repetition_penalty,
       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-      prompt_ids=prompt_ids, output_ids=output_ids, top_logprobs=top_logprobs)
+      prompt_ids=prompt_ids, output_ids=output_ids, top_logprobs=top_logprobs,
+      truncation_order=truncation_order)
+  return _sample(p, c)
+
+
+def sample_logits(logits, key, *, temperature=1.0, vocab_size=None, **controls):
+  """Reference for :func:`flashsample_jax.sample_logits`: the same as
+  :func:`sample` with ``hidden @ W.T`` replaced by ``logits`` (in f32).
+
+  Args: as :func:`flashsample_jax.sample_logits` (keywords only).
+  """
+  p = problem.prepare_logits(logits, key, temperature=temperature, vocab_size=vocab_size)
+  c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                                 rows=p.weight_rows, **controls)
   return _sample(p, c)

@@ -131,6 +131,14 @@ def get(name: str) -> SamplerBackend:
   return _load(name)()
 
 
+def for_logits() -> SamplerBackend:
+  """The backend that samples logits the caller already has (layout
+  "logits", :func:`flashsample_jax.sample_logits`): the dense route, the
+  streaming backend over one chunk (the logits are in memory already, so
+  chunks would only add merges); the kernels compute logits, not read them."""
+  return get("dense")
+
+
 def check_name(backend) -> None:
   """ValueError unless ``backend`` is ``"auto"``, a name of
   :data:`BACKENDS` or a :class:`SamplerBackend` instance."""

@@ -1,0 +1,178 @@
+"""``SamplingParams``: the per-request sampling controls as one pytree.
+
+A decode loop carries the controls of its requests from step to step; as a
+frozen pytree (arrays as leaves, the options that shape the program as its
+static part) they pass through ``jax.jit``, ``lax.scan`` and ``shard_map``
+like any array, and :func:`flashsample_jax.sample` (or
+:func:`flashsample_jax.sample_logits`) takes them in place of the keywords.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingParams", "CONTROL_NAMES", "STATIC_NAMES"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """The sampling controls of :func:`flashsample_jax.sample`, as one value.
+
+  Every field means what the keyword of the same name means there (shapes:
+  a scalar applies to every row, ``[B]`` gives one value per row; ``None``
+  is off). ``fs.sample(hidden, weight, key, params)`` equals
+  ``fs.sample(hidden, weight, key, **params.as_kwargs())``.
+
+  Leaves (arrays or numbers; change them per step without retracing):
+    temperature: float or ``[B]``; 0 = greedy.
+    top_k: int or int ``[B]``; 0 = off.
+    top_p: float or ``[B]`` in (0, 1]; 1 = off.
+    min_p: float or ``[B]`` in [0, 1]; 0 = off.
+    logit_bias: f32 ``[V]``.
+    allowed_mask: uint32 ``[B, ceil(V / 32)]`` bitmask.
+    softcap: float scalar.
+    repetition_penalty, presence_penalty, frequency_penalty: float or ``[B]``.
+    prompt_ids, output_ids: int32 ``[B, P]`` / ``[B, O]``, padded with -1.
+
+  Static (part of the tree structure; a change compiles a new program):
+    num_samples: int or None.
+    return_logprobs: bool.
+    top_logprobs: int N (0 = off).
+    truncation_order: ``"hf"`` or ``"vllm"``.
+  """
+
+  temperature: Any = 1.0
+  top_k: Any = None
+  top_p: Any = None
+  min_p: Any = None
+  logit_bias: Any = None
+  allowed_mask: Any = None
+  softcap: Any = None
+  repetition_penalty: Any = None
+  presence_penalty: Any = None
+  frequency_penalty: Any = None
+  prompt_ids: Any = None
+  output_ids: Any = None
+  num_samples: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
+  truncation_order: str = dataclasses.field(default="hf", metadata=dict(static=True))
+
+  def as_kwargs(self) -> dict[str, Any]:
+    """The keyword arguments of :func:`flashsample_jax.sample` these are."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  def replace(self, **changes) -> "SamplingParams":
+    """A copy with ``changes`` (field names as keywords)."""
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_generation_config(cls, config, *, batch: int | None = None,
+                             **options) -> "SamplingParams":
+    """The params of a Hugging Face-style generation config.
+
+    Args:
+      config: a mapping (e.g. ``generation_config.json`` loaded as a dict) or
+        an object with attributes (``transformers.GenerationConfig``). Read:
+        ``do_sample`` (False: greedy, temperature 0), ``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, and the
+        OpenAI / vLLM names ``presence_penalty`` and ``frequency_penalty``.
+        Keys that do not change a sampled token (``eos_token_id``,
+        ``max_new_tokens``, ...) are ignored. A ``None`` value is off.
+      batch: broadcast every read scalar to a ``[batch]`` array, so that rows
+        can be edited one by one and the params keep one shape as a
+        ``lax.scan`` carry.
+      **options: further fields (e.g. ``return_logprobs=True``,
+        ``truncation_order="vllm"``, ``output_ids``).
+
+    Raises:
+      ValueError: a setting this package does not sample with at a value
+        that changes the tokens (``typical_p``, ``epsilon_cutoff``,
+        ``eta_cutoff``, ``num_beams > 1``, ``no_repeat_ngram_size``, ...),
+        or ``batch`` < 1.
+      TypeError: ``config`` is neither a mapping nor an object, or an
+        ``options`` name is not a field.
+    """
+    get = _reader(config)
+    for name, off in _UNSUPPORTED.items():
+      value = get(name)
+      if value is not None and not off(value):
+        raise ValueError(
+            f"generation config {name}={value!r} changes sampling in a way "
+            f"flashsample_jax does not implement (supported: {', '.join(_READ)}); "
+            f"remove it or set it to its default")
+    do_sample = get("do_sample")
+    fields = {name: get(name) for name in _READ if name != "do_sample"}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if do_sample is False:
+      # Greedy: Hugging Face ignores every sampling setting then.
+      fields = {k: v for k, v in fields.items() if k not in _SAMPLING_ONLY}
+      fields["temperature"] = 0.0
+    elif fields.get("top_k") == 0:
+      del fields["top_k"]
+    if batch is not None:
+      if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be a Python int >= 1")
+      fields = {k: _broadcast(k, v, int(batch)) for k, v in fields.items()}
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+      raise TypeError(f"unknown SamplingParams fields {unknown}; fields: {sorted(names)}")
+    return cls(**{**fields, **options})
+
+
+# The fields of SamplingParams, by kind (api.sample checks that keywords
+# and params are not mixed).
+STATIC_NAMES = ("num_samples", "return_logprobs", "top_logprobs", "truncation_order")
+CONTROL_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+# What from_generation_config reads; the penalties other than repetition's
+# are vLLM's / OpenAI's names (Hugging Face has none).
+_READ = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+         "presence_penalty", "frequency_penalty")
+# Ignored by Hugging Face when do_sample is False.
+_SAMPLING_ONLY = ("top_k", "top_p", "min_p")
+_INTS = ("top_k",)
+# Settings that change the sampled tokens, and the values at which they do
+# not (Hugging Face's defaults).
+_UNSUPPORTED = {
+    "typical_p": lambda v: v >= 1.0,
+    "epsilon_cutoff": lambda v: v == 0.0,
+    "eta_cutoff": lambda v: v == 0.0,
+    "num_beams": lambda v: v == 1,
+    "num_beam_groups": lambda v: v == 1,
+    "penalty_alpha": lambda v: False,
+    "no_repeat_ngram_size": lambda v: v == 0,
+    "encoder_repetition_penalty": lambda v: v == 1.0,
+    "encoder_no_repeat_ngram_size": lambda v: v == 0,
+    "bad_words_ids": lambda v: not v,
+    "sequence_bias": lambda v: not v,
+    "force_words_ids": lambda v: not v,
+    "suppress_tokens": lambda v: not v,
+    "begin_suppress_tokens": lambda v: not v,
+    "top_h": lambda v: False,
+    "watermarking_config": lambda v: False,
+    "guidance_scale": lambda v: v == 1.0,
+}
+
+
+def _reader(config):
+  """``name -> value or None`` over a mapping or an object's attributes."""
+  if isinstance(config, Mapping):
+    return config.get
+  if config is None or isinstance(config, (str, bytes, int, float)):
+    raise TypeError(f"config must be a mapping or a generation config object, "
+                    f"got {type(config).__name__}")
+  return lambda name: getattr(config, name, None)
+
+
+def _broadcast(name: str, value, batch: int):
+  """A scalar setting as a ``[batch]`` array (its own dtype: int32 for top_k)."""
+  dtype = jnp.int32 if name in _INTS else jnp.float32
+  return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
