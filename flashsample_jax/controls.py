@@ -256,8 +256,8 @@ def _on_everywhere(value, on) -> bool:
   return bool(raw.size) and bool(np.all(on(raw)))
 
 
-# The largest ``top_logprobs``: the candidate lists every pass keeps hold
-# this many ids per row (stage2.CANDIDATES).
+# The largest ``top_logprobs``; the candidate lists hold a few more ids per
+# row (stage2.candidate_count).
 TOP_LOGPROBS_MAX = 128
 _F32_MAX = float(np.finfo(np.float32).max)
 # What top-p's mass is measured over (the module docstring).

@@ -31,14 +31,23 @@ def _tokens(out):
 
 
 def _assert_same(got, want):
-  """Identical tokens; log-probabilities within 2e-5 where returned."""
+  """Identical tokens; log-probabilities within 2e-5 where returned; top ids
+  identical but where two ids' log-probabilities tie within 2e-5 (a GPU's
+  tanh in two programs may differ in the last bit: ids whose soft-capped
+  logits tie may swap, as tests/backend_suite.py allows)."""
   np.testing.assert_array_equal(_tokens(got), _tokens(want))
   if isinstance(want, fs.SampleOutput):
-    for name in ("logprob", "logprob_truncated", "logsumexp", "top_ids", "top_logprobs"):
+    for name in ("logprob", "logprob_truncated", "logsumexp", "top_logprobs"):
       a, b = getattr(got, name), getattr(want, name)
       assert (a is None) == (b is None), name
       if b is not None:
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+    if want.top_ids is not None:
+      got_ids, want_ids = np.asarray(got.top_ids), np.asarray(want.top_ids)
+      lp = np.asarray(want.top_logprobs)
+      for b, j in np.argwhere(got_ids != want_ids):
+        k = np.flatnonzero(want_ids[b] == got_ids[b, j])
+        assert all(abs(lp[b, i] - lp[b, j]) <= 2e-5 for i in k), (b, j)
 
 
 # -- SamplingParams -------------------------------------------------------------
@@ -49,7 +58,9 @@ def test_params_are_the_keywords(case):
   kw = dict(CASES[case], return_logprobs=True)
   params = fs.SamplingParams(temperature=T, **kw)
   got = fs.sample(H, W, KEYS["per_row"], params, backend="xla")
-  _assert_same(got, fs.sample(H, W, KEYS["per_row"], temperature=T, backend="xla", **kw))
+  want = fs.sample(H, W, KEYS["per_row"], temperature=T, backend="xla", **kw)
+  for name, a in got._asdict().items():      # one program: bit for bit
+    np.testing.assert_array_equal(a, getattr(want, name), err_msg=name)
   _assert_same(got, reference.sample(H, W, KEYS["per_row"], temperature=T, **kw))
 
 
