@@ -11,8 +11,10 @@ from flashsample_jax.backends import BACKENDS, Backend
 from flashsample_jax.controls import SampleOutput
 from flashsample_jax.params import SamplingParams
 from flashsample_jax.sharding import sample_sharded
+from flashsample_jax.speculative import VerifyOutput, verify_drafts
 
-__all__ = ["sample", "sample_logits", "sample_sharded", "SamplingParams",
+__all__ = ["sample", "sample_logits", "sample_sharded", "verify_drafts", "VerifyOutput",
+           "SamplingParams",
            "SampleOutput", "Backend", "BACKENDS",
            "STATIC_ARGNAMES", "which_backend", "reference", "noise", "sharding",
            "controls", "backends", "mesh", "problem"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashsample_jax import backends, controls as _controls, problem
 
@@ -153,3 +154,97 @@ def sample_logits(logits, key, *, temperature=1.0, vocab_size=None, **controls):
   c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
                                  rows=p.weight_rows, **controls)
   return _sample(p, c)
+
+
+def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperature=1.0,
+                  draft_probs=None, return_logprobs=False, weight_layout="vd",
+                  vocab_size=None, backend="auto", allowed_mask=None, prompt_ids=None,
+                  output_ids=None, **controls):
+  """Reference for :func:`flashsample_jax.verify_drafts`: position by
+  position, from materialized logits and ``jax.random.categorical``, the
+  rules of :mod:`flashsample_jax.speculative`.
+
+  Args: as :func:`flashsample_jax.verify_drafts` (``backend`` is checked and
+  ignored; no ``vocab_axis``).
+  """
+  from flashsample_jax import speculative            # the contract's constants
+  backends.check_name(backend)
+  b, positions, _ = hidden.shape
+  drafts = np.asarray(draft_ids).astype(np.int32)
+  drafts = np.where(np.cumprod(drafts >= 0, axis=1).astype(bool), drafts, -1)
+  data, per_row = problem.key_data(key, b)
+  base = jax.random.wrap_key_data(data, impl="threefry2x32")
+  penalized = any(controls.get(k) is not None for k in
+                  ("repetition_penalty", "presence_penalty", "frequency_penalty"))
+  accept = np.zeros((b, positions), bool)
+  emit = np.zeros((b, positions), np.int32)
+  lp_draft = np.zeros((b, positions), np.float32)
+  lp_emit = np.zeros((b, positions), np.float32)
+  d_all = np.concatenate([drafts, np.full((b, 1), -1, np.int32)], axis=1)
+  for j in range(positions):
+    key_j = (jax.vmap(lambda k: jax.random.fold_in(k, j))(base) if per_row
+             else jax.random.fold_in(base, j))
+    hist = None
+    if penalized:
+      before = np.where(np.arange(positions - 1)[None] < j, drafts, -1)
+      hist = before if output_ids is None else np.concatenate(
+          [np.asarray(output_ids), before], axis=1)
+    mask = allowed_mask
+    if mask is not None and mask.ndim == 3:
+      mask = mask[:, j]
+    p = problem.prepare(hidden[:, j], weight, key_j, temperature=temperature,
+                        weight_layout=weight_layout, vocab_size=vocab_size)
+    c = _controls.prepare_controls(
+        batch=b, vocab_size=p.vocab_size, rows=p.weight_rows, allowed_mask=mask,
+        prompt_ids=prompt_ids if penalized else None,
+        output_ids=None if hist is None else jnp.asarray(hist), **controls)
+    x = transformed_logits(p, c)
+    greedy = np.asarray(p.temperature == 0)
+    t = jax.lax.optimization_barrier(x / jnp.where(p.temperature[:, None] == 0, 1.0,
+                                                   p.temperature[:, None]))
+    kept = jnp.where(_controls.keep_mask(t, c), t, -jnp.inf) if c.truncates else t
+    lse = jax.nn.logsumexp(kept, axis=1)
+    lp = np.asarray(kept - lse[:, None])
+    d = d_all[:, j]
+    ids = jnp.arange(p.vocab_size)[None]
+    sample = lambda logits: np.asarray(_categorical(p, logits, 1)[0])
+    argmax = np.asarray(jnp.argmax(x, axis=1))
+    nothing = np.asarray(jnp.all(kept == -jnp.inf, axis=1))
+    token = np.where(greedy, argmax, np.where(nothing, -1, sample(kept)))
+    acc_key = (jax.vmap(lambda k: jax.random.fold_in(k, speculative.ACCEPT_STREAM))(key_j)
+               if per_row else jax.random.fold_in(key_j, speculative.ACCEPT_STREAM))
+    u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, ()))(acc_key) if per_row
+                   else jax.random.uniform(acc_key, (b,)))
+    dd = np.clip(d, 0, p.vocab_size - 1)
+    if method == "strict":
+      acc, residual = token == d, token
+    elif method == "one_hot":
+      acc = u < np.asarray(jnp.exp(kept - lse[:, None]))[np.arange(b), dd]
+      acc &= np.asarray(kept)[np.arange(b), dd] > -np.inf
+      without = jnp.where(ids == jnp.asarray(d)[:, None], -jnp.inf, kept)
+      residual = np.where(np.asarray(jnp.all(without == -jnp.inf, axis=1)), -1,
+                          sample(without))
+    else:
+      q = np.zeros((b, p.vocab_size), np.float32)
+      if j < positions - 1:
+        q = np.asarray(draft_probs[:, j], np.float32)
+      q_d = q[np.arange(b), dd]
+      pf = np.asarray(jnp.exp(kept - lse[:, None]))
+      acc = u * q_d < pf[np.arange(b), dd]
+      res = np.maximum(pf - q, 0.0)
+      res = np.where(res.sum(axis=1, keepdims=True) > 0, res, pf)
+      residual = sample(jnp.log(jnp.asarray(res)))
+    accept[:, j] = np.where(greedy, token == d, acc) & (d >= 0)
+    emit[:, j] = np.where(greedy | (d < 0), token, residual)
+    lp_draft[:, j] = lp[np.arange(b), dd]
+    lp_emit[:, j] = np.where(emit[:, j] >= 0, lp[np.arange(b), np.maximum(emit[:, j], 0)],
+                             np.nan)
+  n = np.sum(np.cumprod(accept, axis=1), axis=1).astype(np.int32)
+  j = np.arange(positions)[None]
+  tokens = np.where(j < n[:, None], d_all, np.where(j == n[:, None], emit, -1))
+  logprobs = None
+  if return_logprobs:
+    logprobs = np.where(j < n[:, None], lp_draft,
+                        np.where((j == n[:, None]) & (tokens >= 0), lp_emit, np.nan))
+  return speculative.VerifyOutput(jnp.asarray(tokens, jnp.int32), jnp.asarray(n),
+                                  None if logprobs is None else jnp.asarray(logprobs))

@@ -296,7 +296,7 @@ def excluded_mask(c: controls.Controls, hist: History, vocab_size: int):
 
 
 def history_state(p: Problem, c: controls.Controls, hist: History, *,
-                  vocab_offset=0) -> ControlsState:
+                  vocab_offset=0, seen=None) -> ControlsState:
   """The :class:`ControlsState` of the history ids that lie in ``p.weight``'s
   rows (global ids from ``vocab_offset``): their logits from the gathered
   weight rows, transformed and penalized (:func:`controls.transform`), with
@@ -305,14 +305,16 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
   :func:`state_combine` of the two is the penalized row's state.
 
   Reads ``B x H`` weight rows (one per history id): the cost of penalties,
-  against ``V`` rows for the pass.
+  against ``V`` rows for the pass. ``seen`` (bool ``[B, H]``): which ids the
+  repetition penalty applies to (default: every listed id, which is in the
+  history); ``hist.count`` says how often each is in the output.
   """
   local = hist.ids - vocab_offset
   ok = (hist.ids >= 0) & (local >= 0) & (local < p.weight_rows)
   l = _history_logits(p, jnp.clip(local, 0, p.weight_rows - 1))
   gid = jnp.where(ok, hist.ids, rules.INT_MAX)
   x = controls.transform(l, jnp.where(ok, hist.ids, 0), c, p.vocab_size,
-                         history=(ok, hist.count))
+                         history=(ok if seen is None else ok & seen, hist.count))
   x = jnp.where(ok, x, -jnp.inf)
   t = tempered(p, x)
   sc = pass_scores(p, c, x, t, jnp.where(ok, hist.ids, 0))          # [B, S, H]
@@ -578,11 +580,28 @@ def _lists(p: Problem, c: controls.Controls, st: ControlsState) -> _Lists:
   return _Lists(cand_t, st.cand_ids, last, complete)
 
 
+class _Decision(NamedTuple):
+  """How :func:`_truncate` decided: ``keep [B, M]`` over the candidates,
+  ``use [B]`` (rows whose token it drew among them), ``active [B]`` (a rule
+  on) and ``pick(keep)``, the draw among the kept candidates."""
+
+  keep: jax.Array
+  use: jax.Array
+  active: jax.Array
+  pick: object
+
+
 def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: _Lists,
               rows: _Rows) -> _Rows:
   """Decides the truncated rows on the candidates: each sample's token among
   the kept candidates, its t and the kept log-sum-exp; rows the candidates
   cannot certify are marked for the exact path."""
+  return _truncate_decision(p, c, st, lists, rows)[0]
+
+
+def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
+                       lists: _Lists, rows: _Rows) -> tuple[_Rows, _Decision]:
+  """:func:`_truncate`, with how it decided."""
   certify = functools.partial(_certify, cand_t=lists.vals, lse=(st.lse_max, st.lse_sum),
                               complete=lists.complete, last=lists.last)
   keep, decided, active = certify(c)
@@ -602,8 +621,9 @@ def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: _Lists
   if c.top_p is not None and not c.return_logprobs:
     tokens, t_tok, fallback = _top_p_edge(c, certify, pick, finite, tokens, t_tok,
                                           fallback)
-  return rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
-                       fallback=rows.fallback | fallback)
+  return (rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
+                        fallback=rows.fallback | fallback),
+          _Decision(keep=keep, use=use, active=active, pick=pick))
 
 
 def _pick_kept(p: Problem, samples: int, lists: _Lists, rows: _Rows, keep, *, use, active):
@@ -737,10 +757,11 @@ def _nothing_to_sample(p: Problem, c: controls.Controls, st: ControlsState,
   return rows._replace(tokens=tokens), out
 
 
-def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis) -> _Rows:
-  """The exact path for ``rows.fallback``: full logits, :func:`controls.keep_mask`;
-  the other rows' results are kept."""
-  r = rows.fallback
+def materialized_rows(p: Problem, c: controls.Controls, axis=None):
+  """``(x, t, kept, gid)`` of every row from materialized logits: the
+  transformed logits ``x [B, vocab_size]``, the tempered ``t``, ``t`` where
+  :func:`controls.keep_mask` keeps it (else ``-inf``) and the ids. With
+  ``axis``, every shard's logits are gathered first (in global id order)."""
   l = problem.logits(p.hidden, p.weight, p.layout)               # [B, local rows]
   if axis:   # every shard's logits, in global id order
     l = jnp.moveaxis(mesh.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
@@ -753,12 +774,25 @@ def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis
   # ulp, and a row could then keep nothing.
   t = lax.optimization_barrier(tempered(p, x))
   kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
+  return x, t, kept, gid
+
+
+def draw_kept(p: Problem, x, t, kept, gid, perturbed):
+  """Each sample's token among the kept ids (``[B, S]``) and its t:
+  ``-1`` (t NaN-free 0-index) for a sampled row that keeps no id (finish's
+  rule; greedy rows take the argmax of x whatever the rules keep)."""
   j = jnp.argmax(perturbed(x, kept, gid), axis=2)                # [B, S]
-  # A sampled row that keeps no id has nothing to sample: -1 (finish's
-  # rule; greedy rows take the argmax of x whatever the rules keep).
   none = (p.temperature != 0) & jnp.all(kept == -jnp.inf, axis=1)
   j = jnp.where(none[:, None], -1, j)
-  new_t = jnp.take_along_axis(t, jnp.maximum(j, 0), axis=1)
+  return j, jnp.take_along_axis(t, jnp.maximum(j, 0), axis=1)
+
+
+def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis) -> _Rows:
+  """The exact path for ``rows.fallback``: full logits, :func:`controls.keep_mask`;
+  the other rows' results are kept."""
+  r = rows.fallback
+  x, t, kept, gid = materialized_rows(p, c, axis)
+  j, new_t = draw_kept(p, x, t, kept, gid, perturbed)
   top = rows.top
   if top is not None:
     # controls.top_n sorts (no lax.top_k, which could take the conditional
@@ -771,3 +805,107 @@ def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis
       lse_kept=jnp.where(r[None], jax.nn.logsumexp(kept, axis=1)[None], rows.lse_kept),
       lse_all=jnp.where(r, jax.nn.logsumexp(t, axis=1), rows.lse_all),
       top=top)
+
+
+# -- speculative verification (flashsample_jax.speculative) ---------------------
+
+
+class DraftRows(NamedTuple):
+  """What stage 2 decides per row of a verification, every field ``[B]``:
+
+  ``token``/``t_token``: the row's sample with its draft id among the ids
+  (:func:`finish`'s token, that of ``fs.sample``) and its tempered logit;
+  ``residual``/``t_residual``: the sample with the same noise over the kept
+  ids but the draft id (the one-hot rule's draw at a rejection; ``-1``
+  where the draft is the only kept id); ``t_draft``: the draft id's
+  tempered logit (``-inf`` for no draft, ``-1``, or a disallowed one);
+  ``draft_kept``: whether truncation keeps it; ``lse_kept``: the kept
+  set's log-sum-exp (so the draft's probability is ``exp(t_draft -
+  lse_kept)`` where kept)."""
+
+  token: jax.Array
+  t_token: jax.Array
+  residual: jax.Array
+  t_residual: jax.Array
+  t_draft: jax.Array
+  draft_kept: jax.Array
+  lse_kept: jax.Array
+
+
+def draft_state(p: Problem, c: controls.Controls, draft, *, vocab_offset=0) -> ControlsState:
+  """The :class:`ControlsState` of each row's draft id alone (int32 ``[B]``,
+  ``-1`` for none), from its own weight row as :func:`history_state` scores
+  history ids, penalized where it is in the row's history (its count from
+  ``output_ids``)."""
+  seen = jnp.zeros(draft.shape, bool)
+  count = jnp.zeros(draft.shape, jnp.int32)
+  valid = draft >= 0
+  if c.penalizes:
+    if c.prompt_ids is not None:
+      seen |= jnp.any(c.prompt_ids == draft[:, None], axis=1)
+    if c.output_ids is not None:
+      count = jnp.sum(c.output_ids == draft[:, None], axis=1, dtype=jnp.int32)
+      seen |= count > 0
+  hist = History(jnp.where(valid, draft, -1)[:, None], (count * valid)[:, None])
+  return history_state(p, c, hist, vocab_offset=vocab_offset, seen=seen[:, None])
+
+
+def finish_drafts(p: Problem, c: controls.Controls, st_without: ControlsState,
+                  st_draft: ControlsState, draft, *, axis=None) -> DraftRows:
+  """Stage 2 of a verification: :func:`finish`'s steps over the state of the
+  whole vocabulary (the pass without each row's draft id, ``st_without``,
+  merged with the draft's own, ``st_draft``: :func:`draft_state`), plus the
+  draw without the draft and the draft's probability.
+
+  ``c``: one sample, ``return_logprobs=True`` (the kept log-sum-exp is
+  needed exactly, so no top-p edge shortcut). With ``axis`` the shards'
+  states are gathered first, as in :func:`finish`."""
+  combine = state_combine(c, candidate_count(p, c))
+  if axis:
+    st_without = _gather_shards(st_without, axis, combine)
+    st_draft = _gather_shards(st_draft, axis, combine)
+  st = combine(st_without, st_draft)
+  rows = _pass_rows(st)
+  t_draft = st_draft.lse_max            # the one listed id's t, or -inf
+  residual, t_residual = st_without.best_id[:, 0], st_without.best_t[:, 0]
+  kept = t_draft > -jnp.inf
+  if c.truncates:
+    lists = _lists(p, c, st)
+    rows, dec = _truncate_decision(p, c, st, lists, rows)
+    listed = lists.ids == draft[:, None]
+    kept = jnp.where(dec.active, jnp.any(dec.keep & listed, axis=1), kept)
+    tok_y, t_y, _ = dec.pick(dec.keep & ~listed)
+    residual = jnp.where(dec.use, tok_y[0], residual)
+    t_residual = jnp.where(dec.use, t_y[0], t_residual)
+  out = DraftRows(token=rows.tokens[0], t_token=rows.t_tok[0], residual=residual,
+                  t_residual=t_residual, t_draft=t_draft, draft_kept=kept,
+                  lse_kept=rows.lse_kept[0])
+  if c.truncates:
+    out = lax.cond(jnp.any(rows.fallback),
+                   lambda: _materialized_drafts(p, c, rows.fallback, draft, out, axis),
+                   lambda: out)
+  # Nothing to sample (finish's rule): -1; no residual where only the draft
+  # was left (its probability is then 1).
+  rows, _ = _nothing_to_sample(p, c, st, rows._replace(tokens=out.token[None]), None)
+  return out._replace(token=rows.tokens[0],
+                      residual=jnp.where(out.t_residual == -jnp.inf, -1, out.residual))
+
+
+def _materialized_drafts(p: Problem, c: controls.Controls, rows, draft, out: DraftRows,
+                         axis) -> DraftRows:
+  """:func:`finish_drafts`'s fields of ``rows`` from materialized logits."""
+  k0, k1 = problem.key_words(p.key_data, p.batch)
+  pb = dataclasses.replace(p, k0=k0, k1=k1)
+  perturb = lambda x, t, gid: perturbed(pb, x, t, gid, 1)
+  x, t, kept_t, gid = materialized_rows(pb, c, axis)
+  tok, t_tok = draw_kept(pb, x, t, kept_t, gid, perturb)
+  without = jnp.where(gid[None] == draft[:, None], -jnp.inf, kept_t)
+  res, t_res = draw_kept(pb, x, t, without, gid, perturb)
+  d = jnp.clip(draft, 0, t.shape[1] - 1)[:, None]
+  kept = (draft >= 0) & (jnp.take_along_axis(kept_t, d, axis=1)[:, 0] > -jnp.inf)
+  new = DraftRows(token=tok[:, 0].astype(jnp.int32), t_token=t_tok[:, 0],
+                  residual=res[:, 0].astype(jnp.int32),
+                  t_residual=jnp.where(res[:, 0] < 0, -jnp.inf, t_res[:, 0]),
+                  t_draft=out.t_draft, draft_kept=kept,
+                  lse_kept=jax.nn.logsumexp(kept_t, axis=1))
+  return jax.tree.map(lambda a, b: jnp.where(rows, a, b), new, out)

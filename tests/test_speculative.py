@@ -1,0 +1,219 @@
+"""``fs.verify_drafts`` (speculative decoding) against its reference.
+
+Exact inputs: every backend's tokens, acceptance counts and log-probabilities
+equal ``fs.reference.verify_drafts`` (materialized, position by position,
+``jax.random.categorical``) on 100% of requests; ``strict`` equals
+``fs.sample`` per position. Distributions: for ``one_hot`` and
+``probabilistic`` the token emitted at position 0 follows the target's
+processed distribution and drafts are accepted with ``p(d)`` / ``min(1,
+p/q)`` (chi-square and binomial tests over many keys). GPU cases (mosaic,
+triton) are marked ``gpu``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+from scipy import stats
+
+import flashsample_jax as fs
+from flashsample_jax.backends.mosaic import MosaicBackend
+from tests import inputs
+from tests.test_statistics import P_MIN, chi_square_p
+
+B, K, D, V = 6, 3, 64, 1000
+K1 = K + 1
+H, W = inputs.exact_inputs(B * K1, D, V, seed=4)
+H = H.reshape(B, K1, D)
+LOGITS = jnp.einsum("bkd,vd->bkv", H.astype(jnp.float32), W.astype(jnp.float32))
+# Drafts the target often accepts (its argmax), one ragged row, one unlikely draft.
+DRAFTS = jnp.argmax(LOGITS[:, :K], axis=-1).astype(jnp.int32).at[2, 1].set(-1).at[4, 0].set(7)
+T = jnp.asarray([1.0, 2.0, 0.0, 4.0, 1.0, 0.5])
+KEYS = {"scalar": jax.random.key(1), "per_request": jax.random.split(jax.random.key(2), B)}
+_R = np.random.default_rng(0)
+Q = jax.nn.softmax(jnp.asarray(_R.normal(size=(B, K, V)) * 2, jnp.float32), axis=-1)
+CASES = {
+    "plain": {},
+    "top_k_top_p": dict(top_k=30, top_p=jnp.asarray([0.9, 0.5, 0.9, 0.95, 0.8, 0.7])),
+    # a grammar state per position, and penalties over output_ids + drafts
+    "mask_penalties": dict(
+        allowed_mask=jnp.asarray(_R.integers(0, 2**32, (B, K1, -(-V // 32)),
+                                              dtype=np.uint32)).at[:, :, 0].set(0xFFFFFFFF),
+        repetition_penalty=2.0, frequency_penalty=0.5, min_p=0.01,
+        output_ids=jnp.asarray(_R.integers(-1, 40, (B, 5)), jnp.int32),
+        prompt_ids=jnp.asarray(_R.integers(-1, V, (B, 7)), jnp.int32)),
+}
+METHODS = ("strict", "one_hot", "probabilistic")
+
+
+def _extra(method):
+  return {"draft_probs": Q} if method == "probabilistic" else {}
+
+
+def check(backend, method, key, case, h=H, w=W, drafts=DRAFTS, **kw):
+  kw = dict(CASES[case], temperature=T, return_logprobs=True, **_extra(method), **kw)
+  got = fs.verify_drafts(h, w, key, drafts, method=method, backend=backend, **kw)
+  want = fs.reference.verify_drafts(h, w, key, drafts, method=method, **kw)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=2e-5, atol=2e-5)
+  return got
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("key", sorted(KEYS))
+@pytest.mark.parametrize("method", METHODS)
+def test_xla_equals_reference(method, key, case):
+  got = check("xla", method, KEYS[key], case)
+  n = np.asarray(got.num_accepted)
+  assert n.min() < K and n.max() > 0           # rejections and acceptances both
+
+
+@pytest.mark.parametrize("method", ["strict", "one_hot"])
+def test_dense_equals_reference(method):
+  for case in CASES:
+    check("dense", method, KEYS["per_request"], case)
+
+
+@pytest.mark.parametrize("method", ["strict", "one_hot"])
+def test_mosaic_interpret_equals_reference(method):
+  backend = MosaicBackend(interpret=True)
+  check(backend, method, KEYS["scalar"], "top_k_top_p")
+  check(backend, method, KEYS["per_request"], "plain")
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_strict_emits_what_sample_draws_per_position(key):
+  kw = dict(CASES["top_k_top_p"], temperature=T)
+  got = fs.verify_drafts(H, W, KEYS[key], DRAFTS, method="strict", backend="xla", **kw)
+  if key == "scalar":
+    keys = [jax.random.fold_in(KEYS[key], j) for j in range(K1)]
+  else:
+    keys = [jax.vmap(jax.random.fold_in, (0, None))(KEYS[key], j) for j in range(K1)]
+  per_position = np.stack([fs.sample(H[:, j], W, keys[j], backend="xla", **kw)
+                           for j in range(K1)], axis=1)
+  tokens, n = np.asarray(got.tokens), np.asarray(got.num_accepted)
+  for b in range(B):
+    np.testing.assert_array_equal(tokens[b, :n[b] + 1], per_position[b, :n[b] + 1])
+    assert (tokens[b, n[b] + 1:] == -1).all()
+    assert (per_position[b, :n[b]] == np.asarray(DRAFTS)[b, :n[b]]).all()
+
+
+def test_greedy_rows_accept_the_argmax_and_emit_it():
+  got = fs.verify_drafts(H, W, KEYS["scalar"], DRAFTS, method="one_hot", temperature=0.0,
+                         backend="xla")
+  argmax = np.asarray(jnp.argmax(LOGITS, axis=-1))
+  d = np.asarray(DRAFTS)
+  for b in range(B):
+    n = int(got.num_accepted[b])
+    live = np.cumprod(d[b] >= 0)
+    want = int(np.sum(np.cumprod((d[b] == argmax[b, :K]) & (live > 0))))
+    assert n == want
+    assert got.tokens[b, n] == argmax[b, n]
+
+
+def _peaked(n, v=12):
+  """``n`` requests of one context: hidden ``[n, 2, 1]`` against ``W [v, 1]``
+  of logits ``[0, -0.5, -1, ...]`` (exact in bf16)."""
+  w = jnp.asarray(-0.5 * np.arange(v), jnp.bfloat16)[:, None]
+  h = jnp.ones((n, 2, 1), jnp.bfloat16)
+  probs = np.exp(-0.5 * np.arange(v))
+  return h, w, probs / probs.sum()
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_one_hot_emits_the_target_distribution(draft):
+  n = 20000
+  h, w, probs = _peaked(n)
+  keys = jax.random.split(jax.random.key(5), n)
+  out = fs.verify_drafts(h, w, keys, jnp.full((n, 1), draft, jnp.int32), backend="xla")
+  first = np.asarray(out.tokens[:, 0])
+  assert chi_square_p(first, probs) > P_MIN
+  accepted = int(np.sum(np.asarray(out.num_accepted) == 1))
+  assert stats.binomtest(accepted, n, probs[draft]).pvalue > P_MIN
+  # Rejections emit the rest of the distribution, never the draft.
+  rejected = first[np.asarray(out.num_accepted) == 0]
+  assert (rejected != draft).all()
+  rest = np.delete(probs, draft)
+  assert chi_square_p(np.searchsorted(np.delete(np.arange(probs.size), draft), rejected),
+                      rest) > P_MIN
+
+
+def test_probabilistic_emits_the_target_distribution():
+  n = 20000
+  h, w, probs = _peaked(n)
+  q = np.exp(np.linspace(0, -2, probs.size))[::-1].copy()     # a drafter that disagrees
+  q /= q.sum()
+  rng = np.random.default_rng(7)
+  drafts = rng.choice(probs.size, size=(n, 1), p=q).astype(np.int32)
+  qq = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 1, probs.size))
+  keys = jax.random.split(jax.random.key(6), n)
+  out = fs.verify_drafts(h, w, keys, jnp.asarray(drafts), method="probabilistic",
+                         draft_probs=qq, backend="xla")
+  assert chi_square_p(np.asarray(out.tokens[:, 0]), probs) > P_MIN
+  accept = np.minimum(1.0, probs / q)
+  acc = np.asarray(out.num_accepted) == 1
+  for d in (0, probs.size - 1):                  # p/q > 1 and p/q < 1
+    sel = drafts[:, 0] == d
+    assert stats.binomtest(int(acc[sel].sum()), int(sel.sum()), accept[d]).pvalue > P_MIN
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_sharded_vocabulary_equals_unsharded(shards):
+  mesh = jax.make_mesh((shards,), ("tp",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:shards])
+  kw = dict(CASES["top_k_top_p"], temperature=T, return_logprobs=True)
+  want = fs.verify_drafts(H, W, KEYS["per_request"], DRAFTS, backend="xla", **kw)
+
+  def f(h, w, k):
+    out = fs.verify_drafts(h, w, k, DRAFTS, backend="xla", vocab_axis="tp", **kw)
+    return out.tokens[None], out.num_accepted[None]
+
+  sm = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("tp", None), P()),
+                             out_specs=(P("tp"), P("tp"))))
+  tokens, n = sm(H, W, KEYS["per_request"])
+  for i in range(shards):
+    np.testing.assert_array_equal(tokens[i], want.tokens)
+    np.testing.assert_array_equal(n[i], want.num_accepted)
+
+
+def test_bad_arguments_are_named():
+  key = KEYS["scalar"]
+  with pytest.raises(ValueError, match="method='greedy' must be one of"):
+    fs.verify_drafts(H, W, key, DRAFTS, method="greedy")
+  with pytest.raises(ValueError, match=r"draft_ids.shape=\(6, 2\) must be \[B, K\]=\(6, 3\)"):
+    fs.verify_drafts(H, W, key, DRAFTS[:, :2])
+  with pytest.raises(ValueError, match=r"draft_ids\[1, 2\]=1000 must be an id in \[0, 1000\)"):
+    fs.verify_drafts(H, W, key, DRAFTS.at[1, 2].set(V))
+  with pytest.raises(TypeError, match="draft_ids.dtype=float32"):
+    fs.verify_drafts(H, W, key, DRAFTS.astype(jnp.float32))
+  with pytest.raises(ValueError, match="method='probabilistic' needs draft_probs"):
+    fs.verify_drafts(H, W, key, DRAFTS, method="probabilistic")
+  with pytest.raises(ValueError, match=r"draft_probs.shape=\(6, 3, 999\)"):
+    fs.verify_drafts(H, W, key, DRAFTS, method="probabilistic", draft_probs=Q[:, :, 1:])
+  with pytest.raises(ValueError, match="draft_probs is read only by"):
+    fs.verify_drafts(H, W, key, DRAFTS, draft_probs=Q)
+  with pytest.raises(ValueError, match=r"hidden.shape=\(6, 64\) must be \[B, K \+ 1, D\]"):
+    fs.verify_drafts(H[:, 0], W, key, DRAFTS)
+  with pytest.raises(ValueError, match=r"top_p must be a scalar or have shape \[B\]=\(6,\), got top_p.shape=\(24,\)"):
+    fs.verify_drafts(H, W, key, DRAFTS, top_p=jnp.full((B * K1,), 0.9))
+  with pytest.raises(ValueError, match=r"top_p\[2\]=1.5 must be in"):
+    fs.verify_drafts(H, W, key, DRAFTS, top_p=jnp.asarray([0.9, 0.9, 1.5, 0.9, 0.9, 0.9]))
+  with pytest.raises(ValueError, match=r"allowed_mask.shape=\(6, 3, 32\) must be"):
+    fs.verify_drafts(H, W, key, DRAFTS,
+                     allowed_mask=jnp.zeros((B, K, 32), jnp.uint32))
+  out = fs.verify_drafts(H[:0], W, key, DRAFTS[:0], return_logprobs=True)
+  assert out.tokens.shape == (0, K1) and out.logprobs.shape == (0, K1)
+
+
+# -- on the GPU -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+@pytest.mark.parametrize("method", ["strict", "one_hot"])
+def test_gpu_backends_equal_reference(backend, method):
+  for case in CASES:
+    for key in KEYS.values():
+      check(backend, method, key, case)
