@@ -79,7 +79,68 @@ def session_cache_dir() -> str | None:
   return os.environ.get(_SESSION_CACHE)
 
 
+# The long CPU tests, marked ``slow`` here: ``./run test`` leaves them out,
+# ``./run test-long`` runs them, and CI (.ci/run) runs both, so that the
+# README's test command stays under 10 minutes on a 2-core machine without
+# any check going untested. Each entry is a test (every parametrization of
+# it) or a file; their times (2 cores, shared) are what `--durations`
+# showed. Chosen: tests of the tools around the package (benchmarks,
+# notebooks, examples as programs), the sharded controls (8 host devices
+# that rendezvous at every collective, slowest where the cores are shared;
+# the plain sharded tests stay in the quick suite), and the interpret-mode
+# cases that compile the largest programs (the others of their suites stay).
+SLOW = (
+    # Subprocesses running the benchmarks' smoke modes (~95 s).
+    "tests/test_benchmarks_smoke.py",
+    # Jupyter kernels executing the notebooks (~55 s).
+    "tests/test_notebooks.py::test_notebook_runs",
+    "tests/test_notebooks.py::test_performance_notebook_plots_results",
+    # The Flax decoder example (~210 s).
+    "tests/test_examples.py::test_vocab_sharded_head_decodes_the_same_tokens",
+    "tests/test_examples.py::test_decode_example_runs",
+    "tests/test_examples.py::test_decode_example_greedy",
+    "tests/test_examples.py::test_kv_cache_matches_full_forward",
+    "tests/test_examples.py::test_fused_and_xla_decode_the_same_tokens",
+    "tests/test_examples.py::test_baseline_keeps_what_the_fused_sampler_keeps",
+    # Triton's interpreter in a subprocess (~16 s).
+    "tests/test_triton_kernels.py::test_interpreter_suite",
+    # Sampling controls on vocabulary shards (~330 s).
+    "tests/test_sharding.py::test_controls_same_on_1_2_4_8_shards",
+    "tests/test_sharding.py::test_controls_on_dp_x_tp_mesh_and_fallback",
+    "tests/test_sharding.py::test_top_p_boundary_rows_same_on_any_shard_count",
+    "tests/test_sharding.py::test_mosaic_controls_on_shards_not_multiple_of_32",
+    "tests/test_sharding.py::test_sample_sharded_passes_controls",
+    "tests/test_sharding.py::test_two_processes_match_one_process",
+    # Mosaic kernels in interpret mode, the largest programs (~250 s).
+    "tests/test_mosaic.py::test_penalties_in_the_kernel_bit_for_bit",
+    "tests/test_mosaic.py::test_samples_only_run_as_rows_of_the_plain_kernel",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_controls_with_samples_and_logprobs",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_penalties_edges",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_truncating_every_row_skips_the_noise",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_rows_with_nothing_to_sample_return_minus_one",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_several_samples_alone",
+    # The triton adapter's largest stage-2 programs (~85 s).
+    "tests/test_triton_adapter.py::TestTritonAdapter::test_controls_with_samples_and_logprobs",
+    "tests/test_triton_adapter.py::TestTritonAdapter::test_truncating_every_row_skips_the_noise",
+    # Flax heads with leading dimensions, every output option (~55 s).
+    "tests/test_flax.py::test_leading_dimensions_for_every_argument_and_output",
+)
+
+
+def is_slow(nodeid: str) -> bool:
+  """Whether ``nodeid`` is one of :data:`SLOW`'s tests (or in its files)."""
+  return any(nodeid == s or nodeid.startswith(s + "[") or nodeid.startswith(s + "::")
+             for s in SLOW)
+
+
+# First: the marks must be there when -m selects ("not slow", "slow").
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+  del config
+  slow = pytest.mark.slow
+  for item in items:
+    if is_slow(item.nodeid):
+      item.add_marker(slow)
   if has_gpu():
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marked gpu)")

@@ -37,6 +37,39 @@ def test_extras():
   assert any(d.startswith("hypothesis") for d in extras["test"])
 
 
+def test_demo_extra_is_lean_and_pins_the_tested_jax():
+  # ./run demo installs only this extra (.venv-demo): the jax ./run test
+  # runs on, nothing of the test environment's (triton alone is 641 MB).
+  extras = _pyproject()["project"]["optional-dependencies"]
+  test_pins = {d for d in extras["test"] if d.split("==")[0] in ("jax", "jaxlib")}
+  assert set(extras["demo"]) == test_pins and len(test_pins) == 2
+  run = (ROOT / "run").read_text()
+  assert 'setup_demo; exec "$DEMO_VENV/bin/python" examples/demo.py' in run
+
+
+def test_every_slow_entry_names_a_test():
+  # tests/conftest.py's SLOW: an entry that names no test (renamed, moved)
+  # would quietly put nothing in ./run test-long.
+  import importlib
+  from tests.conftest import SLOW
+  # CI runs them: the two commands together are the whole suite.
+  ci = (ROOT / ".ci" / "run").read_text().splitlines()
+  assert "./run test-long || rc=$?" in ci and "./run test || rc=$?" in ci
+  for entry in SLOW:
+    path, *names = entry.split("::")
+    assert (ROOT / path).is_file(), entry
+    if not names:
+      continue
+    source = (ROOT / path).read_text()
+    if f"def {names[0]}(" not in source:
+      # Not a plain test function: a class's (maybe inherited) test; import
+      # its module (test modules import nothing heavier than the suite's).
+      obj = importlib.import_module(path[:-3].replace("/", "."))
+      for name in names:
+        obj = getattr(obj, name, None)
+        assert obj is not None, entry
+
+
 def _fake_python(tmp_path, version):
   """An executable that answers like a Python of ``version`` would."""
   major, minor = version
