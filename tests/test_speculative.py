@@ -161,6 +161,8 @@ def test_probabilistic_emits_the_target_distribution():
 
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
 def test_sharded_vocabulary_equals_unsharded(shards):
+  if len(jax.devices()) < shards:
+    pytest.skip(f"needs {shards} devices (tests/conftest.py gives a CPU 8)")
   mesh = jax.make_mesh((shards,), ("tp",), axis_types=(AxisType.Auto,),
                        devices=jax.devices()[:shards])
   kw = dict(CASES["top_k_top_p"], temperature=T, return_logprobs=True)
