@@ -85,10 +85,11 @@ def session_cache_dir() -> str | None:
 # any check going untested. Each entry is a test (every parametrization of
 # it) or a file; their times (2 cores, shared) are what `--durations`
 # showed. Chosen: tests of the tools around the package (benchmarks,
-# notebooks, examples as programs), the sharded controls (8 host devices
-# that rendezvous at every collective, slowest where the cores are shared;
-# the plain sharded tests stay in the quick suite), and the interpret-mode
-# cases that compile the largest programs (the others of their suites stay).
+# notebooks, examples as programs, the README's snippets), the property
+# tests, the sharded controls (8 host devices that rendezvous at every
+# collective, slowest where the cores are shared; the plain sharded tests
+# stay in the quick suite), and the interpret-mode cases that compile the
+# largest programs (the others of their suites stay).
 SLOW = (
     # Subprocesses running the benchmarks' smoke modes (~95 s).
     "tests/test_benchmarks_smoke.py",
@@ -124,6 +125,24 @@ SLOW = (
     "tests/test_triton_adapter.py::TestTritonAdapter::test_truncating_every_row_skips_the_noise",
     # Flax heads with leading dimensions, every output option (~55 s).
     "tests/test_flax.py::test_leading_dimensions_for_every_argument_and_output",
+    # Every README snippet run (~30 s).
+    "tests/test_readme.py::test_readme_python_blocks_run",
+    # Hypothesis's generated problems on the xla backend (~60 s).
+    "tests/test_properties.py::test_sample_matches_reference",
+    "tests/test_properties.py::test_controls_match_reference",
+    # The keep mask against the argsort formulation on many rows (~18 s).
+    "tests/test_controls.py::test_keep_mask_matches_the_argsort_formulation",
+    # More Mosaic interpret-mode programs, and the CUDA lowering of every
+    # N bucket (~150 s; ./run test-oldest-jax lowers them on the oldest jax).
+    "tests/test_mosaic.py::TestMosaicInterpret::test_top_logprobs_edges",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_control_edge_cases",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_random_inputs_agree",
+    "tests/test_mosaic.py::test_mosaic_overflowing_slot_lists_take_the_exact_path",
+    "tests/test_mosaic.py::test_mosaic_more_samples_than_one_launch",
+    "tests/test_mosaic.py::test_mosaic_launches_of_128_rows_without_truncation",
+    "tests/test_mosaic.py::test_mosaic_wide_blocks_with_bias_mask_and_logprobs",
+    "tests/test_mosaic.py::test_top_lists_kernel_equals_the_two_key_sort",
+    "tests/test_mosaic.py::test_heuristic_configs_lower_for_cuda",
 )
 
 
