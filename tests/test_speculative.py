@@ -78,6 +78,8 @@ def test_dense_equals_reference(method):
 
 @pytest.mark.parametrize("method", ["strict", "one_hot"])
 def test_mosaic_interpret_equals_reference(method):
+  if jax.default_backend() == "gpu":
+    pytest.skip("interpret mode is the CPU's check; the GPU runs the kernel (marked gpu)")
   backend = MosaicBackend(interpret=True)
   check(backend, method, KEYS["scalar"], "top_k_top_p")
   check(backend, method, KEYS["per_request"], "plain")
