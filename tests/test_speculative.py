@@ -221,3 +221,21 @@ def test_gpu_backends_equal_reference(backend, method):
   for case in CASES:
     for key in KEYS.values():
       check(backend, method, key, case)
+
+
+def test_example_runs_every_method(capsys):
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "speculative.py"
+  spec = importlib.util.spec_from_file_location("speculative_example", path)
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  for method in METHODS:
+    assert example.main(["--method", method, "--steps", "2", "--vocab", "512", "--dim", "64",
+                         "--batch", "4", "--k", "2", "--backend", "xla"]) == 0
+    assert f"{method}, K = 2, B = 4" in capsys.readouterr().out
+  # The drafter equal to the target, greedy: every draft is accepted.
+  assert example.main(["--noise", "0", "--temperature", "0", "--steps", "2", "--vocab", "512",
+                       "--dim", "64", "--backend", "xla"]) == 0
+  assert "acceptance rate 1.00" in capsys.readouterr().out
+  assert example.main(["--k", "0"]) == 2
