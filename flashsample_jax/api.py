@@ -54,6 +54,11 @@ def settings(params, given: dict) -> dict:
   return params.as_kwargs()
 
 
+def _given(arguments: dict) -> dict:
+  """The control keywords among a function's ``locals()`` (taken first thing)."""
+  return {k: arguments[k] for k in CONTROL_NAMES}
+
+
 def _is_default(value, default) -> bool:
   """Whether a keyword holds its default: the same Python value (arrays are
   never a default: they have no truth value)."""
@@ -95,13 +100,7 @@ def which_backend(hidden, weight, key, params=None, *, backend="auto", temperatu
   Raises:
     What :func:`sample` raises for these arguments.
   """
-  ctl = settings(params, dict(
-      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-      logit_bias=logit_bias, allowed_mask=allowed_mask, softcap=softcap,
-      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-      frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
-      output_ids=output_ids, num_samples=num_samples, return_logprobs=return_logprobs,
-      top_logprobs=top_logprobs, truncation_order=truncation_order))
+  ctl = settings(params, _given(locals()))
   p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
                   vocab_size=vocab_size, axes=mesh.MeshAxes.of(vocab_axis, batch_axis),
                   controls=ctl)
@@ -269,13 +268,7 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
   call is wrapped in ``checkify.checkify`` (README, "Invalid values").
   """
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
-  ctl = settings(params, dict(
-      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-      logit_bias=logit_bias, allowed_mask=allowed_mask, softcap=softcap,
-      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-      frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
-      output_ids=output_ids, num_samples=num_samples, return_logprobs=return_logprobs,
-      top_logprobs=top_logprobs, truncation_order=truncation_order))
+  ctl = settings(params, _given(locals()))
   p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
                   vocab_size=vocab_size, axes=axes, controls=ctl)
   impl = backends.resolve(backend, p, c)
@@ -312,13 +305,7 @@ def sample_logits(logits, key, params=None, *, temperature=1.0, vocab_size=None,
   Raises:
     As :func:`sample`, naming ``logits``.
   """
-  ctl = dict(settings(params, dict(
-      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-      logit_bias=logit_bias, allowed_mask=allowed_mask, softcap=softcap,
-      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-      frequency_penalty=frequency_penalty, prompt_ids=prompt_ids,
-      output_ids=output_ids, num_samples=num_samples, return_logprobs=return_logprobs,
-      top_logprobs=top_logprobs, truncation_order=truncation_order)))
+  ctl = dict(settings(params, _given(locals())))
   p = problem.prepare_logits(logits, key, temperature=ctl.pop("temperature"),
                              vocab_size=vocab_size)
   c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
