@@ -693,30 +693,94 @@ def _top_n(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
   return rows._replace(top=top, fallback=rows.fallback | flags)
 
 
+# The exact path redoes at most this many rows on their own (a compacted
+# batch: one more read of W, a sort of this many rows); more fallback rows
+# in one call redo the whole batch. Fallback rows are rare (about one in
+# hundreds to thousands of rows, docs/performance.md, "Routes on the GPU"),
+# so at large batches one of them used to cost a materialization of every
+# row.
+EXACT_ROWS = 8
+
+# Controls fields with one entry (or one row) per batch row.
+_ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "prompt_ids", "output_ids")
+
+
 def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
   """The fallback rows redone from materialized logits (:func:`_materialized`),
-  behind one ``lax.cond`` that skips it when no row needs it.
+  behind one conditional that skips it when no row needs it, and redoes only
+  those rows (:func:`_take_rows`) when there are at most :data:`EXACT_ROWS`.
 
   On a GPU, XLA keeps such a conditional inside its CUDA graph (decided on
-  the device) only if every op of both branches can live in a graph; else
-  it copies the predicate to the host on every call, and nothing after it
-  is launched until the copy lands (docs/performance.md, "The exact path's
+  the device) only if every op of its branches can live in a graph; else it
+  copies the predicate to the host on every call, and nothing after it is
+  launched until the copy lands (docs/performance.md, "The exact path's
   conditional"). Hence :func:`controls.keep_mask` sorts with two keys (never
-  a CUB sort). The sharded path's all-gather in the branch may still need
+  a CUB sort), and the rows are compacted by a prefix sum and a scatter, not
+  an argsort. The sharded path's all-gather in the branch may still need
   the host. Inside the graph the conditional node still has a cost of its
   own even with trivial branches, so there is one, not nested."""
   samples = c.samples
 
-  def exact():
+  def keyed(p):
     # The key words are split from the key (a program parameter) inside the
     # branch: slices of it passed in were each copied into the conditional
     # on every call (same section of docs/performance.md).
     k0, k1 = problem.key_words(p.key_data, p.batch)
-    pb = dataclasses.replace(p, k0=k0, k1=k1)
-    return _materialized(pb, c, rows, lambda x, t, gid: perturbed(pb, x, t, gid, samples),
+    return dataclasses.replace(p, k0=k0, k1=k1)
+
+  def redo(p, c, rows):
+    return _materialized(p, c, rows, lambda x, t, gid: perturbed(p, x, t, gid, samples),
                          axis)
 
-  return lax.cond(jnp.any(rows.fallback), exact, lambda: rows)
+  def every_row():
+    return redo(keyed(p), c, rows)
+
+  count = jnp.sum(rows.fallback, dtype=jnp.int32)
+  if p.batch <= EXACT_ROWS:
+    return lax.cond(count > 0, every_row, lambda: rows)
+
+  def few_rows():
+    # The fallback rows' indices first (a prefix sum), padded with B, which
+    # gathers clip and scatters drop.
+    pos = jnp.cumsum(rows.fallback, dtype=jnp.int32) - 1
+    idx = jnp.full((EXACT_ROWS,), p.batch, jnp.int32).at[
+        jnp.where(rows.fallback, pos, EXACT_ROWS)].set(
+            jnp.arange(p.batch, dtype=jnp.int32), mode="drop")
+    ps, cs, sub = _take_rows(keyed(p), c, rows, idx)
+    return _put_rows(rows, redo(ps, cs, sub), idx)
+
+  branch = jnp.where(count == 0, 0, jnp.where(count <= EXACT_ROWS, 1, 2))
+  return lax.switch(branch, (lambda: rows, few_rows, every_row))
+
+
+def _take_rows(p: Problem, c: controls.Controls, rows: _Rows, idx):
+  """The problem, controls and rows of batch rows ``idx`` (clipped)."""
+  take = lambda a, axis=0: jnp.take(a, idx, axis=axis, mode="clip")
+  ps = dataclasses.replace(
+      p, hidden=take(p.hidden), k0=take(p.k0), k1=take(p.k1), ctr_hi=take(p.ctr_hi),
+      ctr_lo=take(p.ctr_lo), temperature=take(p.temperature),
+      key_data=take(p.key_data) if p.per_row_keys else p.key_data)
+  cs = dataclasses.replace(c, **{name: take(getattr(c, name)) for name in _ROW_FIELDS
+                                 if getattr(c, name) is not None})
+  top = None if rows.top is None else (take(rows.top[0]), take(rows.top[1]))
+  sub = _Rows(tokens=take(rows.tokens, 1), t_tok=take(rows.t_tok, 1),
+              lse_kept=take(rows.lse_kept, 1), lse_all=take(rows.lse_all), top=top,
+              fallback=take(rows.fallback) & (idx < p.batch))
+  return ps, cs, sub
+
+
+def _put_rows(rows: _Rows, sub: _Rows, idx) -> _Rows:
+  """``rows`` with batch rows ``idx`` replaced by ``sub``'s (``idx`` past the
+  batch dropped)."""
+  put = lambda a, b, axis=0: (a.at[idx].set(b, mode="drop") if axis == 0
+                              else a.at[:, idx].set(b, mode="drop"))
+  top = None if rows.top is None else (put(rows.top[0], sub.top[0]),
+                                       put(rows.top[1], sub.top[1]))
+  return rows._replace(tokens=put(rows.tokens, sub.tokens, 1),
+                       t_tok=put(rows.t_tok, sub.t_tok, 1),
+                       lse_kept=put(rows.lse_kept, sub.lse_kept, 1),
+                       lse_all=put(rows.lse_all, sub.lse_all), top=top)
 
 
 def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
