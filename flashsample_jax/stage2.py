@@ -707,9 +707,26 @@ _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
 
 
 def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
-  """The fallback rows redone from materialized logits (:func:`_materialized`),
-  behind one conditional that skips it when no row needs it, and redoes only
-  those rows (:func:`_take_rows`) when there are at most :data:`EXACT_ROWS`.
+  """The fallback rows redone from materialized logits (:func:`_materialized`,
+  through :func:`_redo_flagged`)."""
+  samples = c.samples
+
+  def redo(ps, cs, sub, flags):
+    return _materialized(ps, cs, sub._replace(fallback=flags),
+                         lambda x, t, gid: perturbed(ps, x, t, gid, samples), axis)
+
+  top_axes = None if rows.top is None else (0, 0)
+  return _redo_flagged(p, c, rows.fallback, rows, _Rows(1, 1, 1, 0, top_axes, 0), redo)
+
+
+def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
+  """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
+  conditional that skips it when no row needs it, and that redoes only those
+  rows (a compacted batch of :data:`EXACT_ROWS`) when there are that few.
+
+  ``state``: a pytree of per-row arrays whose batch axes are ``axes`` (a
+  pytree of ints of its structure); ``redo`` returns it with the flagged
+  rows replaced.
 
   On a GPU, XLA keeps such a conditional inside its CUDA graph (decided on
   the device) only if every op of its branches can live in a graph; else it
@@ -720,7 +737,6 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
   an argsort. The sharded path's all-gather in the branch may still need
   the host. Inside the graph the conditional node still has a cost of its
   own even with trivial branches, so there is one, not nested."""
-  samples = c.samples
 
   def keyed(p):
     # The key words are split from the key (a program parameter) inside the
@@ -729,58 +745,41 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
     k0, k1 = problem.key_words(p.key_data, p.batch)
     return dataclasses.replace(p, k0=k0, k1=k1)
 
-  def redo(p, c, rows):
-    return _materialized(p, c, rows, lambda x, t, gid: perturbed(p, x, t, gid, samples),
-                         axis)
-
   def every_row():
-    return redo(keyed(p), c, rows)
+    return redo(keyed(p), c, state, flags)
 
-  count = jnp.sum(rows.fallback, dtype=jnp.int32)
+  count = jnp.sum(flags, dtype=jnp.int32)
   if p.batch <= EXACT_ROWS:
-    return lax.cond(count > 0, every_row, lambda: rows)
+    return lax.cond(count > 0, every_row, lambda: state)
 
   def few_rows():
-    # The fallback rows' indices first (a prefix sum), padded with B, which
+    # The flagged rows' indices first (a prefix sum), padded with B, which
     # gathers clip and scatters drop.
-    pos = jnp.cumsum(rows.fallback, dtype=jnp.int32) - 1
+    pos = jnp.cumsum(flags, dtype=jnp.int32) - 1
     idx = jnp.full((EXACT_ROWS,), p.batch, jnp.int32).at[
-        jnp.where(rows.fallback, pos, EXACT_ROWS)].set(
-            jnp.arange(p.batch, dtype=jnp.int32), mode="drop")
-    ps, cs, sub = _take_rows(keyed(p), c, rows, idx)
-    return _put_rows(rows, redo(ps, cs, sub), idx)
+        jnp.where(flags, pos, EXACT_ROWS)].set(jnp.arange(p.batch, dtype=jnp.int32),
+                                               mode="drop")
+    take = lambda a, axis: jnp.take(a, idx, axis=axis, mode="clip")
+    ps, cs = _take_rows(keyed(p), c, idx)
+    new = redo(ps, cs, jax.tree.map(take, state, axes), take(flags, 0) & (idx < p.batch))
+    put = lambda a, b, axis: (a.at[idx].set(b, mode="drop") if axis == 0
+                              else a.at[:, idx].set(b, mode="drop"))
+    return jax.tree.map(put, state, new, axes)
 
   branch = jnp.where(count == 0, 0, jnp.where(count <= EXACT_ROWS, 1, 2))
-  return lax.switch(branch, (lambda: rows, few_rows, every_row))
+  return lax.switch(branch, (lambda: state, few_rows, every_row))
 
 
-def _take_rows(p: Problem, c: controls.Controls, rows: _Rows, idx):
-  """The problem, controls and rows of batch rows ``idx`` (clipped)."""
-  take = lambda a, axis=0: jnp.take(a, idx, axis=axis, mode="clip")
+def _take_rows(p: Problem, c: controls.Controls, idx):
+  """The problem and controls of batch rows ``idx`` (clipped)."""
+  take = lambda a: jnp.take(a, idx, axis=0, mode="clip")
   ps = dataclasses.replace(
       p, hidden=take(p.hidden), k0=take(p.k0), k1=take(p.k1), ctr_hi=take(p.ctr_hi),
       ctr_lo=take(p.ctr_lo), temperature=take(p.temperature),
       key_data=take(p.key_data) if p.per_row_keys else p.key_data)
   cs = dataclasses.replace(c, **{name: take(getattr(c, name)) for name in _ROW_FIELDS
                                  if getattr(c, name) is not None})
-  top = None if rows.top is None else (take(rows.top[0]), take(rows.top[1]))
-  sub = _Rows(tokens=take(rows.tokens, 1), t_tok=take(rows.t_tok, 1),
-              lse_kept=take(rows.lse_kept, 1), lse_all=take(rows.lse_all), top=top,
-              fallback=take(rows.fallback) & (idx < p.batch))
-  return ps, cs, sub
-
-
-def _put_rows(rows: _Rows, sub: _Rows, idx) -> _Rows:
-  """``rows`` with batch rows ``idx`` replaced by ``sub``'s (``idx`` past the
-  batch dropped)."""
-  put = lambda a, b, axis=0: (a.at[idx].set(b, mode="drop") if axis == 0
-                              else a.at[:, idx].set(b, mode="drop"))
-  top = None if rows.top is None else (put(rows.top[0], sub.top[0]),
-                                       put(rows.top[1], sub.top[1]))
-  return rows._replace(tokens=put(rows.tokens, sub.tokens, 1),
-                       t_tok=put(rows.t_tok, sub.t_tok, 1),
-                       lse_kept=put(rows.lse_kept, sub.lse_kept, 1),
-                       lse_all=put(rows.lse_all, sub.lse_all), top=top)
+  return ps, cs
 
 
 def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
@@ -945,9 +944,11 @@ def finish_drafts(p: Problem, c: controls.Controls, st_without: ControlsState,
                   t_residual=t_residual, t_draft=t_draft, draft_kept=kept,
                   lse_kept=rows.lse_kept[0])
   if c.truncates:
-    out = lax.cond(jnp.any(rows.fallback),
-                   lambda: _materialized_drafts(p, c, rows.fallback, draft, out, axis),
-                   lambda: out)
+    def redo(ps, cs, sub, flags):
+      sub_out, sub_draft = sub
+      return _materialized_drafts(ps, cs, flags, sub_draft, sub_out, axis), sub_draft
+    out, _ = _redo_flagged(p, c, rows.fallback, (out, draft),
+                           (DraftRows(*(0,) * len(DraftRows._fields)), 0), redo)
   # Nothing to sample (finish's rule): -1; no residual where only the draft
   # was left (its probability is then 1).
   rows, _ = _nothing_to_sample(p, c, st, rows._replace(tokens=out.token[None]), None)
@@ -955,11 +956,9 @@ def finish_drafts(p: Problem, c: controls.Controls, st_without: ControlsState,
                       residual=jnp.where(out.t_residual == -jnp.inf, -1, out.residual))
 
 
-def _materialized_drafts(p: Problem, c: controls.Controls, rows, draft, out: DraftRows,
+def _materialized_drafts(pb: Problem, c: controls.Controls, rows, draft, out: DraftRows,
                          axis) -> DraftRows:
   """:func:`finish_drafts`'s fields of ``rows`` from materialized logits."""
-  k0, k1 = problem.key_words(p.key_data, p.batch)
-  pb = dataclasses.replace(p, k0=k0, k1=k1)
   perturb = lambda x, t, gid: perturbed(pb, x, t, gid, 1)
   x, t, kept_t, gid = materialized_rows(pb, c, axis)
   tok, t_tok = draw_kept(pb, x, t, kept_t, gid, perturb)

@@ -239,3 +239,19 @@ def test_example_runs_every_method(capsys):
                        "--dim", "64", "--backend", "xla"]) == 0
   assert "acceptance rate 1.00" in capsys.readouterr().out
   assert example.main(["--k", "0"]) == 2
+
+
+@pytest.mark.parametrize("exact_rows", [2, 8])
+def test_rows_on_the_exact_path_equal_reference(exact_rows, monkeypatch):
+  """Short candidate lists send rows to the exact path: with 32 candidates
+  6 of the 24 rows (per key kind), which a compacted batch of 8 redoes, and
+  a batch of 2 cannot (the whole batch is redone)."""
+  from flashsample_jax import stage2
+  monkeypatch.setattr(stage2, "CANDIDATES", 32)
+  monkeypatch.setattr(stage2, "EXACT_ROWS", exact_rows)
+  jax.clear_caches()                # both are read when the call is traced
+  try:
+    for key in KEYS.values():
+      check("xla", "one_hot", key, "top_k_top_p")
+  finally:
+    jax.clear_caches()
