@@ -776,7 +776,9 @@ def _take_rows(p: Problem, c: controls.Controls, idx):
   ps = dataclasses.replace(
       p, hidden=take(p.hidden), k0=take(p.k0), k1=take(p.k1), ctr_hi=take(p.ctr_hi),
       ctr_lo=take(p.ctr_lo), temperature=take(p.temperature),
-      key_data=take(p.key_data) if p.per_row_keys else p.key_data)
+      key_data=take(p.key_data) if p.per_row_keys else p.key_data,
+      # Given logits (problem.prepare_logits) are rows of their own.
+      weight=take(p.weight) if p.layout == "logits" else p.weight)
   cs = dataclasses.replace(c, **{name: take(getattr(c, name)) for name in _ROW_FIELDS
                                  if getattr(c, name) is not None})
   return ps, cs

@@ -14,11 +14,18 @@ from tests.cases import B, CASES, H, KEYS, T, V, W
 _SENTINEL = -7
 
 
+LOGITS = jnp.dot(H, W.T, preferred_element_type=jnp.float32)
+
+
 @pytest.mark.parametrize("flagged", [0, 1, stage2.EXACT_ROWS, stage2.EXACT_ROWS + 1, B])
 @pytest.mark.parametrize("key", ["scalar", "per_row"])
-def test_flagged_rows_and_only_they_are_redone(flagged, key):
+@pytest.mark.parametrize("source", ["head", "logits"])
+def test_flagged_rows_and_only_they_are_redone(flagged, key, source):
   kw = dict(CASES["penalties_all"])                 # every per-row control field
-  p = problem.prepare(H, W, KEYS[key], temperature=T)
+  if source == "head":
+    p = problem.prepare(H, W, KEYS[key], temperature=T)
+  else:                                             # fs.sample_logits: rows of logits
+    p = problem.prepare_logits(LOGITS, KEYS[key], temperature=T)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, num_samples=2,
                                 return_logprobs=True, **kw)
   rows_flagged = np.random.default_rng(flagged).permutation(B)[:flagged]
