@@ -158,6 +158,19 @@ SLOW = (
     # here; tests/test_triton_kernels.py checks the kernels) (~200 s).
     "tests/test_triton_adapter.py::TestTritonAdapter::test_control_matches_reference",
     "tests/test_triton_adapter.py::test_truncation_with_pairings_equals_reference_on_crowded_rows",
+    # Speculative verification beyond the xla backend's exact-input cases:
+    # the dense and interpret-mode backends, shards, the exact path's
+    # branches, the distributions over 20000 requests and the example (~130 s).
+    "tests/test_speculative.py::test_dense_equals_reference",
+    "tests/test_speculative.py::test_mosaic_interpret_equals_reference",
+    "tests/test_speculative.py::test_sharded_vocabulary_equals_unsharded",
+    "tests/test_speculative.py::test_rows_on_the_exact_path_equal_reference",
+    "tests/test_speculative.py::test_one_hot_emits_the_target_distribution",
+    "tests/test_speculative.py::test_probabilistic_emits_the_target_distribution",
+    "tests/test_speculative.py::test_example_runs_every_method",
+    # SamplingParams through jit and scan, vLLM's order over 4000 draws (~20 s).
+    "tests/test_params.py::test_params_under_jit_and_scan",
+    "tests/test_params.py::test_vllm_order_on_a_known_row",
 )
 
 

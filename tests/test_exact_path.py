@@ -17,9 +17,11 @@ _SENTINEL = -7
 LOGITS = jnp.dot(H, W.T, preferred_element_type=jnp.float32)
 
 
-@pytest.mark.parametrize("flagged", [0, 1, stage2.EXACT_ROWS, stage2.EXACT_ROWS + 1, B])
-@pytest.mark.parametrize("key", ["scalar", "per_row"])
-@pytest.mark.parametrize("source", ["head", "logits"])
+@pytest.mark.parametrize("flagged, key, source", [
+    (0, "scalar", "head"), (1, "per_row", "head"), (stage2.EXACT_ROWS, "scalar", "head"),
+    (stage2.EXACT_ROWS + 1, "per_row", "head"), (B, "scalar", "head"),
+    (1, "scalar", "logits"), (stage2.EXACT_ROWS, "per_row", "logits"),
+    (stage2.EXACT_ROWS + 1, "scalar", "logits")])
 def test_flagged_rows_and_only_they_are_redone(flagged, key, source):
   kw = dict(CASES["penalties_all"])                 # every per-row control field
   if source == "head":
