@@ -342,7 +342,9 @@ def _one_hot_rows(p, c, d, *, backend, axes) -> stage2.DraftRows:
     pass_c = dataclasses.replace(
         pc, allowed_mask=stage2.excluded_mask(c, draft_hist, p.vocab_size))
     st = backend.controls_state(p, pass_c, vocab_offset=offset)
-  st_d = stage2.draft_state(p, c, d, vocab_offset=offset)
+  # Scored as the pass scores (without noise where the pass draws none:
+  # Controls.for_pass), so that the two states merge.
+  st_d = stage2.draft_state(p, pc, d, vocab_offset=offset)
   return stage2.finish_drafts(p, c, stage2.per_sample(st, 1), stage2.per_sample(st_d, 1),
                               d, axis=axes.vocab)
 

@@ -161,7 +161,6 @@ SLOW = (
     # Speculative verification beyond the xla backend's exact-input cases:
     # the dense and interpret-mode backends, shards, the exact path's
     # branches, the distributions over 20000 requests and the example (~130 s).
-    "tests/test_speculative.py::test_dense_equals_reference",
     "tests/test_speculative.py::test_mosaic_interpret_equals_reference",
     "tests/test_speculative.py::test_sharded_vocabulary_equals_unsharded",
     "tests/test_speculative.py::test_rows_on_the_exact_path_equal_reference",

@@ -45,7 +45,10 @@ class TestMosaicInterpret(BackendSuite):
   # lists and an allowed mask, which "penalties_all" runs together (with
   # every other control); on the GPU every case runs. top_logprobs alone
   # runs: its uncertified rows take the early-exit kernels, not lax.cond.
-  covered_cases = {"top_logprobs_truncated": "penalties_all", "penalties": "penalties_all"}
+  # truncation_order="vllm" is stage 2's rule on the lists (the same for
+  # every backend); the kernel's lists for top-p with min-p are k_p_minp's.
+  covered_cases = {"top_logprobs_truncated": "penalties_all", "penalties": "penalties_all",
+                   "p_minp_vllm": "k_p_minp"}
   # "all" runs top-k and top-p together with min-p (CI time).
   covered_sample_cases = {"top_k": "all", "top_p": "all"}
   # Per-row keys with a per-row truncation rule, with every control

@@ -70,19 +70,16 @@ def test_xla_equals_reference(method, key, case):
   assert n.min() < K and n.max() > 0           # rejections and acceptances both
 
 
-@pytest.mark.parametrize("method", ["strict", "one_hot"])
-def test_dense_equals_reference(method):
-  for case in CASES:
-    check("dense", method, KEYS["per_request"], case)
-
-
-@pytest.mark.parametrize("method", ["strict", "one_hot"])
-def test_mosaic_interpret_equals_reference(method):
+def test_mosaic_interpret_equals_reference():
+  # The one-hot rule's pass (an allowed mask per row); strict is fs.sample's
+  # pass, which the backend suite checks in interpret mode. (The dense
+  # route needs no case here: at these shapes the xla backend runs one
+  # chunk, the dense program.)
   if jax.default_backend() == "gpu":
     pytest.skip("interpret mode is the CPU's check; the GPU runs the kernel (marked gpu)")
   backend = MosaicBackend(interpret=True)
-  check(backend, method, KEYS["scalar"], "top_k_top_p")
-  check(backend, method, KEYS["per_request"], "plain")
+  check(backend, "one_hot", KEYS["scalar"], "top_k_top_p")
+  check(backend, "one_hot", KEYS["per_request"], "plain")
 
 
 @pytest.mark.parametrize("key", sorted(KEYS))
