@@ -843,9 +843,9 @@ def materialized_rows(p: Problem, c: controls.Controls, axis=None):
 
 
 def draw_kept(p: Problem, x, t, kept, gid, perturbed):
-  """Each sample's token among the kept ids (``[B, S]``) and its t:
-  ``-1`` (t NaN-free 0-index) for a sampled row that keeps no id (finish's
-  rule; greedy rows take the argmax of x whatever the rules keep)."""
+  """Each sample's token among the kept ids (``[B, S]``) and its t: ``-1``
+  for a sampled row that keeps no id (its t is then id 0's; finish's rule),
+  while greedy rows take the argmax of x whatever the rules keep."""
   j = jnp.argmax(perturbed(x, kept, gid), axis=2)                # [B, S]
   none = (p.temperature != 0) & jnp.all(kept == -jnp.inf, axis=1)
   j = jnp.where(none[:, None], -1, j)
