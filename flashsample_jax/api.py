@@ -68,7 +68,7 @@ def _is_default(value, default) -> bool:
           and value == default)
 
 
-def _prepare(hidden, weight, key, *, weight_layout, vocab_size,
+def _prepare(hidden, weight, key, *, weight_layout, vocab_size, weight_scale,
              axes: mesh.MeshAxes, controls: dict):
   """The checked ``(Problem, Controls)`` of this call (this shard's part
   inside ``shard_map``); ``controls``: :func:`settings`."""
@@ -76,7 +76,7 @@ def _prepare(hidden, weight, key, *, weight_layout, vocab_size,
   p = problem.prepare(hidden, weight, key, temperature=controls.pop("temperature"),
                       weight_layout=weight_layout, vocab_size=vocab_size,
                       vocab_shards=axes.vocab_shards(),
-                      batch_shard=axes.batch_shard())
+                      batch_shard=axes.batch_shard(), weight_scale=weight_scale)
   axes.check_weight(p.weight, p.layout)
   c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
                                  rows=p.total_rows, **controls)
@@ -84,7 +84,7 @@ def _prepare(hidden, weight, key, *, weight_layout, vocab_size,
 
 
 def which_backend(hidden, weight, key, params=None, *, backend="auto", temperature=1.0,
-                  weight_layout="vd", vocab_size=None, vocab_axis=None,
+                  weight_layout="vd", vocab_size=None, weight_scale=None, vocab_axis=None,
                   batch_axis=None, top_k=None, top_p=None, min_p=None, logit_bias=None,
                   allowed_mask=None, softcap=None, repetition_penalty=None,
                   presence_penalty=None, frequency_penalty=None, prompt_ids=None,
@@ -102,8 +102,8 @@ def which_backend(hidden, weight, key, params=None, *, backend="auto", temperatu
   """
   ctl = settings(params, _given(locals()))
   p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
-                  vocab_size=vocab_size, axes=mesh.MeshAxes.of(vocab_axis, batch_axis),
-                  controls=ctl)
+                  vocab_size=vocab_size, weight_scale=weight_scale,
+                  axes=mesh.MeshAxes.of(vocab_axis, batch_axis), controls=ctl)
   return backends.resolve(backend, p, c).name
 
 
@@ -150,7 +150,8 @@ def run(p: problem.Problem, c: _controls.Controls, *,
 
 
 def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="vd",
-           vocab_size=None, backend="auto", vocab_axis=None, batch_axis=None,
+           vocab_size=None, weight_scale=None, backend="auto", vocab_axis=None,
+           batch_axis=None,
            top_k=None, top_p=None, min_p=None, logit_bias=None,
            allowed_mask=None, softcap=None, repetition_penalty=None,
            presence_penalty=None, frequency_penalty=None, prompt_ids=None,
@@ -165,10 +166,12 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
 
   Args:
     hidden: ``[B, D]`` bf16, f16 or f32 hidden states; cast to ``weight``'s
-      dtype before the product.
+      dtype before the product (to bf16 for a quantized weight, f16 when
+      ``hidden`` is f16).
     weight: the LM head, ``[V, D]`` for ``weight_layout="vd"`` (tied
       embeddings, PyTorch checkpoints) or ``[D, V]`` for ``"dv"`` (a Flax
-      ``nnx.Linear`` kernel). Never transposed in memory.
+      ``nnx.Linear`` kernel). Never transposed in memory. bf16, f16, f32,
+      or quantized: float8_e4m3fn, float8_e5m2 or int8 with ``weight_scale``.
     key: a typed threefry key (``jax.random.key``): a scalar key gives one
       stream for the batch, a ``[B]`` key array one stream per row. Raw
       ``uint32[2]`` / ``uint32[B, 2]`` key data is accepted too.
@@ -181,6 +184,13 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
     vocab_size: the logical vocabulary when ``weight`` has padding rows;
       ids ``>= vocab_size`` are never returned. Default: all rows. With
       ``vocab_axis``, the GLOBAL vocabulary (default: shards x local rows).
+    weight_scale: for a quantized ``weight`` only (and then required): f32
+      ``[V]`` (one scale per vocabulary row; with ``vocab_axis``, this
+      shard's rows) or a scalar (per tensor). The logits are
+      ``f32(hidden.astype(c) @ weight.astype(c).T) * weight_scale`` with f32
+      accumulation, ``c`` bf16 (f16 for f16 ``hidden``): 8-bit values
+      convert to ``c`` exactly, so the tokens are those of
+      ``jax.random.categorical`` on those logits.
     backend: ``"auto"``, one of :data:`BACKENDS`, or a
       :class:`flashsample_jax.backends.SamplerBackend` instance (e.g. a
       ``MosaicBackend(interpret=True)`` for tests on a CPU).
@@ -270,7 +280,8 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   ctl = settings(params, _given(locals()))
   p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
-                  vocab_size=vocab_size, axes=axes, controls=ctl)
+                  vocab_size=vocab_size, weight_scale=weight_scale, axes=axes,
+                  controls=ctl)
   impl = backends.resolve(backend, p, c)
   if p.batch == 0:
     return empty_result(c)

@@ -29,6 +29,15 @@ from flashsample_jax import noise
 WeightLayout = Literal["vd", "dv"]
 WEIGHT_LAYOUTS: tuple[str, ...] = ("vd", "dv")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Quantized heads (docs/design.md, "Quantized heads"): 8-bit weights whose
+# conversion to bf16 (or f16) is exact, with f32 scales per vocabulary row
+# or per tensor.
+QUANTIZED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+
+
+def is_quantized(dtype) -> bool:
+  """Whether ``dtype`` is one of :data:`QUANTIZED_DTYPES`."""
+  return jnp.dtype(dtype) in [jnp.dtype(d) for d in QUANTIZED_DTYPES]
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +65,10 @@ class Problem:
     key_data: the key's raw data, uint32 ``[2]`` or ``[B, 2]``: stage 2's
       exact path takes the key words from it inside its conditional (a
       branch's operands are copied into it on every call).
+    weight_scale: None (a float head), or for a quantized ``weight`` the f32
+      scale: shape ``()`` (per tensor) or ``[weight_rows]`` (per vocabulary
+      row of this weight); the logits are ``f32(hidden @ W.T) * scale``
+      (:func:`logits`). ``hidden`` is then bf16 (f16 if the caller's was).
     layout: "vd" or "dv" (static).
     vocab_size: the global logical vocabulary; ids ``>= vocab_size`` are
       never returned (static).
@@ -79,6 +92,7 @@ class Problem:
   per_row_keys: bool = dataclasses.field(metadata=dict(static=True))
   vocab_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
   sample_stride: int = dataclasses.field(default=0, metadata=dict(static=True))
+  weight_scale: jax.Array | None = None
 
   @property
   def batch(self) -> int:
@@ -97,6 +111,28 @@ class Problem:
   def total_rows(self) -> int:
     """Weight rows of every vocabulary shard together."""
     return self.weight_rows * self.vocab_shards
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the weight is quantized (``weight_scale`` is set)."""
+    return self.weight_scale is not None
+
+  def scale_of(self, rows):
+    """The scale of the weight's local rows ``rows`` (an int array, any
+    shape): a gather of the per-row scales, or the per-tensor scale (f32
+    ``()``), or None for a float head."""
+    s = self.weight_scale
+    if s is None or s.ndim == 0:
+      return s
+    return jnp.take(s, rows, axis=0)
+
+  def scale_slice(self, start: int, width: int):
+    """The scale of local rows ``start .. start + width - 1`` (``start`` an
+    int or a traced int): ``[width]``, the per-tensor ``()`` or None."""
+    s = self.weight_scale
+    if s is None or s.ndim == 0:
+      return s
+    return lax.dynamic_slice_in_dim(s, start, width)
 
   def counters(self, samples: int, *, rows_first: bool = False):
     """Base counters ``(hi, lo)`` uint32 of samples ``0..S-1``: ``[S, B]``
@@ -118,28 +154,34 @@ class Problem:
     return hi + s_hi + (new_lo < s_lo).astype(jnp.uint32), new_lo
 
 
-def logits(hidden, weight, layout: str) -> jax.Array:
+def logits(hidden, weight, layout: str, scale=None) -> jax.Array:
   """f32 logits ``[B, Vc]`` of ``hidden [B, D]`` against a weight slice
   (``[Vc, D]`` for "vd", ``[D, Vc]`` for "dv"): f32 accumulation, the
-  package's definition of the logits. Layout "logits" (:func:`prepare_logits`):
-  the slice ``[B, Vc]`` is the logits."""
+  package's definition of the logits. A quantized slice is converted to
+  ``hidden``'s dtype (exact) and the f32 product multiplied by ``scale``
+  (``[Vc]`` or ``()``; one f32 rounding). Layout "logits"
+  (:func:`prepare_logits`): the slice ``[B, Vc]`` is the logits."""
   if layout == "logits":
     return weight.astype(jnp.float32)
   contract = 1 if layout == "vd" else 0
-  return lax.dot_general(hidden, weight, (((1,), (contract,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+  l = lax.dot_general(hidden, weight.astype(hidden.dtype),
+                      (((1,), (contract,)), ((), ())),
+                      preferred_element_type=jnp.float32)
+  return l if scale is None else l * scale
 
 
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _check_float_array(name: str, x) -> jax.Array:
+def _check_float_array(name: str, x, *, quantized_ok: bool = False) -> jax.Array:
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-  if x.dtype not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
-    raise TypeError(
-        f"{name}.dtype={x.dtype} must be one of bfloat16, float16, float32")
+  allowed = _FLOAT_DTYPES + (QUANTIZED_DTYPES if quantized_ok else ())
+  if x.dtype not in [jnp.dtype(d) for d in allowed]:
+    names = ", ".join(jnp.dtype(d).name for d in allowed)
+    hint = (" (a quantized head also takes weight_scale)" if quantized_ok else "")
+    raise TypeError(f"{name}.dtype={x.dtype} must be one of {names}{hint}")
   if x.ndim != 2:
     raise ValueError(f"{name} must be 2-D, got {name}.shape={tuple(x.shape)}")
   return jnp.asarray(x)
@@ -311,7 +353,8 @@ def _check_int(name: str, value, lo: int) -> int:
 
 
 def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-            vocab_size=None, vocab_shards=1, batch_shard=(0, 1)) -> Problem:
+            vocab_size=None, vocab_shards=1, batch_shard=(0, 1),
+            weight_scale=None) -> Problem:
   """Checks every argument and builds the canonical :class:`Problem`.
 
   ``vocab_shards`` and ``batch_shard`` serve mesh callers
@@ -328,7 +371,7 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   if weight_layout not in WEIGHT_LAYOUTS:
     raise ValueError(f"{weight_layout=} must be one of {WEIGHT_LAYOUTS}")
   hidden = _check_float_array("hidden", hidden)
-  weight = _check_float_array("weight", weight)
+  weight = _check_float_array("weight", weight, quantized_ok=True)
   batch, dim = hidden.shape
   if weight_layout == "vd":
     rows, wdim = weight.shape
@@ -355,9 +398,62 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
                            f"the rows of weight for {weight_layout=}"
                            + (f" times {vocab_shards} vocabulary shards"
                               if vocab_shards > 1 else ""))
-  return _problem(hidden.astype(weight.dtype), weight, key, temperature,
-                  layout=weight_layout, vocab_size=vocab_size,
-                  vocab_shards=vocab_shards, batch_shard=batch_shard)
+  scale = _weight_scale(weight_scale, weight, rows)
+  p = _problem(hidden.astype(compute_dtype(hidden.dtype, weight.dtype)), weight, key,
+               temperature, layout=weight_layout, vocab_size=vocab_size,
+               vocab_shards=vocab_shards, batch_shard=batch_shard)
+  return dataclasses.replace(p, weight_scale=scale)
+
+
+def compute_dtype(hidden_dtype, weight_dtype):
+  """The dtype of the product's operands: the weight's for a float head;
+  for a quantized one bf16, or f16 when ``hidden`` is f16 (8-bit values
+  convert to either exactly)."""
+  if not is_quantized(weight_dtype):
+    return jnp.dtype(weight_dtype)
+  if jnp.dtype(hidden_dtype) == jnp.dtype(jnp.float16):
+    return jnp.dtype(jnp.float16)
+  return jnp.dtype(jnp.bfloat16)
+
+
+def _weight_scale(weight_scale, weight, rows: int):
+  """The checked f32 scale of a quantized ``weight`` (``()`` or
+  ``[rows]``), or None for a float head.
+
+  Raises:
+    TypeError: a quantized weight without a scale, a scale beside a float
+      weight, or a scale that is not float32.
+    ValueError: a scale of another shape.
+  """
+  quantized = is_quantized(weight.dtype)
+  names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
+  if weight_scale is None:
+    if quantized:
+      raise TypeError(
+          f"weight.dtype={weight.dtype} is quantized and needs weight_scale: float32 "
+          f"of shape [V]=({rows},) (one scale per vocabulary row) or a scalar "
+          "(per tensor)")
+    return None
+  if not quantized:
+    raise TypeError(
+        f"weight_scale is for quantized weights ({names}); weight.dtype="
+        f"{weight.dtype} is a float head: drop weight_scale (or fold it into weight)")
+  if isinstance(weight_scale, bool):
+    raise TypeError(f"weight_scale={weight_scale!r} must be a float or a float32 array")
+  if isinstance(weight_scale, (int, float, np.integer, np.floating)):
+    return jnp.asarray(float(weight_scale), jnp.float32)
+  if not hasattr(weight_scale, "dtype") or not hasattr(weight_scale, "shape"):
+    raise TypeError(f"weight_scale must be a float or a float32 array, got "
+                    f"{type(weight_scale).__name__}")
+  if jnp.dtype(weight_scale.dtype) != jnp.dtype(jnp.float32):
+    raise TypeError(
+        f"weight_scale.dtype={weight_scale.dtype} must be float32 (the logits are "
+        "f32(hidden @ W.T) * weight_scale in f32); cast it with .astype(jnp.float32)")
+  if weight_scale.shape not in ((), (rows,)):
+    raise ValueError(
+        f"weight_scale.shape={tuple(weight_scale.shape)} must be () (per tensor) or "
+        f"[V]=({rows},) (one scale per row of weight)")
+  return jnp.asarray(weight_scale)
 
 
 def prepare_logits(logits, key, *, temperature=1.0, vocab_size=None) -> Problem:

@@ -20,16 +20,20 @@ from flashsample_jax import backends, controls as _controls, problem
 def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   """Transformed, untempered f32 logits ``[B, vocab_size]``.
 
-  ``l = hidden @ W.T`` in f32 (layout "logits": the given logits in f32),
-  then soft-cap, bias, penalties and the allowed mask in the order of
+  ``l = hidden @ W.T`` in f32 (a quantized ``W`` converted to ``hidden``'s
+  dtype, ``l`` then times ``weight_scale``; layout "logits": the given
+  logits in f32), then soft-cap, bias, penalties and the allowed mask in the order of
   :mod:`flashsample_jax.controls`.
   """
   if p.layout == "logits":
     l = p.weight.astype(jnp.float32)
   else:
     contract = 1 if p.layout == "vd" else 0
-    l = jax.lax.dot_general(p.hidden, p.weight, (((1,), (contract,)), ((), ())),
+    l = jax.lax.dot_general(p.hidden, p.weight.astype(p.hidden.dtype),
+                            (((1,), (contract,)), ((), ())),
                             preferred_element_type=jnp.float32)
+    if p.weight_scale is not None:
+      l = l * p.weight_scale
   x = l[:, :p.vocab_size]
   if c is None:
     return x
@@ -107,7 +111,8 @@ def _sample(p: problem.Problem, c: _controls.Controls):
 
 
 def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
-           vocab_size=None, backend="auto", top_k=None, top_p=None, min_p=None,
+           vocab_size=None, weight_scale=None, backend="auto", top_k=None,
+           top_p=None, min_p=None,
            logit_bias=None, allowed_mask=None, softcap=None,
            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
            prompt_ids=None, output_ids=None, num_samples=None,
@@ -132,7 +137,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   backends.check_name(backend)
   # Checked eagerly, outside jit, so concrete values are inspected.
   p = problem.prepare(hidden, weight, key, temperature=temperature,
-                      weight_layout=weight_layout, vocab_size=vocab_size)
+                      weight_layout=weight_layout, vocab_size=vocab_size,
+                      weight_scale=weight_scale)
   c = _controls.prepare_controls(
       batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
       num_samples=num_samples, return_logprobs=return_logprobs, top_k=top_k,
@@ -158,7 +164,8 @@ def sample_logits(logits, key, *, temperature=1.0, vocab_size=None, **controls):
 
 def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperature=1.0,
                   draft_probs=None, return_logprobs=False, weight_layout="vd",
-                  vocab_size=None, backend="auto", allowed_mask=None, prompt_ids=None,
+                  vocab_size=None, weight_scale=None, backend="auto",
+                  allowed_mask=None, prompt_ids=None,
                   output_ids=None, **controls):
   """Reference for :func:`flashsample_jax.verify_drafts`: position by
   position, from materialized logits and ``jax.random.categorical``, the
@@ -193,7 +200,8 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
     if mask is not None and mask.ndim == 3:
       mask = mask[:, j]
     p = problem.prepare(hidden[:, j], weight, key_j, temperature=temperature,
-                        weight_layout=weight_layout, vocab_size=vocab_size)
+                        weight_layout=weight_layout, vocab_size=vocab_size,
+                        weight_scale=weight_scale)
     c = _controls.prepare_controls(
         batch=b, vocab_size=p.vocab_size, rows=p.weight_rows, allowed_mask=mask,
         prompt_ids=prompt_ids if penalized else None,

@@ -74,7 +74,9 @@ def _problem_specs(p: problem.Problem, axes: _mesh.MeshAxes) -> problem.Problem:
       p, hidden=P(bspec, None),
       weight=P(vspec, None) if p.layout == "vd" else P(None, vspec),
       k0=row, k1=row, ctr_hi=row, ctr_lo=row, temperature=row,
-      key_data=P(bspec, None) if p.per_row_keys else P())
+      key_data=P(bspec, None) if p.per_row_keys else P(),
+      weight_scale=(None if p.weight_scale is None else
+                    P() if p.weight_scale.ndim == 0 else P(vspec)))
 
 
 def _controls_specs(c: _controls.Controls, axes: _mesh.MeshAxes) -> _controls.Controls:
@@ -125,8 +127,8 @@ def _sample_sharded(p, c, *, mesh, backend, axes: _mesh.MeshAxes):
 
 def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
                    batch_axis: AxisName | None = None, temperature=1.0,
-                   weight_layout="vd", vocab_size=None, backend="auto",
-                   **controls):
+                   weight_layout="vd", vocab_size=None, weight_scale=None,
+                   backend="auto", **controls):
   """:func:`flashsample_jax.sample` over a vocabulary-sharded LM head.
 
   For callers that do not write ``shard_map``: pass the GLOBAL arrays (jitted
@@ -157,6 +159,8 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
     weight_layout: ``"vd"`` or ``"dv"``.
     vocab_size: the global logical vocabulary when ``weight`` has padding
       rows. Default: ``V``.
+    weight_scale: for a quantized ``weight``: f32 ``[V]`` (global; split
+      with the vocabulary) or a scalar, as in :func:`flashsample_jax.sample`.
     backend: ``"auto"``, one of :data:`flashsample_jax.BACKENDS` or a
       backend instance; runs on each shard.
     **controls: the sampling controls of :func:`flashsample_jax.sample`
@@ -188,7 +192,8 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
   num_samples = controls.pop("num_samples", None)
   return_logprobs = controls.pop("return_logprobs", False)
   p = problem.prepare(hidden, weight, key, temperature=temperature,
-                      weight_layout=weight_layout, vocab_size=vocab_size)
+                      weight_layout=weight_layout, vocab_size=vocab_size,
+                      weight_scale=weight_scale)
   c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
                                  rows=p.weight_rows, num_samples=num_samples,
                                  return_logprobs=return_logprobs, **controls)

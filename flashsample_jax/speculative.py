@@ -192,14 +192,15 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
                   softcap=None, draft_probs=None, repetition_penalty=None,
                   presence_penalty=None, frequency_penalty=None, prompt_ids=None,
                   output_ids=None, return_logprobs=False, truncation_order="hf",
-                  weight_layout="vd", vocab_size=None, backend="auto", vocab_axis=None):
+                  weight_layout="vd", vocab_size=None, weight_scale=None, backend="auto",
+                  vocab_axis=None):
   """Verifies ``K`` drafted tokens per request (the module docstring has
   the rules, the keys and the acceptance draws).
 
   Args:
     hidden: ``[B, K + 1, D]``: the target's last hidden states at each
       request's ``K + 1`` positions.
-    weight, weight_layout, vocab_size, backend, vocab_axis: as
+    weight, weight_layout, vocab_size, weight_scale, backend, vocab_axis: as
       :func:`flashsample_jax.sample` (``vocab_axis`` inside ``shard_map``).
     key: a scalar key or ``[B]`` keys (one per request).
     draft_ids: int ``[B, K]``: a request's drafts end at its first ``-1``
@@ -235,7 +236,7 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
   # The head's checks (and the global vocabulary) on one row per request.
   p_req = problem.prepare(hidden[:, 0], weight, key, temperature=temperature,
                           weight_layout=weight_layout, vocab_size=vocab_size,
-                          vocab_shards=axes.vocab_shards())
+                          vocab_shards=axes.vocab_shards(), weight_scale=weight_scale)
   vocab = p_req.vocab_size
   drafts = _check_drafts(draft_ids, batch, positions, vocab)
   q = _check_draft_probs(draft_probs, method, batch, positions - 1, vocab)
@@ -261,7 +262,7 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
   keys, per_row = position_keys(key, batch, positions)
   p = _rows_problem(hidden, weight, keys, per_row, vocab,
                     _per_request("temperature", temperature, batch, positions),
-                    weight_layout=weight_layout, axes=axes)
+                    weight_layout=weight_layout, weight_scale=weight_scale, axes=axes)
   axes.check_weight(p.weight, p.layout)
   c = controls.prepare_controls(
       batch=p.batch, vocab_size=vocab, rows=p.total_rows, logit_bias=logit_bias,
@@ -278,7 +279,8 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
 
 
 def _rows_problem(hidden, weight, keys, per_row: bool, vocab_size: int, temperature, *,
-                  weight_layout: str, axes: mesh.MeshAxes) -> problem.Problem:
+                  weight_layout: str, weight_scale,
+                  axes: mesh.MeshAxes) -> problem.Problem:
   """The problem of the ``B x K1`` rows: row ``(b, j)`` with the key words of
   ``k_j`` and the counters ``fs.sample`` gives row ``b`` under that key
   (``b x V`` for a scalar key, 0 for per-request keys)."""
@@ -287,7 +289,7 @@ def _rows_problem(hidden, weight, keys, per_row: bool, vocab_size: int, temperat
   p = problem.prepare(hidden.reshape(batch * positions, dim), weight, data,
                       temperature=1.0 if temperature is None else temperature,
                       weight_layout=weight_layout, vocab_size=vocab_size,
-                      vocab_shards=axes.vocab_shards())
+                      vocab_shards=axes.vocab_shards(), weight_scale=weight_scale)
   if per_row:
     return p
   b = np.repeat(np.arange(batch, dtype=np.uint64), positions)

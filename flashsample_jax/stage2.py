@@ -340,10 +340,15 @@ def _history_logits(p: Problem, rows):
   w = jnp.take(p.weight, rows, axis=0 if p.layout == "vd" else 1)  # [B, H, D] / [D, B, H]
   # A multiply and a row sum (not a dot): XLA fuses the gather into it and
   # reads each weight row once; the products are exact in f32 as the dot's.
+  # A quantized row converts exactly to f32; its scale multiplies the sum,
+  # as problem.logits multiplies the dot.
   h = p.hidden.astype(jnp.float32)
   if p.layout == "vd":
-    return jnp.sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
-  return jnp.sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
+    l = jnp.sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
+  else:
+    l = jnp.sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
+  scale = p.scale_of(rows)
+  return l if scale is None else l * scale
 
 
 def per_sample(st: ControlsState, samples: int) -> ControlsState:
@@ -827,7 +832,7 @@ def materialized_rows(p: Problem, c: controls.Controls, axis=None):
   transformed logits ``x [B, vocab_size]``, the tempered ``t``, ``t`` where
   :func:`controls.keep_mask` keeps it (else ``-inf``) and the ids. With
   ``axis``, every shard's logits are gathered first (in global id order)."""
-  l = problem.logits(p.hidden, p.weight, p.layout)               # [B, local rows]
+  l = problem.logits(p.hidden, p.weight, p.layout, p.weight_scale)  # [B, local rows]
   if axis:   # every shard's logits, in global id order
     l = jnp.moveaxis(mesh.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
   gid = lax.iota(jnp.int32, l.shape[1])

@@ -167,6 +167,32 @@ class BackendSuite:
     want = jax.jit(lambda: loop(fs.reference.sample))()
     np.testing.assert_array_equal(got, want)
 
+  # -- quantized heads: weight_scale, exact inputs --------------------------
+
+  quantized_dtypes = inputs.QUANTIZED_DTYPES
+
+  @pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "per_tensor"])
+  def test_quantized_heads(self, per_row):
+    # Every dtype in both layouts over the two parameters; per-row keys and
+    # mixed greedy rows.
+    b, d, v = self.shapes[1]
+    for i, dt in enumerate(self.quantized_dtypes):
+      layout = ("vd", "dv")[(i + per_row) % 2]
+      h, w, s = inputs.quantized_inputs(b, d, v, dtype=dt, layout=layout,
+                                        per_row=per_row, seed=20 + i)
+      t = inputs.pow2_temperatures(b, greedy_every=3, seed=i)
+      keys = inputs.row_keys(b, seed=i) if i % 2 else jax.random.key(i)
+      self.check_exact(h, w, keys, temperature=t, weight_layout=layout, weight_scale=s)
+
+  @pytest.mark.parametrize("case", ["all", "penalties_all"])
+  def test_quantized_heads_with_controls(self, case):
+    # The controls apply to the scaled logits: cases.H/W's integers are
+    # exact in 8 bits; a power-of-two scale keeps the logits exact.
+    dt = jnp.float8_e4m3fn if case == "all" else jnp.int8
+    s = inputs.quantized_scale(cases.V, per_row=case == "all", seed=5)
+    self.check_controls(dict(cases.CASES[case], return_logprobs=True),
+                        w=cases.W.astype(dt), weight_scale=s)
+
   # -- random inputs: >= 99.9% agreement ------------------------------------
 
   random_shapes = [(64, 128, 4099), (32, 256, 3000)]

@@ -26,6 +26,27 @@ def exact_inputs(batch, dim, vocab, *, dtype=jnp.bfloat16, layout="vd", seed=0,
   return jnp.asarray(h, dtype), jnp.asarray(np.ascontiguousarray(w), dtype)
 
 
+QUANTIZED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+
+
+def quantized_scale(vocab, *, per_row=True, seed=0):
+  """A power-of-two f32 scale (``[V]`` per row, else a scalar): products
+  with integer logits stay exact."""
+  r = np.random.default_rng(seed)
+  if not per_row:
+    return jnp.float32(2.0 ** r.integers(-2, 2))
+  return jnp.asarray(2.0 ** r.integers(-2, 2, vocab), jnp.float32)
+
+
+def quantized_inputs(batch, dim, vocab, *, dtype=jnp.float8_e4m3fn, layout="vd",
+                     per_row=True, seed=0, hidden_dtype=jnp.bfloat16):
+  """``(hidden, weight, weight_scale)`` with exact logits: integers in
+  [-3, 3] (exact in e4m3, e5m2 and int8) and a power-of-two scale."""
+  h, w = exact_inputs(batch, dim, vocab, layout=layout, seed=seed, dtype=jnp.float32)
+  return (h.astype(hidden_dtype), w.astype(dtype),
+          quantized_scale(vocab, per_row=per_row, seed=seed))
+
+
 def random_inputs(batch, dim, vocab, *, dtype=jnp.bfloat16, layout="vd", seed=0,
                   logit_std=3.0):
   """Gaussian inputs whose logits have standard deviation ``logit_std``."""

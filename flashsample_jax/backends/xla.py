@@ -70,7 +70,8 @@ MAX_UNROLLED = {"gpu": 32}
 
 
 def _stream(p: Problem, block, combine, vc: int):
-  """Folds ``block(hidden, w_chunk, start, width)`` over the vocabulary.
+  """Folds ``block(hidden, (w_chunk, scale_chunk), start, width)`` over the
+  vocabulary (``scale_chunk``: :meth:`Problem.scale_slice`).
 
   The first chunk seeds the state (rather than constants): in the loop form
   the carry then varies over the same shard_map axes as the data, which
@@ -79,7 +80,10 @@ def _stream(p: Problem, block, combine, vc: int):
   rows = p.weight_rows
   axis = 0 if p.layout == "vd" else 1
   n_full = rows // vc
-  state = block(p.hidden, lax.slice_in_dim(p.weight, 0, vc, axis=axis), 0, vc)
+  chunk = lambda start, width: (
+      lax.slice_in_dim(p.weight, start, start + width, axis=axis),
+      p.scale_slice(start, width))
+  state = block(p.hidden, chunk(0, vc), 0, vc)
 
   def step(state, w, start, width):
     hidden, state = lax.optimization_barrier((p.hidden, state))
@@ -87,18 +91,17 @@ def _stream(p: Problem, block, combine, vc: int):
 
   if n_full <= MAX_UNROLLED.get(_platform(), 0):
     for i in range(1, n_full):
-      w = lax.slice_in_dim(p.weight, i * vc, (i + 1) * vc, axis=axis)
-      state = step(state, w, i * vc, vc)
+      state = step(state, chunk(i * vc, vc), i * vc, vc)
   else:
     def body(i, state):
       start = i * vc
-      w = lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis)
+      w = (lax.dynamic_slice_in_dim(p.weight, start, vc, axis=axis),
+           p.scale_slice(start, vc))
       return combine(state, block(p.hidden, w, start, vc))
     state = lax.fori_loop(1, n_full, body, state)
   tail = rows - n_full * vc
   if tail:
-    w = lax.slice_in_dim(p.weight, n_full * vc, rows, axis=axis)
-    state = step(state, w, n_full * vc, tail)
+    state = step(state, chunk(n_full * vc, tail), n_full * vc, tail)
   return state
 
 
@@ -123,7 +126,7 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    l = problem.logits(hidden, w, p.layout)
+    l = problem.logits(hidden, w[0], p.layout, w[1])
     s = stage2.perturbed(p, l, stage2.tempered(p, l), gid, 1)[:, 0]
     s = jnp.where(gid < p.vocab_size, s, -jnp.inf)
     return _row_best(s, gid)
@@ -151,7 +154,8 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    x = controls.transform(problem.logits(hidden, w, p.layout), gid, c, p.vocab_size)
+    l = problem.logits(hidden, w[0], p.layout, w[1])
+    x = controls.transform(l, gid, c, p.vocab_size)
     t = stage2.tempered(p, x)
     sc = stage2.pass_scores(p, c, x, t, gid)                       # [B, S, W]
     j = jnp.argmax(sc, axis=2)                                     # [B, S]

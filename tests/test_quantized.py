@@ -1,0 +1,178 @@
+"""Quantized LM heads (``weight_scale``): the meaning, the checks, the mesh.
+
+The backends are held to ``fs.reference.sample`` by the shared suite
+(tests/backend_suite.py, ``test_quantized_heads*``); here the reference
+itself is held to ``jax.random.categorical`` on logits written out by hand
+(``f32(h @ W.astype(bf16).T) * scale``), and the API's checks, f16 hidden
+states, speculative verification and vocabulary sharding are covered.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import flashsample_jax as fs
+from tests import inputs
+from tests.conftest import has_gpu
+
+DTYPES = inputs.QUANTIZED_DTYPES
+
+
+def hand_logits(h, w, scale, layout="vd", compute=jnp.bfloat16):
+  """The issue's definition, written out: f32 product of the converted
+  operands, times the scale."""
+  wv = w if layout == "vd" else w.T
+  l = jnp.dot(h.astype(compute), wv.astype(compute).T, preferred_element_type=jnp.float32)
+  return l * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "per_tensor"])
+def test_reference_is_categorical_on_the_scaled_logits(dtype, per_row):
+  b, d, v = 7, 64, 500
+  for layout in ("vd", "dv"):
+    h, w, s = inputs.quantized_inputs(b, d, v, dtype=dtype, layout=layout,
+                                      per_row=per_row, seed=3)
+    l = hand_logits(h, w, s, layout)
+    key = jax.random.key(11)
+    want = jax.random.categorical(key, l / 0.5)
+    got = fs.reference.sample(h, w, key, temperature=0.5, weight_layout=layout,
+                              weight_scale=s)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        fs.sample(h, w, key, temperature=0.5, weight_layout=layout, weight_scale=s),
+        want)
+
+
+def test_scale_changes_the_distribution():
+  # A per-row scale that is not uniform must matter: rows scaled by 0 can
+  # only win where every logit is 0, and the greedy token follows the scale.
+  h, w, _ = inputs.quantized_inputs(5, 64, 300, seed=4)
+  l = hand_logits(h, w, 1.0)
+  top = np.asarray(jnp.argmax(l, axis=1))
+  s = np.ones(300, np.float32)
+  s[top] = 0.0
+  s = jnp.asarray(s)
+  tok = np.asarray(fs.sample(h, w, jax.random.key(0), temperature=0.0, weight_scale=s))
+  np.testing.assert_array_equal(tok, np.asarray(jnp.argmax(hand_logits(h, w, s), axis=1)))
+  assert not np.array_equal(tok, top)
+
+
+def test_f16_hidden_multiplies_in_f16_and_f32_hidden_in_bf16():
+  # 1 + 2**-9 is exact in f16 but rounds to 1 in bf16: the product's dtype
+  # shows in the logits.
+  d, v = 64, 128
+  h = np.zeros((2, d), np.float32)
+  h[:, 0] = 1 + 2**-9
+  w = np.zeros((v, d), np.float32)
+  w[:, 0] = np.arange(v) % 3
+  w8 = jnp.asarray(w, jnp.int8)
+  s = jnp.float32(1.0)
+  for hd, compute in ((jnp.float16, jnp.float16), (jnp.float32, jnp.bfloat16),
+                      (jnp.bfloat16, jnp.bfloat16)):
+    hh = jnp.asarray(h, hd)
+    out = fs.sample(hh, w8, jax.random.key(1), weight_scale=s, return_logprobs=True)
+    l = hand_logits(hh, w8, s, compute=compute)
+    want_lse = jax.nn.logsumexp(l, axis=1)
+    np.testing.assert_allclose(out.logsumexp, want_lse, rtol=1e-6)
+  lse16 = fs.sample(jnp.asarray(h, jnp.float16), w8, jax.random.key(1), weight_scale=s,
+                    return_logprobs=True).logsumexp
+  lse_bf = fs.sample(jnp.asarray(h, jnp.bfloat16), w8, jax.random.key(1), weight_scale=s,
+                     return_logprobs=True).logsumexp
+  assert not np.allclose(lse16, lse_bf, rtol=1e-7, atol=0)
+
+
+def test_traced_scale_under_jit_and_in_a_scan():
+  h, w, s = inputs.quantized_inputs(6, 64, 400, dtype=jnp.float8_e5m2, seed=6)
+  f = jax.jit(lambda h, w, k, s: fs.sample(h, w, k, weight_scale=s, top_k=10))
+  for scale in (s, jnp.float32(0.5)):
+    want = fs.reference.sample(h, w, jax.random.key(2), weight_scale=scale, top_k=10)
+    np.testing.assert_array_equal(f(h, w, jax.random.key(2), scale), want)
+
+
+def test_params_and_which_backend_take_weight_scale():
+  h, w, s = inputs.quantized_inputs(4, 64, 256, seed=7)
+  params = fs.SamplingParams(temperature=0.7, top_p=0.9)
+  want = fs.reference.sample(h, w, jax.random.key(3), weight_scale=s, temperature=0.7,
+                             top_p=0.9)
+  np.testing.assert_array_equal(
+      fs.sample(h, w, jax.random.key(3), params, weight_scale=s), want)
+  assert fs.which_backend(h, w, jax.random.key(3), weight_scale=s) in fs.BACKENDS
+
+
+def test_verify_drafts_with_a_quantized_head():
+  b, k, d, v = 3, 3, 64, 300
+  r = np.random.default_rng(8)
+  h = jnp.asarray(r.integers(-3, 4, (b, k + 1, d)), jnp.bfloat16)
+  _, w, s = inputs.quantized_inputs(1, d, v, dtype=jnp.int8, seed=8)
+  drafts = jnp.asarray(r.integers(0, v, (b, k)), jnp.int32)
+  for method in ("strict", "one_hot"):
+    kw = dict(method=method, temperature=0.8, top_k=20, weight_scale=s,
+              return_logprobs=True)
+    got = fs.verify_drafts(h, w, jax.random.key(4), drafts, **kw)
+    want = fs.reference.verify_drafts(h, w, jax.random.key(4), drafts, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=2e-5, atol=2e-5)
+
+
+# -- bad input: errors that name the argument ---------------------------------
+
+
+def test_errors_name_weight_scale():
+  h, w, s = inputs.quantized_inputs(2, 64, 100, seed=9)
+  key = jax.random.key(0)
+  with pytest.raises(TypeError, match=r"weight.dtype=float8_e4m3fn is quantized and "
+                                      r"needs weight_scale"):
+    fs.sample(h, w, key)
+  with pytest.raises(TypeError, match=r"weight_scale is for quantized weights"):
+    fs.sample(h, w.astype(jnp.bfloat16), key, weight_scale=s)
+  with pytest.raises(TypeError, match=r"weight_scale.dtype=bfloat16 must be float32"):
+    fs.sample(h, w, key, weight_scale=s.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"weight_scale.shape=\(99,\) must be \(\) "
+                                       r"\(per tensor\) or \[V\]=\(100,\)"):
+    fs.sample(h, w, key, weight_scale=s[:99])
+  with pytest.raises(ValueError, match=r"weight_scale.shape=\(1, 100\)"):
+    fs.sample(h, w, key, weight_scale=s[None])
+  with pytest.raises(TypeError, match=r"weight_scale must be a float or a float32 array"):
+    fs.sample(h, w, key, weight_scale="1.0")
+  with pytest.raises(TypeError, match=r"weight.dtype=uint8 must be one of .*int8"):
+    fs.sample(h, w.view(jnp.uint8), key, weight_scale=s)
+  with pytest.raises(TypeError, match=r"hidden.dtype=float8_e4m3fn"):
+    fs.sample(h.astype(jnp.float8_e4m3fn), w, key, weight_scale=s)
+  # A Python number is a per-tensor scale.
+  np.testing.assert_array_equal(fs.sample(h, w, key, weight_scale=2),
+                                fs.reference.sample(h, w, key, weight_scale=2.0))
+
+
+# -- vocabulary sharding: the scale is split with the weight ------------------
+
+
+@pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
+@pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "per_tensor"])
+def test_sharded_quantized_head_on_1_2_4_8_shards(per_row):
+  b, d, v = 9, 64, 1024
+  h, w, s = inputs.quantized_inputs(b, d, v, dtype=jnp.float8_e4m3fn, per_row=per_row,
+                                    seed=10)
+  t = inputs.pow2_temperatures(b, greedy_every=4, seed=10)
+  key = jax.random.key(5)
+  kw = dict(temperature=t, top_k=30, top_p=0.9)
+  want = np.asarray(fs.reference.sample(h, w, key, weight_scale=s, **kw))
+  # Per-row scales are split with the weight at every shard count; a
+  # per-tensor scale is replicated, the same at any count (8 shown).
+  for n in (1, 2, 4, 8) if per_row else (8,):
+    mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:n])
+    f = jax.shard_map(
+        lambda h, w, s: fs.sample(h, w, key, weight_scale=s, vocab_axis="tp", **kw)[None],
+        mesh=mesh, in_specs=(P(), P("tp", None), P("tp") if per_row else P()),
+        out_specs=P("tp"), check_vma=False)
+    got = np.asarray(jax.jit(f)(h, w, s))
+    for row in got:
+      np.testing.assert_array_equal(row, want)
+  got = fs.sample_sharded(h, w, key, mesh=mesh, vocab_axis="tp", weight_scale=s, **kw)
+  np.testing.assert_array_equal(got, want)
