@@ -10,11 +10,12 @@ from flashsample_jax.api import STATIC_ARGNAMES, sample, sample_logits, which_ba
 from flashsample_jax.backends import BACKENDS, Backend
 from flashsample_jax.controls import SampleOutput
 from flashsample_jax.params import SamplingParams
+from flashsample_jax.quantize import quantize_weight
 from flashsample_jax.sharding import sample_sharded
 from flashsample_jax.speculative import VerifyOutput, verify_drafts
 
 __all__ = ["sample", "sample_logits", "sample_sharded", "verify_drafts", "VerifyOutput",
-           "SamplingParams",
+           "SamplingParams", "quantize_weight",
            "SampleOutput", "Backend", "BACKENDS",
            "STATIC_ARGNAMES", "which_backend", "reference", "noise", "sharding",
            "controls", "backends", "mesh", "problem"]

@@ -57,10 +57,19 @@ What differs from calling the module:
   (``param_dtype=jnp.bfloat16``).
 * A head's bias ``[V]`` becomes ``sample()``'s ``logit_bias`` (added in f32 to
   the f32 logits); a ``logit_bias`` passed by the caller is added to it first.
+
+Quantized heads in two lines (docs/design.md, "Quantized heads"):
+:func:`quantize_head` stores any supported head per-row absmax quantized to
+FP8 or int8 (a :class:`QuantizedHead`: half the bytes of bf16 to read per
+decode step), and :func:`sample_from_head` samples from it::
+
+  qhead = flax_heads.quantize_head(head, "fp8")
+  tokens = flax_heads.sample_from_head(qhead, hidden, key, temperature=0.7)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Mapping
@@ -70,8 +79,51 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flashsample_jax import api
+from flashsample_jax import api, problem
 from flashsample_jax.controls import SampleOutput
+from flashsample_jax.quantize import quantize_weight
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedHead:
+  """An LM head quantized per vocabulary row (:func:`quantize_head`).
+
+  A pytree (arrays as leaves, the layout static): it passes through
+  ``jax.jit`` and can be stored beside a model's parameters.
+
+  Attributes:
+    weight: the 8-bit head in the original head's layout.
+    scale: f32 ``[V]``, one scale per vocabulary row.
+    bias: the original head's bias ``[V]`` in f32, or None.
+    layout: ``"vd"`` or ``"dv"``.
+  """
+
+  weight: jax.Array
+  scale: jax.Array
+  bias: jax.Array | None
+  layout: str = dataclasses.field(metadata=dict(static=True))
+
+
+def quantize_head(head, dtype="float8_e4m3fn") -> QuantizedHead:
+  """Quantizes a Flax LM head per vocabulary row (absmax) to FP8 or int8.
+
+  Args:
+    head: any head :func:`head_weight` accepts (``nnx.Linear``, ``nnx.Embed``,
+      a Linen parameter dict).
+    dtype: ``"float8_e4m3fn"`` (alias ``"fp8"``), ``"float8_e5m2"`` or
+      ``"int8"`` (:func:`flashsample_jax.quantize_weight`).
+
+  Returns:
+    A :class:`QuantizedHead` for :func:`sample_from_head` and :func:`logits`.
+
+  Raises:
+    What :func:`head_weight` and :func:`flashsample_jax.quantize_weight` raise.
+  """
+  weight, layout, bias = _head_parts(head)
+  w8, scale = quantize_weight(weight, dtype, weight_layout=layout)
+  return QuantizedHead(w8, scale, None if bias is None else bias.astype(jnp.float32),
+                       layout)
 
 
 def _array(x) -> jax.Array:
@@ -130,6 +182,8 @@ def _linen_params(head: Mapping) -> Mapping:
 
 def _head_parts(head) -> tuple[jax.Array, str, jax.Array | None]:
   """``(weight, weight_layout, bias or None)`` of a supported head; see the module doc."""
+  if isinstance(head, QuantizedHead):
+    return head.weight, head.layout, head.bias
   weight, layout, bias = _stored_parts(head)
   # Checked here, not left to sample(): its message would name logit_bias,
   # an argument the caller never passed.
@@ -295,10 +349,11 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   """Samples from ``softmax(head(hidden) / T)`` without the logits.
 
   Equals ``jax.random.categorical(key, logits / T)`` for the f32 logits of
-  ``hidden`` (cast to the head's dtype) against the stored head parameter.
+  ``hidden`` (cast to the head's dtype) against the stored head parameter
+  (:func:`logits`).
 
   Args:
-    head: see :func:`head_weight`.
+    head: see :func:`head_weight`, or a :class:`QuantizedHead`.
     hidden: ``[B, D]`` or ``[..., D]`` hidden states; leading dimensions are
       flattened (exactly, see :func:`_flatten_rows`) and restored on every
       output.
@@ -327,11 +382,14 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
       dimensions.
     Anything :func:`flashsample_jax.sample` raises for bad arguments.
   """
-  if "weight_layout" in kwargs:
-    raise TypeError(
-        "weight_layout is set by the head (nnx.Linear/kernel: 'dv', "
-        "nnx.Embed/embedding: 'vd'); do not pass it")
+  for name in ("weight_layout", "weight_scale"):
+    if name in kwargs:
+      raise TypeError(
+          f"{name} is set by the head (nnx.Linear/kernel: 'dv', nnx.Embed/embedding: "
+          "'vd'; a QuantizedHead holds its scales); do not pass it")
   weight, layout, bias = _head_parts(head)
+  if isinstance(head, QuantizedHead):
+    kwargs = {**kwargs, "weight_scale": head.scale}
   if not hasattr(hidden, "ndim") or hidden.ndim < 2:
     raise ValueError(
         f"hidden must have shape [B, D] or [..., D], got "
@@ -369,12 +427,18 @@ def sample_from_params(params: Mapping, hidden, key, **kwargs) -> jax.Array | Sa
 def logits(head, hidden) -> jax.Array:
   """The f32 logits ``[..., V]`` that :func:`sample_from_head` samples from.
 
-  Materializes them: for checking and for comparison baselines only.
+  Materializes them: for checking and for comparison baselines only. A
+  :class:`QuantizedHead`'s are ``f32(hidden @ W8.T) * scale`` with ``W8``
+  and ``hidden`` in bf16 (f16 for f16 ``hidden``).
   """
   weight, layout, bias = _head_parts(head)
+  hidden = jnp.asarray(hidden)
+  c = problem.compute_dtype(hidden.dtype, weight.dtype)
   contract = 1 if layout == "vd" else 0
   l = jax.lax.dot_general(
-      jnp.asarray(hidden).astype(weight.dtype), weight,
+      hidden.astype(c), weight.astype(c),
       (((hidden.ndim - 1,), (contract,)), ((), ())),
       preferred_element_type=jnp.float32)
+  if isinstance(head, QuantizedHead):
+    l = l * head.scale
   return l if bias is None else l + bias.astype(jnp.float32)

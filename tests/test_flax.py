@@ -418,3 +418,38 @@ def test_bias_of_the_wrong_shape_is_refused():
   params = {"kernel": w, "bias": jnp.zeros((V - 1,))}
   _assert_every_helper_raises(params, h, jax.random.key(0), ValueError,
                               r"bias has shape \(999,\).*\[V\]=\(1000,\)")
+
+
+# -- quantized heads: quantize_head, then sample_from_head --------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "float8_e5m2", "int8"])
+def test_quantized_head_in_two_lines(dtype):
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", dtype=jnp.float32, seed=11)
+  head = _linear(w.astype(jnp.bfloat16), bias=True, preferred_element_type=jnp.float32)
+  head.bias[...] = jnp.asarray(np.arange(V) % 5, jnp.bfloat16)
+  qhead = flax_heads.quantize_head(head, dtype)
+  name = fs.quantize._dtype_name(dtype)
+  assert qhead.layout == "dv" and qhead.weight.shape == w.shape
+  assert qhead.weight.dtype == jnp.dtype(fs.quantize.QUANT_DTYPES[name][0])
+  # The materialized logits are the definition written out, and close to
+  # the float head's (the quantization error, not the sampling's).
+  l = flax_heads.logits(qhead, h)
+  want = jnp.dot(h.astype(jnp.bfloat16), qhead.weight.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.float32) * qhead.scale + qhead.bias
+  np.testing.assert_array_equal(l, want)
+  step = {"int8": 0.5 / 127, "float8_e5m2": 2**-3, "float8_e4m3fn": 2**-4}[name]
+  bound = step * 3 * np.abs(np.asarray(h)).sum(axis=1, keepdims=True) + 1e-3
+  assert np.all(np.abs(np.asarray(l) - np.asarray(head(h))) <= bound)
+  t = inputs.pow2_temperatures(B, seed=11)
+  for key in _keys():
+    got = flax_heads.sample_from_head(qhead, h, key, temperature=t, top_k=40)
+    _assert_same(got, fs.reference.sample(h, qhead.weight, key, temperature=t, top_k=40,
+                                          weight_layout="dv", weight_scale=qhead.scale,
+                                          logit_bias=qhead.bias))
+    _assert_same(got, fs.reference.sample_logits(l, key, temperature=t, top_k=40))
+  with pytest.raises(TypeError, match="weight_scale is set by the head"):
+    flax_heads.sample_from_head(qhead, h, jax.random.key(0), weight_scale=qhead.scale)
+  # A pytree: it passes through jit.
+  f = jax.jit(lambda q, h: flax_heads.sample_from_head(q, h, jax.random.key(1)))
+  _assert_same(f(qhead, h), flax_heads.sample_from_head(qhead, h, jax.random.key(1)))

@@ -176,3 +176,46 @@ def test_sharded_quantized_head_on_1_2_4_8_shards(per_row):
       np.testing.assert_array_equal(row, want)
   got = fs.sample_sharded(h, w, key, mesh=mesh, vocab_axis="tp", weight_scale=s, **kw)
   np.testing.assert_array_equal(got, want)
+
+
+# -- quantize_weight: per-row absmax ------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fp8", "float8_e5m2", "int8"])
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_quantize_weight_per_row_absmax(name, layout):
+  r = np.random.default_rng(12)
+  w = r.standard_normal((300, 64)).astype(np.float32) * (r.uniform(0.1, 3, 300)[:, None])
+  w[7] = 0.0                                      # a zero row: scale 1, zeros
+  wl = w if layout == "vd" else w.T
+  w8, s = fs.quantize_weight(jnp.asarray(wl, jnp.bfloat16), name, weight_layout=layout)
+  dt, qmax = fs.quantize.QUANT_DTYPES[fs.quantize._dtype_name(name)]
+  assert w8.dtype == jnp.dtype(dt) and w8.shape == wl.shape and s.shape == (300,)
+  back = np.asarray(w8, np.float32)
+  back = back if layout == "vd" else back.T
+  wb = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
+  amax = np.abs(wb).max(axis=1)
+  np.testing.assert_allclose(np.asarray(s), np.where(amax > 0, amax / qmax, 1.0), rtol=1e-6)
+  # Every row's largest magnitude maps to qmax; the rest within half a step
+  # of the 8-bit grid (relative 2**-4 for e4m3, 2**-3 for e5m2, 0.5/127 int8).
+  assert np.all(np.abs(back).max(axis=1)[amax > 0] == qmax)
+  assert np.all(back[7] == 0) and s[7] == 1.0
+  rel = {"int8": 0.5 / 127, "float8_e5m2": 2**-3, "float8_e4m3fn": 2**-4}[
+      fs.quantize._dtype_name(name)]
+  err = np.abs(back * np.asarray(s)[:, None] - wb)
+  assert np.all(err <= rel * amax[:, None] * (1 + 2**-16))   # XLA may divide by a reciprocal
+  # Sampling from it: the quantized head's tokens are the reference's.
+  h = jnp.asarray(r.standard_normal((5, 64)), jnp.bfloat16)
+  np.testing.assert_array_equal(
+      fs.sample(h, w8, jax.random.key(0), weight_scale=s, weight_layout=layout),
+      fs.reference.sample(h, w8, jax.random.key(0), weight_scale=s, weight_layout=layout))
+
+
+def test_quantize_weight_errors():
+  w = jnp.ones((10, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"dtype='fp4' must be one of"):
+    fs.quantize_weight(w, "fp4")
+  with pytest.raises(TypeError, match=r"weight must be a float array"):
+    fs.quantize_weight(w.astype(jnp.int8), "int8")
+  with pytest.raises(ValueError, match=r"weight_layout='x'"):
+    fs.quantize_weight(w, "int8", weight_layout="x")
