@@ -4,7 +4,9 @@ The same (batch block, vocabulary tile) programs and logits as
 :mod:`pallas_kernels.triton_sampler`, with a longer epilogue. Per element, in
 this order (each step optional, chosen by constexpr flags)::
 
-    x  = l                                     f32 logits
+    x  = l                                     f32 logits (quantized heads:
+                                               f32(H @ W.T) * scale, as in
+                                               triton_sampler)
     x  = c * tanh(x / c)                       soft-cap (per-row c > 0)
     x  = x + bias[gid]                         additive bias, per global id
     x  = -inf unless allowed[row, gid]         bit gid % 32 of word gid // 32
@@ -209,7 +211,9 @@ def _controls_kernel(
     off_ptr,      # int32 [1]: global id of the weight's first row
     rows_ptr,     # uint32 [RowLayout(S).rows, B]: see pack_control_rows
     h_ptr,        # bf16/f16 [B, D]
-    w_ptr,        # bf16/f16 [V, D] ("vd") or [D, V] ("dv"), V = ROWS
+    w_ptr,        # H's dtype, fp8 e4m3/e5m2, int8 (or e4m3 bits as uint8)
+                  # [V, D] ("vd") or [D, V] ("dv"), V = ROWS
+    scale_ptr,    # f32 [1] (SCALE 1) or [ROWS] (SCALE 2); unread with SCALE 0
     bias_ptr,     # f32 [VOCAB_SIZE] (read only with HAS_BIAS)
     mask_ptr,     # uint32 [B, N_WORDS] (read only with HAS_MASK)
     f_ptr,        # f32 [B, F_ROWS, N_TILES] (output)
@@ -217,16 +221,16 @@ def _controls_kernel(
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     ROWS_VALID: tl.constexpr, VOCAB_SIZE: tl.constexpr, N_TILES: tl.constexpr,
     W_VD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr,
-    S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr, SCALE: tl.constexpr,
+    W_CONVERT: tl.constexpr, S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, N_WORDS: tl.constexpr, T_BEST: tl.constexpr,
     LSE: tl.constexpr, K: tl.constexpr, TANH: tl.constexpr,
     NOISE: tl.constexpr, F_ROWS: tl.constexpr, I_ROWS: tl.constexpr):
   """One (batch block, vocabulary tile) of the controls kernel (module doc)."""
   pid_b = tl.program_id(0)
   pid_v = tl.program_id(1)
-  x = base.tile_logits(h_ptr, w_ptr, pid_b, pid_v, B, D, ROWS, W_VD, BLOCK_B,
-                       BLOCK_V, BLOCK_D, VOCAB_ON_M)
+  x = base.tile_logits(h_ptr, w_ptr, scale_ptr, pid_b, pid_v, B, D, ROWS, W_VD,
+                       BLOCK_B, BLOCK_V, BLOCK_D, VOCAB_ON_M, SCALE, W_CONVERT)
   AXIS: tl.constexpr = 0 if VOCAB_ON_M else 1
 
   local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -312,7 +316,8 @@ def _controls_kernel(
 
 def pick_controls_config(batch: int, dim: int, rows: int,
                          capability: tuple[int, int],
-                         controls: Controls) -> base.TritonConfig:
+                         controls: Controls,
+                         w_itemsize: int | None = None) -> base.TritonConfig:
   """The plain sampler's config with fewer elements per thread.
 
   The epilogue keeps every element of a thread live at once; each sample,
@@ -325,7 +330,7 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   from L2). A list without the noise is light (B = 128, 32 elements: 99
   registers).
   """
-  cfg = base.pick_config(batch, dim, rows, capability)
+  cfg = base.pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize)
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
            or controls.t_best)
   limit = 16 if heavy else 32
@@ -348,11 +353,13 @@ def pick_controls_config(batch: int, dim: int, rows: int,
 
 
 def controls_constexprs(cfg: base.TritonConfig, ctl: Controls, *, batch, dim,
-                        rows, rows_valid, vocab_size, layout, n_words=1):
+                        rows, rows_valid, vocab_size, layout, n_words=1,
+                        scale=base.SCALE_NONE, convert=base.CONVERT_DIRECT):
   """The controls kernel's constexprs for one problem."""
   consts = base.sampler_constexprs(cfg, batch=batch, dim=dim, rows=rows,
                                    rows_valid=rows_valid, vocab_size=vocab_size,
-                                   layout=layout)
+                                   layout=layout, scale=scale,
+                                   convert=convert)
   consts.update(S=ctl.samples, HAS_SOFTCAP=ctl.softcap, HAS_BIAS=ctl.bias,
                 HAS_MASK=ctl.mask, N_WORDS=n_words, T_BEST=ctl.t_best,
                 LSE=ctl.lse, K=ctl.top_k, TANH=ctl.tanh, NOISE=ctl.noise,
@@ -401,14 +408,17 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                        vocab_size: int, controls: Controls,
                        bias=None, allowed_mask=None,
                        rows_valid: int | None = None,
+                       weight_scale=None,
                        config: base.TritonConfig | None = None,
                        capability: tuple[int, int] | None = None
                        ) -> ControlsCandidates:
   """Per (row, tile) outputs of the controls kernel.
 
   Args:
-    hidden, weight, vocab_offset, layout, vocab_size, rows_valid, config,
-      capability: as :func:`pallas_kernels.triton_sampler.candidates`.
+    hidden, weight, vocab_offset, layout, vocab_size, rows_valid,
+      weight_scale, config, capability: as
+      :func:`pallas_kernels.triton_sampler.candidates` (a quantized weight's
+      scaled logits are the ``l`` every control acts on).
     rows: uint32 ``[RowLayout(S).rows, B]`` from :func:`pack_control_rows`.
     controls: the static :class:`Controls` (flags must match ``bias``,
       ``allowed_mask`` and the soft-cap row).
@@ -443,14 +453,21 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                      f"{allowed_mask.dtype} {tuple(allowed_mask.shape)}")
   if capability is None:
     capability = base.device_capability()
+  w_itemsize = jnp.dtype(weight.dtype).itemsize
   if config is None:
-    config = pick_controls_config(batch, dim, w_rows, capability, controls)
+    config = pick_controls_config(batch, dim, w_rows, capability, controls,
+                                  w_itemsize=w_itemsize)
   cfg = base.resolve_config(config, batch=batch, dim=dim, rows=w_rows,
-                            itemsize=jnp.dtype(weight.dtype).itemsize,
-                            capability=capability)
+                            itemsize=jnp.dtype(hidden.dtype).itemsize,
+                            w_itemsize=w_itemsize, capability=capability)
+  weight, scale, wconsts = base.weight_operands(weight, weight_scale,
+                                                hidden_dtype=hidden.dtype,
+                                                rows=w_rows, capability=capability)
   consts = controls_constexprs(cfg, controls, batch=batch, dim=dim, rows=w_rows,
                                rows_valid=rows_valid, vocab_size=vocab_size,
-                               layout=layout, n_words=n_words)
+                               layout=layout, n_words=n_words,
+                               scale=wconsts["SCALE"],
+                               convert=wconsts["W_CONVERT"])
   n_tiles = consts["N_TILES"]
   offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
   # Absent optional inputs: a 1-element placeholder the kernel never reads.
@@ -458,7 +475,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   allowed_mask = (jnp.zeros((1,), jnp.uint32) if allowed_mask is None
                   else allowed_mask)
   fo, io = noise.jax_triton_module().triton_call(
-      offset, rows, hidden, weight, bias, allowed_mask,
+      offset, rows, hidden, weight, scale, bias, allowed_mask,
       kernel=_controls_kernel,
       out_shape=(jax.ShapeDtypeStruct((batch, controls.f_rows, n_tiles), jnp.float32),
                  jax.ShapeDtypeStruct((batch, controls.i_rows, n_tiles), jnp.int32)),
@@ -470,15 +487,21 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
 
 def controls_for_inspection(cfg: base.TritonConfig, ctl: Controls, *, layout: str,
                             dtype, batch: int, dim: int, rows: int,
-                            capability: tuple[int, int] = (9, 0)):
-  """Compiles the controls kernel without a GPU (tests, register report)."""
+                            capability: tuple[int, int] = (9, 0),
+                            weight_dtype=None, scale: int = base.SCALE_NONE):
+  """Compiles the controls kernel without a GPU (tests, register report);
+  ``weight_dtype`` and ``scale`` as for
+  :func:`pallas_kernels.triton_sampler.sampler_for_inspection`."""
   t = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}[jnp.dtype(dtype)]
+  w_type, wconsts = base.inspection_weight(dtype, weight_dtype, scale,
+                                              capability)
   pointers = {"off_ptr": "*i32", "rows_ptr": "*u32", "h_ptr": f"*{t}",
-              "w_ptr": f"*{t}", "bias_ptr": "*fp32", "mask_ptr": "*u32",
-              "f_ptr": "*fp32", "i_ptr": "*i32"}
+              "w_ptr": w_type, "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+              "mask_ptr": "*u32", "f_ptr": "*fp32", "i_ptr": "*i32"}
   consts = controls_constexprs(cfg, ctl, batch=batch, dim=dim, rows=rows,
                                rows_valid=rows, vocab_size=rows, layout=layout,
-                               n_words=-(-rows // 32))
+                               n_words=-(-rows // 32), scale=scale,
+                               convert=wconsts["W_CONVERT"])
   return base.compile_for_inspection(_controls_kernel, pointers, consts,
                                      capability=capability,
                                      num_warps=cfg.num_warps,

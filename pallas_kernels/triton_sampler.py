@@ -5,7 +5,7 @@ vocabulary tile (``Vt`` weight rows) and one block of ``Bt`` batch rows; it
 accumulates the logits of the tile on chip and keeps, per batch row, one
 candidate::
 
-    l     = f32(W_tile @ H_block.T)                (tl.dot over D in f32)
+    l     = f32(W_tile @ H_block.T) [* scale]      (tl.dot over D in f32)
     s     = l / T + gumbel(key, ctr + gid)         (rows with T > 0)
     s     = l                                      (greedy rows, T == 0)
     s     = -inf                                   (ids >= vocab_size, padding)
@@ -28,6 +28,21 @@ table :data:`CONFIGS`).
 Per-row inputs travel packed in one uint32 array ``rowdata [8, B]`` in the
 row order of :class:`pallas_kernels.rowdata.RowLayout` (the Mosaic GPU
 kernels' too); :func:`pack_rowdata` builds it.
+
+Quantized heads (docs/design.md, "Quantized heads"): ``W`` may be
+float8_e4m3fn, float8_e5m2 or int8 with an f32 ``weight_scale`` per
+vocabulary row (``[V]``) or per tensor (``()``). Each W tile is loaded in its
+stored dtype (half the bytes of bf16: decode streams W) and converted in
+registers to ``H``'s dtype (bf16 or f16; exact for every 8-bit value), so
+``tl.dot`` accumulates in f32 exactly as for a bf16 head; the tile's logits
+are then ``acc * scale``, one f32 multiply rounded on its own
+(``enable_fp_fusion=False``), before anything else reads them. GPUs below
+sm90 take the weight's bytes as uint8 instead, converted with integer ops
+(:func:`e4m3_bits_to`, :func:`e5m2_bits_to`): Triton 3.6 has no e4m3 type
+below sm89, and once a process has compiled an 8-bit float conversion for
+sm90 it emits sm89/sm90 instructions (``mul.bf16x2``, ``cvt`` of e5m2x2) in
+later sm80/sm89 compiles of the same conversion, which ptxas rejects (seen
+compiling for several targets in one process, as the CPU tests do).
 """
 
 from __future__ import annotations
@@ -60,12 +75,25 @@ __all__ = [
     "device_capability",
     "pick_config",
     "candidates",
+    "QUANTIZED_DTYPES",
+    "weight_operands",
     "compile_for_inspection",
     "sampler_for_inspection",
 ]
 
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# 8-bit weights whose conversion to bf16 / f16 is exact (docs/design.md,
+# "Quantized heads"); they need H in bf16 or f16 and take a weight scale.
+QUANTIZED_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2),
+                    jnp.dtype(jnp.int8))
+# The SCALE constexpr: how the f32 accumulator becomes the logits.
+SCALE_NONE, SCALE_TENSOR, SCALE_ROW = 0, 1, 2
+# The W_CONVERT constexpr: how a loaded W tile becomes the dot's operand
+# (weight_operand): Triton's conversion (the identity for a float head, int8,
+# 8-bit floats from sm90), or an 8-bit float's bytes converted with integer
+# ops (below sm90).
+CONVERT_DIRECT, CONVERT_E4M3_BITS, CONVERT_E5M2_BITS = 0, 1, 2
 _LAYOUTS = ("vd", "dv")
 # The vocabulary tiles are the grid's axis 1 (CUDA allows 65535 there): the
 # batch blocks are axis 0, the fastest in launch order (see _sampler_kernel).
@@ -136,10 +164,13 @@ class TritonConfig:
           f"{block_v=} x {block_b=} needs {regs} accumulator registers per "
           f"thread with {num_warps=}; at most 128 leave room for the epilogue")
 
-  def smem_bytes(self, itemsize: int = 2) -> int:
+  def smem_bytes(self, itemsize: int = 2, w_itemsize: int | None = None) -> int:
     """Shared memory of the load pipeline (an upper estimate: one buffer of
-    the W tile and one of the H block per stage)."""
-    return self.num_stages * (self.block_v + self.block_b) * self.block_d * itemsize
+    the W tile and one of the H block per stage). ``w_itemsize``: W's bytes
+    per element when they differ from H's (a quantized head: 1)."""
+    w_itemsize = itemsize if w_itemsize is None else w_itemsize
+    return self.num_stages * self.block_d * (self.block_v * w_itemsize
+                                             + self.block_b * itemsize)
 
 
 # ----------------------------------------------------------------------------
@@ -230,6 +261,13 @@ CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
                    vocab_on_m=False)),
     ),
 }
+
+# 8-bit weights (quantized heads): a W tile is half the bytes of a bf16 one,
+# so at the same tile shape a stage holds half the bytes in flight. Provisional
+# (compiled for registers on a CPU, not measured): the float tables' rows with
+# steps of 128 along D where the float row takes 64, so that a stage reads
+# as many bytes of W as the float kernel's.
+CONFIGS_8BIT: dict[str, tuple[tuple[int, TritonConfig], ...]] = {}
 del _C
 
 # Devices whose measured table differs from their family's: a device whose
@@ -300,18 +338,24 @@ def config_table(capability: tuple[int, int], kind: str | None = None) -> str:
 
 
 def pick_config(batch: int, dim: int, rows: int,
-                capability: tuple[int, int], kind: str | None = None) -> TritonConfig:
+                capability: tuple[int, int], kind: str | None = None,
+                w_itemsize: int | None = None) -> TritonConfig:
   """The heuristic config for ``batch`` rows, hidden ``D = dim``, ``V = rows``.
 
   The row of :data:`CONFIGS` for the device (:func:`config_table`: the GPU
   family, or a measured device's own table) and batch, with ``block_d``
-  fitted to divide ``D`` and ``block_v`` shrunk for tiny vocabularies. No
-  autotuning at call time. Extend the table (``CONFIGS["sm90"] = ...``, a
-  new family, or a device's table named in :data:`DEVICE_TABLES`) to
-  change it.
+  fitted to divide ``D`` and ``block_v`` shrunk for tiny vocabularies; an
+  8-bit weight (``w_itemsize=1``) takes :data:`CONFIGS_8BIT`'s row where
+  the table has one. No autotuning at call time. Extend the table
+  (``CONFIGS["sm90"] = ...``, a new family, or a device's table named in
+  :data:`DEVICE_TABLES`) to change it.
   """
+  table = config_table(capability, kind)
+  rows_of = CONFIGS[table]
+  if w_itemsize == 1:
+    rows_of = CONFIGS_8BIT.get(table, CONFIGS_8BIT.get(table.split("-")[0], rows_of))
   cfg = None
-  for max_batch, c in CONFIGS[config_table(capability, kind)]:
+  for max_batch, c in rows_of:
     cfg = c
     if batch <= max_batch:
       break
@@ -381,17 +425,94 @@ def _dot(a, b, acc):
     return tl.dot(a, b, acc)
 
 
+# e4m3's 7 magnitude bits placed at the top of a bf16's (f16's) exponent and
+# mantissa fields give the value times 2**-120 (2**-8), subnormals included:
+# both formats' subnormals continue the same binary scale.
+_E4M3_BF16_SHIFT = tl.constexpr(4)
+_E4M3_F16_SHIFT = tl.constexpr(7)
+_E4M3_BF16_UNSCALE = tl.constexpr(2.0**120)
+_E4M3_F16_UNSCALE = tl.constexpr(2.0**8)
+
+
 @triton.jit
-def tile_logits(h_ptr, w_ptr, pid_b, pid_v,
+def e4m3_bits_to(bits, DTYPE: tl.constexpr):
+  """float8_e4m3fn values given as their uint8 bits, converted exactly to
+  ``DTYPE`` (bf16 or f16) without Triton's e4m3 conversion.
+
+  The sign and the 7 magnitude bits move into a 16-bit float whose value is
+  the e4m3 value times a power of two; an f32 multiply by the inverse power
+  is exact (no result is subnormal in f32, and ``mul.rn.f32`` keeps the
+  subnormal inputs: no FTZ); e4m3fn's NaN (magnitude bits all set) stays NaN.
+  """
+  x = bits.to(tl.uint16)
+  mag = x & 0x7F
+  sign = (x & 0x80) << 8
+  if DTYPE == tl.bfloat16:
+    v = (sign | (mag << _E4M3_BF16_SHIFT)).to(tl.bfloat16, bitcast=True)
+    f = v.to(tl.float32) * _E4M3_BF16_UNSCALE
+  else:
+    v = (sign | (mag << _E4M3_F16_SHIFT)).to(tl.float16, bitcast=True)
+    f = v.to(tl.float32) * _E4M3_F16_UNSCALE
+  f = tl.where(mag == 0x7F, float("nan"), f)
+  return f.to(DTYPE)
+
+
+@triton.jit
+def e5m2_bits_to(bits, DTYPE: tl.constexpr):
+  """float8_e5m2 values given as their uint8 bits, converted exactly to
+  ``DTYPE`` (bf16 or f16): e5m2 is the top byte of an f16 (infinities, NaN
+  and subnormals alike), and every such f16 is a bf16 value."""
+  f16 = (bits.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+  return f16.to(DTYPE)
+
+
+@triton.jit
+def weight_operand(w, DTYPE: tl.constexpr, W_CONVERT: tl.constexpr):
+  """A loaded W tile in the dot's operand dtype ``DTYPE`` (H's): a float
+  head's as it is, an 8-bit head's converted in registers (exact).
+  ``W_CONVERT``: 0 Triton's conversion, 1 :func:`e4m3_bits_to`, 2
+  :func:`e5m2_bits_to` (``CONVERT_*``).
+
+  Triton's CPU interpreter converts 8-bit floats (NaN, subnormals), int8 ->
+  bf16 and bf16 subnormals wrongly, so there the tile becomes f32 (what
+  :func:`_dot` multiplies in the interpreter anyway) through conversions it
+  does right: the byte conversions to f16, and int8 -> f32.
+  """
+  if noise.INTERPRET:
+    if w.dtype == tl.float8e4nv:
+      w = w.to(tl.uint8, bitcast=True)
+      return e4m3_bits_to(w, tl.float16).to(tl.float32)
+    elif w.dtype == tl.float8e5:
+      w = w.to(tl.uint8, bitcast=True)
+      return e5m2_bits_to(w, tl.float16).to(tl.float32)
+    elif W_CONVERT == 1:
+      return e4m3_bits_to(w, tl.float16).to(tl.float32)
+    elif W_CONVERT == 2:
+      return e5m2_bits_to(w, tl.float16).to(tl.float32)
+    else:
+      return w.to(tl.float32)
+  elif W_CONVERT == 1:
+    return e4m3_bits_to(w, DTYPE)
+  elif W_CONVERT == 2:
+    return e5m2_bits_to(w, DTYPE)
+  else:
+    return w.to(DTYPE)
+
+
+@triton.jit
+def tile_logits(h_ptr, w_ptr, scale_ptr, pid_b, pid_v,
                 B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                 W_VD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr):
+                BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr,
+                SCALE: tl.constexpr, W_CONVERT: tl.constexpr):
   """f32 logits of batch block ``pid_b`` and vocabulary tile ``pid_v``.
 
   Returns ``acc`` ``[BLOCK_V, BLOCK_B]`` (``VOCAB_ON_M``) or ``[BLOCK_B,
-  BLOCK_V]``. Rows past ``B`` repeat row ``B - 1`` and weight rows past
-  ``ROWS`` repeat row ``ROWS - 1`` ("vd") or read 0 ("dv"); the epilogue
-  masks both.
+  BLOCK_V]``, times the weight scale (``SCALE``: ``SCALE_TENSOR`` reads
+  ``scale_ptr[0]``, ``SCALE_ROW`` one scale per weight row; ``W_CONVERT``:
+  :func:`weight_operand`'s). Rows past ``B``
+  repeat row ``B - 1`` and weight rows past ``ROWS`` repeat row ``ROWS - 1``
+  ("vd") or read 0 ("dv"); the epilogue masks both.
   """
   rows_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
   rows_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -416,11 +537,14 @@ def tile_logits(h_ptr, w_ptr, pid_b, pid_v,
       h = tl.load(h_ptrs)
     else:
       h = tl.load(h_ptrs, mask=(k + ks)[None, :] < D, other=0.0)
+    # W is loaded in its stored dtype (8-bit heads: half the bytes) and
+    # converted in registers; for a float head this is the identity.
     if W_VD:
       if EVEN_D:
         w = tl.load(w_ptrs)
       else:
         w = tl.load(w_ptrs, mask=(k + ks)[None, :] < D, other=0.0)
+      w = weight_operand(w, h.dtype, W_CONVERT)
       if VOCAB_ON_M:
         acc = _dot(w, tl.trans(h), acc)
       else:
@@ -430,6 +554,7 @@ def tile_logits(h_ptr, w_ptr, pid_b, pid_v,
         w = tl.load(w_ptrs, mask=v_in, other=0.0)
       else:
         w = tl.load(w_ptrs, mask=v_in & ((k + ks)[:, None] < D), other=0.0)
+      w = weight_operand(w, h.dtype, W_CONVERT)
       if VOCAB_ON_M:
         acc = _dot(tl.trans(w), tl.trans(h), acc)
       else:
@@ -439,6 +564,15 @@ def tile_logits(h_ptr, w_ptr, pid_b, pid_v,
       w_ptrs += BLOCK_D
     else:
       w_ptrs += BLOCK_D * ROWS
+  # The scale multiplies the f32 dot result once, before anything else reads
+  # the logits: a mul.rn.f32 of its own (no fp fusion), as XLA rounds
+  # f32(dot) * scale. Read after the loop, so nothing extra stays live
+  # across it.
+  if SCALE == 1:
+    acc = acc * tl.load(scale_ptr)
+  elif SCALE == 2:
+    scale = tl.load(scale_ptr + tl.minimum(rows_v, ROWS - 1))
+    acc = acc * along_vocab(scale, VOCAB_ON_M)
   return acc
 
 
@@ -508,13 +642,16 @@ def _sampler_kernel(
     off_ptr,      # int32 [1]: global id of the weight's first row
     rowdata_ptr,  # uint32 [8, B]: RowLayout(samples=1)
     h_ptr,        # bf16/f16 [B, D]
-    w_ptr,        # bf16/f16 [V, D] ("vd") or [D, V] ("dv"), V = ROWS
+    w_ptr,        # H's dtype, fp8 e4m3/e5m2, int8 (or e4m3 bits as uint8)
+                  # [V, D] ("vd") or [D, V] ("dv"), V = ROWS
+    scale_ptr,    # f32 [1] (SCALE 1) or [ROWS] (SCALE 2); unread with SCALE 0
     score_ptr,    # f32 [B, N_TILES] (output)
     index_ptr,    # int32 [B, N_TILES] (output)
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     ROWS_VALID: tl.constexpr, VOCAB_SIZE: tl.constexpr, N_TILES: tl.constexpr,
     W_VD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr):
+    BLOCK_D: tl.constexpr, VOCAB_ON_M: tl.constexpr, SCALE: tl.constexpr,
+    W_CONVERT: tl.constexpr):
   """One (batch block, vocabulary tile): its best candidate per batch row.
 
   Grid ``(cdiv(B, BLOCK_B), N_TILES)``: axis 0 (the fastest in launch order)
@@ -523,8 +660,8 @@ def _sampler_kernel(
   """
   pid_b = tl.program_id(0)
   pid_v = tl.program_id(1)
-  l = tile_logits(h_ptr, w_ptr, pid_b, pid_v, B, D, ROWS, W_VD, BLOCK_B,
-                  BLOCK_V, BLOCK_D, VOCAB_ON_M)
+  l = tile_logits(h_ptr, w_ptr, scale_ptr, pid_b, pid_v, B, D, ROWS, W_VD,
+                  BLOCK_B, BLOCK_V, BLOCK_D, VOCAB_ON_M, SCALE, W_CONVERT)
   AXIS: tl.constexpr = 0 if VOCAB_ON_M else 1
 
   local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)      # weight row
@@ -572,9 +709,17 @@ def check_arrays(hidden, weight, rowdata, *, layout: str, rowdata_rows: int):
   for name, x in (("hidden", hidden), ("weight", weight)):
     if getattr(x, "ndim", None) != 2:
       raise ValueError(f"{name} must be 2-D, got shape {getattr(x, 'shape', None)}")
-  if jnp.dtype(weight.dtype) not in _SUPPORTED_DTYPES:
-    raise TypeError(f"weight.dtype={weight.dtype} must be bfloat16 or float16")
-  if hidden.dtype != weight.dtype:
+  w_dtype = jnp.dtype(weight.dtype)
+  if w_dtype in QUANTIZED_DTYPES:
+    if jnp.dtype(hidden.dtype) not in _SUPPORTED_DTYPES:
+      raise TypeError(
+          f"hidden.dtype={hidden.dtype} must be bfloat16 or float16 with a "
+          f"quantized weight ({w_dtype}): the weight converts to it exactly")
+  elif w_dtype not in _SUPPORTED_DTYPES:
+    raise TypeError(
+        f"weight.dtype={weight.dtype} must be bfloat16, float16, "
+        "float8_e4m3fn, float8_e5m2 or int8")
+  elif hidden.dtype != weight.dtype:
     raise TypeError(
         f"hidden.dtype={hidden.dtype} must equal weight.dtype={weight.dtype} "
         "(cast hidden first)")
@@ -604,12 +749,74 @@ def check_vocab(rows: int, rows_valid, vocab_size) -> int:
   return int(rows_valid)
 
 
-def resolve_config(config, *, batch, dim, rows, itemsize, capability):
+def weight_conversion(weight_dtype, hidden_dtype,
+                      capability: tuple[int, int]) -> int:
+  """The ``W_CONVERT`` constexpr (``CONVERT_*``) for a weight on a GPU:
+  Triton's conversion, except for 8-bit floats below sm90, whose bytes the
+  kernel converts itself (module docstring).
+  """
+  del hidden_dtype  # every conversion serves bf16 and f16 alike
+  wd = jnp.dtype(weight_dtype)
+  if tuple(capability) >= (9, 0):
+    return CONVERT_DIRECT
+  if wd == jnp.dtype(jnp.float8_e4m3fn):
+    return CONVERT_E4M3_BITS
+  if wd == jnp.dtype(jnp.float8_e5m2):
+    return CONVERT_E5M2_BITS
+  return CONVERT_DIRECT
+
+
+def weight_operands(weight, weight_scale, *, hidden_dtype, rows: int,
+                    capability: tuple[int, int]):
+  """The weight and scale as the kernels take them.
+
+  Args:
+    weight: the checked weight (:func:`check_arrays`).
+    weight_scale: None, or f32 of shape ``()`` (per tensor) or ``[rows]``
+      (per weight row).
+    hidden_dtype: H's (the dot's operand dtype).
+    rows: the weight's rows (``V``).
+    capability: the target GPU's.
+
+  Returns:
+    ``(weight, scale, consts)``: the weight (an 8-bit float below sm90: its
+    bytes as uint8, a bitcast), the f32 scale operand (``[1]``, ``[rows]``, or
+    a 1-element placeholder the kernel never reads) and the ``SCALE`` and
+    ``W_CONVERT`` constexprs (:func:`weight_conversion`). A per-tensor scale
+    stays one element (a reshape): no ``[V]`` broadcast is launched for it.
+
+  Raises:
+    TypeError, ValueError: a scale of another dtype or shape.
+  """
+  if weight_scale is None:
+    mode, scale = SCALE_NONE, jnp.zeros((1,), jnp.float32)
+  else:
+    if not hasattr(weight_scale, "dtype") or not hasattr(weight_scale, "shape"):
+      raise TypeError(f"weight_scale must be a float32 array, got "
+                      f"{type(weight_scale).__name__}")
+    if jnp.dtype(weight_scale.dtype) != jnp.dtype(jnp.float32):
+      raise TypeError(f"weight_scale.dtype={weight_scale.dtype} must be float32")
+    shape = tuple(weight_scale.shape)
+    if shape == ():
+      mode, scale = SCALE_TENSOR, jnp.reshape(weight_scale, (1,))
+    elif shape == (rows,):
+      mode, scale = SCALE_ROW, weight_scale
+    else:
+      raise ValueError(f"weight_scale.shape={shape} must be () (per tensor) or "
+                       f"({rows},) (one scale per weight row)")
+  convert = weight_conversion(weight.dtype, hidden_dtype, capability)
+  if convert in (CONVERT_E4M3_BITS, CONVERT_E5M2_BITS):
+    weight = jax.lax.bitcast_convert_type(weight, jnp.uint8)
+  return weight, scale, dict(SCALE=mode, W_CONVERT=convert)
+
+
+def resolve_config(config, *, batch, dim, rows, itemsize, capability,
+                   w_itemsize=None):
   """``config`` or the heuristic's, checked against the family's SMEM."""
   if capability is None:
     capability = device_capability()
   if config is None:
-    config = pick_config(batch, dim, rows, capability)
+    config = pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize)
   elif not isinstance(config, TritonConfig):
     raise TypeError(f"config={config!r} must be a TritonConfig")
   n_tiles = -(-rows // config.block_v)
@@ -618,31 +825,35 @@ def resolve_config(config, *, batch, dim, rows, itemsize, capability):
         f"block_v={config.block_v} makes {n_tiles} vocabulary tiles, more than "
         f"the grid's {_MAX_GRID_Y}; use a larger block_v")
   budget = SMEM_BYTES[gpu_family(capability)]
-  if config.smem_bytes(itemsize) > budget:
+  smem = config.smem_bytes(itemsize, w_itemsize)
+  if smem > budget:
     raise ValueError(
-        f"{config} needs ~{config.smem_bytes(itemsize)} bytes of shared memory, "
+        f"{config} needs ~{smem} bytes of shared memory, "
         f"more than the {budget} of sm{capability[0]}{capability[1]}")
   return config
 
 
 def sampler_constexprs(cfg: TritonConfig, *, batch, dim, rows, rows_valid, vocab_size,
-                layout):
+                layout, scale=SCALE_NONE, convert=CONVERT_DIRECT):
   return dict(B=batch, D=dim, ROWS=rows, ROWS_VALID=rows_valid,
               VOCAB_SIZE=int(vocab_size), N_TILES=triton.cdiv(rows, cfg.block_v),
               W_VD=layout == "vd", BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v,
-              BLOCK_D=cfg.block_d, VOCAB_ON_M=cfg.vocab_on_m)
+              BLOCK_D=cfg.block_d, VOCAB_ON_M=cfg.vocab_on_m, SCALE=scale,
+              W_CONVERT=int(convert))
 
 
 def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
                vocab_size: int, rows_valid: int | None = None,
+               weight_scale=None,
                config: TritonConfig | None = None,
                capability: tuple[int, int] | None = None):
   """Per (row, vocabulary tile) best ``(score, global id)`` of the fused sampler.
 
   Args:
-    hidden: ``H [B, D]``, bf16 or f16 (the weight's dtype).
+    hidden: ``H [B, D]``, bf16 or f16 (the weight's dtype for a float head).
     weight: ``W [V, D]`` (``layout="vd"``) or ``[D, V]`` (``"dv"``); ``V``
-      rows of which the first ``rows_valid`` are real (padding after).
+      rows of which the first ``rows_valid`` are real (padding after). bf16
+      or f16, or a quantized float8_e4m3fn, float8_e5m2 or int8.
     rowdata: uint32 ``[5, B]`` from :func:`pack_rowdata`.
     vocab_offset: global id of the weight's row 0: an int or a traced int32
       scalar (e.g. ``shard_map``'s shard offset); passed as a 1-element array,
@@ -650,6 +861,8 @@ def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
     layout: ``"vd"`` or ``"dv"``.
     vocab_size: ids ``>= vocab_size`` are masked to ``-inf``.
     rows_valid: rows of ``weight`` that are real (default all).
+    weight_scale: None, or f32 ``()`` (per tensor) or ``[V]`` (per weight
+      row): the logits are ``f32(H @ W.T) * weight_scale`` (module doc).
     config: override the heuristic (tests, benchmarks).
     capability: ``(major, minor)`` of the target GPU (default: the first
       GPU's), for the heuristic and the SMEM check.
@@ -666,16 +879,24 @@ def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
   batch, dim, rows = check_arrays(hidden, weight, rowdata, layout=layout,
                                   rowdata_rows=ROWDATA_ROWS)
   rows_valid = check_vocab(rows, rows_valid, vocab_size)
+  if capability is None:
+    capability = device_capability()
   cfg = resolve_config(config, batch=batch, dim=dim, rows=rows,
-                       itemsize=jnp.dtype(weight.dtype).itemsize,
+                       itemsize=jnp.dtype(hidden.dtype).itemsize,
+                       w_itemsize=jnp.dtype(weight.dtype).itemsize,
                        capability=capability)
+  weight, scale, wconsts = weight_operands(weight, weight_scale,
+                                           hidden_dtype=hidden.dtype, rows=rows,
+                                           capability=capability)
   consts = sampler_constexprs(cfg, batch=batch, dim=dim, rows=rows,
-                       rows_valid=rows_valid, vocab_size=vocab_size, layout=layout)
+                              rows_valid=rows_valid, vocab_size=vocab_size,
+                              layout=layout, scale=wconsts["SCALE"],
+                              convert=wconsts["W_CONVERT"])
   n_tiles = consts["N_TILES"]
   offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
   shape = (batch, n_tiles)
   return noise.jax_triton_module().triton_call(
-      offset, rowdata, hidden, weight, kernel=_sampler_kernel,
+      offset, rowdata, hidden, weight, scale, kernel=_sampler_kernel,
       out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32),
                  jax.ShapeDtypeStruct(shape, jnp.int32)),
       grid=(triton.cdiv(batch, cfg.block_b), n_tiles),
@@ -688,7 +909,20 @@ def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
 # Compilation without a GPU (tests, the benchmark's register report)
 # ----------------------------------------------------------------------------
 
-_TRITON_TYPES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
+_TRITON_TYPES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16",
+                 jnp.dtype(jnp.float8_e4m3fn): "fp8e4nv",
+                 jnp.dtype(jnp.float8_e5m2): "fp8e5", jnp.dtype(jnp.int8): "i8",
+                 jnp.dtype(jnp.uint8): "u8"}
+
+
+def inspection_weight(dtype, weight_dtype, scale: int,
+                      capability: tuple[int, int]):
+  """The W pointer type and weight constexprs the launcher would pass for a
+  weight of ``weight_dtype`` (default: ``dtype``, a float head)."""
+  wd = jnp.dtype(dtype if weight_dtype is None else weight_dtype)
+  convert = weight_conversion(wd, dtype, capability)
+  w_type = "u8" if convert != CONVERT_DIRECT else _TRITON_TYPES[wd]
+  return f"*{w_type}", dict(SCALE=scale, W_CONVERT=convert)
 
 
 def compile_for_inspection(kernel, pointer_types: dict[str, str],
@@ -731,13 +965,19 @@ def compile_for_inspection(kernel, pointer_types: dict[str, str],
 
 def sampler_for_inspection(cfg: TritonConfig, *, layout: str, dtype, batch: int,
                            dim: int, rows: int, vocab_size: int | None = None,
-                           capability: tuple[int, int] = (9, 0)):
-  """:func:`compile_for_inspection` of the sampler kernel for one problem."""
+                           capability: tuple[int, int] = (9, 0),
+                           weight_dtype=None, scale: int = SCALE_NONE):
+  """:func:`compile_for_inspection` of the sampler kernel for one problem
+  (``dtype``: H's; ``weight_dtype``: W's when quantized; ``scale``: a
+  ``SCALE_*`` mode)."""
   t = _TRITON_TYPES[jnp.dtype(dtype)]
+  w_type, wconsts = inspection_weight(dtype, weight_dtype, scale, capability)
   pointers = {"off_ptr": "*i32", "rowdata_ptr": "*u32", "h_ptr": f"*{t}",
-              "w_ptr": f"*{t}", "score_ptr": "*fp32", "index_ptr": "*i32"}
+              "w_ptr": w_type, "scale_ptr": "*fp32", "score_ptr": "*fp32",
+              "index_ptr": "*i32"}
   consts = sampler_constexprs(cfg, batch=batch, dim=dim, rows=rows, rows_valid=rows,
-                       vocab_size=vocab_size or rows, layout=layout)
+                              vocab_size=vocab_size or rows, layout=layout,
+                              scale=scale, convert=wconsts["W_CONVERT"])
   return compile_for_inspection(_sampler_kernel, pointers, consts,
                                 capability=capability, num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages)

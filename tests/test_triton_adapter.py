@@ -42,11 +42,12 @@ class _Sampler:
 
   @staticmethod
   def candidates(hidden, weight, rows, vocab_offset=0, *, layout, vocab_size,
-                 config=None):
+                 weight_scale=None, config=None):
     del config
     return xla_tile_reference(hidden, weight, rows, vocab_offset, layout=layout,
                               vocab_size=vocab_size,
-                              rows_valid=_rows(weight, layout), block_v=BLOCK_V)
+                              rows_valid=_rows(weight, layout), block_v=BLOCK_V,
+                              scale=weight_scale)
 
 
 class _Controls:
@@ -56,12 +57,13 @@ class _Controls:
 
   @staticmethod
   def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout,
-                         vocab_size, controls, bias=None, allowed_mask=None):
+                         vocab_size, controls, bias=None, allowed_mask=None,
+                         weight_scale=None):
     triton_controls.check_controls(controls)
     out = xla_controls_reference(
         hidden, weight, rows, vocab_offset, controls, layout=layout,
         vocab_size=vocab_size, rows_valid=_rows(weight, layout),
-        block_v=BLOCK_V, bias=bias, mask=allowed_mask)
+        block_v=BLOCK_V, bias=bias, mask=allowed_mask, scale=weight_scale)
     stack = lambda name: jnp.stack(out[name], axis=1)
     lists = controls.top_k > 0
     return triton_controls.ControlsCandidates(
@@ -149,3 +151,51 @@ def test_truncation_with_pairings_equals_reference_on_crowded_rows():
 def test_list_pairings_must_be_a_count(bad):
   with pytest.raises(ValueError, match="list_pairings"):
     triton_backend.TritonBackend(list_pairings=bad)
+
+
+def test_check_takes_quantized_heads_with_their_scale(monkeypatch):
+  # The GPU checks pass as on an H100 (sm90, triton and jax_triton present);
+  # what remains is the dtype rule: an 8-bit weight needs its scale and
+  # bf16/f16 hidden states.
+  monkeypatch.setattr(triton_backend, "_cuda_capability", lambda: (9, 0))
+  monkeypatch.setattr(triton_backend.importlib.util, "find_spec", lambda name: object())
+  b, d, v = 4, 64, 300
+  backend = triton_backend.TritonBackend()
+  c = controls.prepare_controls(batch=b, vocab_size=v, rows=v)
+  for dt in inputs.QUANTIZED_DTYPES:
+    for per_row in (True, False):
+      h, w, s = inputs.quantized_inputs(b, d, v, dtype=dt, per_row=per_row)
+      p = problem.prepare(h, w, jax.random.key(0), weight_scale=s)
+      backend.check(p, c)
+      with pytest.raises(NotImplementedError, match="only with its weight_scale"):
+        backend.check(dataclasses.replace(p, weight_scale=None), c)
+      with pytest.raises(NotImplementedError, match="hidden.dtype=float32"):
+        backend.check(dataclasses.replace(p, hidden=p.hidden.astype(jnp.float32)), c)
+  h, w = inputs.exact_inputs(b, d, v, dtype=jnp.float32)
+  with pytest.raises(NotImplementedError, match="weight.dtype=float32"):
+    backend.check(problem.prepare(h, w, jax.random.key(0)), c)
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_scale_reaches_the_kernels_unbroadcast(monkeypatch, per_row):
+  # A per-tensor scale reaches the kernels as the f32 scalar it is (the
+  # kernels read it as one element, no [V] broadcast); a per-row scale as
+  # the [V] array.
+  seen = []
+  real = _Sampler.candidates
+
+  def spy(*args, weight_scale=None, **kw):
+    seen.append(weight_scale)
+    return real(*args, weight_scale=weight_scale, **kw)
+
+  monkeypatch.setattr(_Sampler, "candidates", staticmethod(spy))
+  b, d, v = 4, 64, 300
+  h, w, s = inputs.quantized_inputs(b, d, v, per_row=per_row)
+  key = jax.random.key(2)
+  p = problem.prepare(h, w, key, weight_scale=s)
+  _, got = CpuTritonBackend().candidates(p)
+  logits = np.asarray(h, np.float32) @ np.asarray(w, np.float32).T * np.asarray(s)
+  want = jax.random.categorical(key, jnp.asarray(logits))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert seen and all(x.shape == ((v,) if per_row else ()) for x in seen)
+  assert all(x.dtype == jnp.float32 for x in seen)

@@ -36,6 +36,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
 from jax.extend.random import threefry2x32_p  # noqa: E402
 
 from pallas_kernels import triton_noise  # noqa: E402
@@ -75,6 +76,52 @@ def exact_problem(batch, dim, rows, *, layout="vd", dtype=jnp.bfloat16, seed=0,
   if layout == "dv":
     w = np.ascontiguousarray(w.T)
   return jnp.asarray(h).astype(dtype), jnp.asarray(w).astype(dtype), l
+
+
+def fine_values(dtype, limit=8.0):
+  """Every finite value of an 8-bit float ``dtype`` that is a multiple of
+  2**-9 with magnitude <= ``limit`` (e4m3's subnormals included): with
+  integer H in [-3, 3] and D <= 512, every partial sum is exact in f32."""
+  v = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+  keep = np.isfinite(v) & (np.abs(v) <= limit) & (v * 512 == np.round(v * 512))
+  return np.unique(v[keep])
+
+
+def quantized_problem(batch, dim, rows, *, wdtype, layout="vd", dtype=jnp.bfloat16,
+                      scale="row", seed=0, fine=True, logits=True):
+  """Small-integer H in ``dtype`` and an 8-bit W with exact f32 logits,
+  plus an f32 scale: ``"row"`` ``[rows]``, ``"tensor"`` ``()``, or None.
+
+  W holds :func:`fine_values` (``fine``; small D only) or integers in
+  [-3, 3]; int8 W spans its whole range. Scales are not powers of two: the
+  logits ``f32(l * scale)`` are one rounding of an exact ``l``, the same
+  wherever it is computed. Returns ``(h, w, scale, scaled logits f32 [B,
+  rows] or None)``.
+  """
+  r = np.random.default_rng(seed)
+  h = r.integers(-3, 4, (batch, dim), dtype=np.int8)
+  wd = np.dtype(wdtype)
+  if wd == np.int8:
+    w = r.integers(-128, 128, (rows, dim), dtype=np.int8)
+  elif fine:
+    w = r.choice(fine_values(wd), (rows, dim)).astype(wd)
+  else:  # converted on the device: a full head's 622M values stay cheap
+    w = r.integers(-3, 4, (rows, dim), dtype=np.int8)
+  if scale == "row":
+    sc = r.uniform(2**-7, 0.5, rows).astype(np.float32)
+  elif scale == "tensor":
+    sc = np.float32(r.uniform(2**-7, 0.5))
+  else:
+    sc = None
+  l = None
+  if logits:
+    l = h.astype(np.float32) @ w.astype(np.float32).T
+    if sc is not None:
+      l = (l * sc).astype(np.float32)
+  if layout == "dv":
+    w = np.ascontiguousarray(w.T)
+  h = jnp.asarray(h).astype(dtype)
+  return (h, jnp.asarray(w).astype(wd), None if sc is None else jnp.asarray(sc), l)
 
 
 def make_rowdata(batch, *, seed=0, greedy_every=3, ctr_base=0, ctr_step=0,
@@ -244,6 +291,78 @@ def test_controls_compile(capability, batch, tanh, tmp_path):
   assert stack == 0, f"{cfg} spills: {stack} bytes of stack, {reg} registers"
 
 
+E4M3, E5M2, I8 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8
+
+_QUANT_COMPILE_CASES = [
+    # (capability, layout, H dtype, W dtype, batch, scale mode); below sm90
+    # the 8-bit floats come as bytes (triton_sampler's module docstring).
+    ((9, 0), "vd", jnp.bfloat16, E4M3, 1, ts.SCALE_ROW),
+    ((9, 0), "dv", jnp.bfloat16, E4M3, 1, ts.SCALE_TENSOR),
+    ((9, 0), "vd", jnp.float16, E5M2, 16, ts.SCALE_ROW),
+    ((9, 0), "dv", jnp.bfloat16, I8, 64, ts.SCALE_ROW),
+    ((9, 0), "vd", jnp.bfloat16, E4M3, 128, ts.SCALE_TENSOR),
+    ((8, 0), "vd", jnp.bfloat16, E4M3, 1, ts.SCALE_ROW),
+    ((8, 0), "dv", jnp.bfloat16, E5M2, 16, ts.SCALE_TENSOR),
+    ((8, 0), "vd", jnp.float16, I8, 64, ts.SCALE_ROW),
+    ((8, 9), "dv", jnp.bfloat16, E5M2, 1, ts.SCALE_ROW),
+    ((8, 9), "vd", jnp.float16, E4M3, 32, ts.SCALE_TENSOR),
+]
+# Cases also compiled without the scale, to count its multiplies.
+_SCALE_COUNT_CASES = {0, 5, 8}
+
+
+@compiled_only
+@pytest.mark.parametrize("case", range(len(_QUANT_COMPILE_CASES)))
+def test_quantized_sampler_compiles(case, tmp_path):
+  """8-bit weights: the heuristic's 8-bit config compiles for each
+  conversion (Triton's, e4m3 bits, e5m2 through f16) without spills, and
+  the scale is one separate ``mul.rn.f32`` per accumulator element: the
+  kernel without it has exactly that many fewer and the same fmas (no
+  contraction), and XLA's quotient and log stay as in the float kernel."""
+  capability, layout, dtype, wdtype, batch, scale = _QUANT_COMPILE_CASES[case]
+  cfg = ts.pick_config(batch, 4096, 151936, capability, w_itemsize=1)
+  compile_ = lambda scale: ts.sampler_for_inspection(
+      cfg, layout=layout, dtype=dtype, batch=batch, dim=4096, rows=151936,
+      capability=capability, weight_dtype=wdtype, scale=scale)
+  k = compile_(scale)
+  ptx = k.asm["ptx"]
+  ops = float_ops(ptx)
+  assert not any(op.startswith(("div", "lg2")) for op in ops), ops
+  assert "0f3F317218" in ptx  # __nv_logf
+  assert not re.search(r"\b(add|mul)\.f32", ptx)  # every f32 add/mul is .rn
+  reg, stack = registers(k.asm["cubin"], tmp_path)
+  assert stack == 0, f"{cfg} spills: {stack} bytes of stack, {reg} registers"
+  assert k.metadata.shared <= ts.SMEM_BYTES[ts.gpu_family(capability)]
+  assert cfg.smem_bytes(2, 1) <= ts.SMEM_BYTES[ts.gpu_family(capability)]
+  if case in _SCALE_COUNT_CASES:
+    plain = compile_(ts.SCALE_NONE).asm["ptx"]
+    fma = lambda p: len(re.findall(r"fma\.rn(\.ftz)?\.f32", p))
+    per_thread = cfg.block_v * cfg.block_b // (32 * cfg.num_warps)
+    assert ptx.count("mul.rn.f32") - plain.count("mul.rn.f32") == per_thread
+    assert fma(ptx) == fma(plain)
+
+
+@compiled_only
+@pytest.mark.parametrize("capability,layout,wdtype,batch", [
+    ((9, 0), "vd", E4M3, 1), ((8, 0), "dv", E4M3, 32)])
+def test_quantized_controls_compile(capability, layout, wdtype, batch, tmp_path):
+  """Every control on, an 8-bit weight with per-row scales: the controls
+  heuristic's config does not spill, XLA's division stays."""
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  ctl = tc.Controls(samples=2, softcap=True, bias=True, mask=True, t_best=True,
+                    lse=True, top_k=8)
+  cfg = tc.pick_controls_config(batch, 4096, 151936, capability, ctl, w_itemsize=1)
+  k = tc.controls_for_inspection(cfg, ctl, layout=layout, dtype=jnp.bfloat16,
+                                 batch=batch, dim=4096, rows=151936,
+                                 capability=capability, weight_dtype=wdtype,
+                                 scale=ts.SCALE_ROW)
+  ops = float_ops(k.asm["ptx"])
+  assert "div.full.f32" in ops
+  assert not any(op.startswith(("div.rn", "lg2")) for op in ops), ops
+  reg, stack = registers(k.asm["cubin"], tmp_path)
+  assert stack == 0, f"{cfg} spills: {stack} bytes of stack, {reg} registers"
+
+
 @compiled_only
 def test_inspection_compiles_after_jax_triton_import(monkeypatch):
   """jax_triton sets TRITON_CACHE_DIR to "" when imported (as on the GPU
@@ -379,22 +498,39 @@ def interp():
   return mods
 
 
+def weight_args(mod, w, scale, convert):
+  """``(W, scale)`` host arrays and the weight constexprs, as the launcher
+  passes them: the scale as ``[1]`` (per tensor) or ``[rows]``; for the
+  bit conversions the weight's bytes as uint8."""
+  w = np.asarray(w)
+  if convert != mod.CONVERT_DIRECT:
+    w = w.view(np.uint8)
+  if scale is None:
+    mode, s = mod.SCALE_NONE, np.zeros(1, np.float32)
+  else:
+    s = np.asarray(scale, np.float32)
+    mode = mod.SCALE_TENSOR if s.ndim == 0 else mod.SCALE_ROW
+    s = s.reshape(-1)
+  return HostTensor(w), HostTensor(s), dict(scale=mode, convert=convert)
+
+
 def run_sampler(mod, h, w, rowdata, *, offset, layout, vocab_size, rows_valid,
-                cfg):
+                cfg, scale=None, convert=0):
   """The sampler kernel under the interpreter; returns (score, index)."""
   b, d = h.shape
   rows = w.shape[0] if layout == "vd" else w.shape[1]
+  w_arg, s_arg, wconsts = weight_args(mod, w, scale, convert)
   consts = mod.sampler_constexprs(cfg, batch=b, dim=d, rows=rows,
                                   rows_valid=rows_valid, vocab_size=vocab_size,
-                                  layout=layout)
+                                  layout=layout, **wconsts)
   n = consts["N_TILES"]
   args = [HostTensor(np.asarray([offset], np.int32)), HostTensor(rowdata),
-          HostTensor(np.asarray(h)), HostTensor(np.asarray(w)),
+          HostTensor(np.asarray(h)), w_arg, s_arg,
           HostTensor(np.zeros((b, n), np.float32)),
           HostTensor(np.zeros((b, n), np.int32))]
   grid = (triton.cdiv(b, cfg.block_b), n)
   mod._sampler_kernel[grid](*args, **consts)  # pylint: disable=protected-access
-  return args[4].a, args[5].a
+  return args[5].a, args[6].a
 
 
 @interpreter_only
@@ -594,22 +730,23 @@ def _tile_best_rows(s, valid, block_v, offset):
 
 
 def run_controls(mod, h, w, rows, ctl, *, offset, layout, vocab_size,
-                 rows_valid, cfg, bias=None, mask=None):
+                 rows_valid, cfg, bias=None, mask=None, scale=None, convert=0):
   b, d = h.shape
   w_rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_words = -(-vocab_size // 32)
+  w_arg, s_arg, wconsts = weight_args(mod.base, w, scale, convert)
   consts = mod.controls_constexprs(cfg, ctl, batch=b, dim=d, rows=w_rows,
                                    rows_valid=rows_valid, vocab_size=vocab_size,
-                                   layout=layout, n_words=n_words)
+                                   layout=layout, n_words=n_words, **wconsts)
   n = consts["N_TILES"]
   args = [HostTensor(np.asarray([offset], np.int32)), HostTensor(rows),
-          HostTensor(np.asarray(h)), HostTensor(np.asarray(w)),
+          HostTensor(np.asarray(h)), w_arg, s_arg,
           HostTensor(np.zeros(1, np.float32) if bias is None else bias),
           HostTensor(np.zeros(1, np.uint32) if mask is None else mask),
           HostTensor(np.zeros((b, ctl.f_rows, n), np.float32)),
           HostTensor(np.zeros((b, ctl.i_rows, n), np.int32))]
   mod._controls_kernel[(triton.cdiv(b, cfg.block_b), n)](*args, **consts)  # pylint: disable=protected-access
-  return mod.split_outputs(args[6].a, args[7].a, ctl)
+  return mod.split_outputs(args[7].a, args[8].a, ctl)
 
 
 _CONTROL_CASES = [
@@ -668,6 +805,137 @@ def test_interpreter_controls(interp, layout, b, d, rows, rows_valid, vocab,
     eq(got.bound, want["bound"])
 
 
+@triton.jit
+def _convert_probe_kernel(w_ptr, out_ptr, W_CONVERT: tl.constexpr,
+                          OUT_F16: tl.constexpr):
+  """The kernels' W conversion (``weight_operand``) of 256 values to f16
+  (``OUT_F16``) or bf16 (under the interpreter: f32, see weight_operand)."""
+  i = tl.arange(0, 256)
+  w = tl.load(w_ptr + i)
+  if OUT_F16:
+    x = ts.weight_operand(w, tl.float16, W_CONVERT)
+  else:
+    x = ts.weight_operand(w, tl.bfloat16, W_CONVERT)
+  tl.store(out_ptr + i, x)
+
+
+# (weight dtype, conversion): Triton's, and the byte conversions used below sm90.
+_CONVERSIONS = [(E4M3, ts.CONVERT_DIRECT), (E4M3, ts.CONVERT_E4M3_BITS),
+                (E5M2, ts.CONVERT_DIRECT), (E5M2, ts.CONVERT_E5M2_BITS),
+                (I8, ts.CONVERT_DIRECT)]
+
+
+def all_bytes(wdtype):
+  """The 256 values of an 8-bit dtype, in byte order."""
+  return np.arange(256, dtype=np.uint8).view(np.dtype(wdtype))
+
+
+def assert_converted(got, wdtype, out_dtype):
+  """``got`` equals ml_dtypes' exact conversion of every byte, bit for bit
+  (NaN: anywhere the byte is a NaN)."""
+  want = all_bytes(wdtype).astype(np.dtype(out_dtype))
+  got = np.asarray(got)
+  nan = np.isnan(want.astype(np.float32))
+  np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+  bits = np.uint32 if want.itemsize == 4 else np.uint16
+  np.testing.assert_array_equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+@interpreter_only
+def test_interpreter_weight_conversion(interp):
+  """Every byte of each 8-bit dtype, each conversion (weight_operand's
+  interpreter path: exact f32 values)."""
+  m = interp["triton_sampler"]
+  for wdtype, convert in _CONVERSIONS:
+    for out_f16 in (False, True):
+      w = all_bytes(wdtype)
+      if convert != m.CONVERT_DIRECT:
+        w = w.view(np.uint8)
+      args = [HostTensor(w), HostTensor(np.zeros(256, np.float32))]
+      _convert_probe_kernel[(1,)](*args, W_CONVERT=convert, OUT_F16=out_f16)
+      assert_converted(args[1].a, wdtype, np.float32)
+
+
+# (layout, H dtype, W dtype, scale, conversion, B, D, rows, rows_valid,
+# vocab_size, offset, config)
+_QUANT_INTERP_CASES = [
+    ("vd", jnp.bfloat16, E4M3, "row", 0, 5, 64, 300, 300, 300, 0, C(64, 16, 32, 4, 2)),
+    ("dv", jnp.bfloat16, E4M3, "tensor", 1, 5, 64, 300, 290, 1000, 128,
+     C(64, 16, 32, 4, 2)),
+    ("vd", jnp.float16, E4M3, "row", 1, 20, 80, 200, 190, 300, 100,
+     C(32, 16, 32, 4, 2, False)),
+    ("dv", jnp.bfloat16, E5M2, "row", 2, 17, 48, 130, 130, 200, 64,
+     C(64, 32, 16, 4, 2, False)),
+    ("vd", jnp.float16, E5M2, "tensor", 0, 9, 40, 150, 150, 150, 0, C(64, 16, 16, 4, 2)),
+    ("dv", jnp.bfloat16, I8, "row", 0, 6, 32, 100, 100, 100, 0, C(32, 16, 32, 4, 1)),
+    ("vd", jnp.float16, I8, None, 0, 4, 32, 64, 64, 64, 0, C(32, 16, 32, 4, 1)),
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout,dtype,wdtype,scale,convert,b,d,rows,rows_valid,vocab,"
+                         "offset,cfg", _QUANT_INTERP_CASES)
+def test_interpreter_quantized_sampler(interp, layout, dtype, wdtype, scale, convert,
+                                       b, d, rows, rows_valid, vocab, offset, cfg):
+  """8-bit weights (e4m3 subnormals, e5m2, int8's whole range) with per-row
+  or per-tensor scales: every (row, tile) candidate equals the NumPy
+  mirror of ``f32(l * scale)`` bit for bit, for Triton's conversion and the
+  byte conversions, masked D steps and both layouts."""
+  h, w, sc, logits = quantized_problem(b, d, rows, wdtype=wdtype, layout=layout,
+                                       dtype=dtype, scale=scale, seed=b)
+  rowdata, parts = make_rowdata(b, seed=d, ctr_base=2**32 - 150, ctr_step=2**31 + 7)
+  score, index = run_sampler(interp["triton_sampler"], h, w, rowdata,
+                             offset=offset, layout=layout, vocab_size=vocab,
+                             rows_valid=rows_valid, cfg=cfg, scale=sc,
+                             convert=convert)
+  s, valid = mirror_scores(logits, parts, offset=offset, rows_valid=rows_valid,
+                           vocab_size=vocab)
+  want_s, want_i = tile_best(s, valid, cfg.block_v, offset)
+  np.testing.assert_array_equal(index, want_i)
+  np.testing.assert_array_equal(score, want_s)
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout,dtype,wdtype,scale,convert,cfg,kw", [
+    ("vd", jnp.bfloat16, E4M3, "row", 1, C(64, 16, 32, 4, 2),
+     dict(samples=2, softcap=True, bias=True, mask=True, t_best=True, lse=True,
+          top_k=3)),
+    ("dv", jnp.float16, I8, "tensor", 0, C(32, 16, 16, 4, 2, False),
+     dict(samples=1, bias=True, lse=True, top_k=5, t_best=True)),
+])
+def test_interpreter_quantized_controls(interp, layout, dtype, wdtype, scale, convert,
+                                        cfg, kw):
+  """The controls act on the scaled logits: every output against the
+  NumPy mirror of ``f32(l * scale)``."""
+  tc = interp["triton_controls"]
+  ctl = tc.Controls(**kw)
+  b, d, rows, rows_valid, vocab, offset = 7, 48, 200, 190, 250, 64
+  h, w, sc, logits = quantized_problem(b, d, rows, wdtype=wdtype, layout=layout,
+                                       dtype=dtype, scale=scale, seed=rows)
+  rows_arr, parts = make_control_rows(b, ctl.samples, seed=b, cap=8.0)
+  r = np.random.default_rng(b)
+  bias = r.integers(-4, 5, vocab).astype(np.float32) if ctl.bias else None
+  mask = (r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
+          .astype(np.uint32) if ctl.mask else None)
+  got = run_controls(tc, h, w, rows_arr, ctl, offset=offset, layout=layout,
+                     vocab_size=vocab, rows_valid=rows_valid, cfg=cfg,
+                     bias=bias, mask=mask, scale=sc, convert=convert)
+  want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=rows_valid,
+                         vocab_size=vocab, bias=bias, mask=mask,
+                         block_v=cfg.block_v)
+  eq = np.testing.assert_array_equal
+  for s_ in range(ctl.samples):
+    eq(got.best_index[:, s_], want["best_index"][s_])
+    eq(got.best_score[:, s_], want["best_score"][s_])
+    eq(got.best_t[:, s_], want["best_t"][s_])
+  eq(got.lse_max, want["lse_max"])
+  np.testing.assert_allclose(got.lse_sum, want["lse_sum"], rtol=1e-6)
+  for j in range(ctl.top_k):
+    eq(got.cand_ids[:, j], want["cand_ids"][j])
+    eq(got.cand_vals[:, j], want["cand_vals"][j])
+  eq(got.bound, want["bound"])
+
+
 # ----------------------------------------------------------------------------
 # Config, heuristic, argument checking (no GPU)
 # ----------------------------------------------------------------------------
@@ -698,6 +966,11 @@ def test_pick_config_fits(capability, kind, batch):
   assert cfg.smem_bytes() <= ts.SMEM_BYTES[ts.gpu_family(capability)]
   if batch <= 32:  # one batch block: W streamed once
     assert cfg.block_b >= batch and cfg.vocab_on_m
+  q = ts.pick_config(batch, 2880, 201088, capability, kind, w_itemsize=1)
+  assert 2880 % q.block_d == 0
+  assert q.smem_bytes(2, 1) <= ts.SMEM_BYTES[ts.gpu_family(capability)]
+  if batch <= 32:
+    assert q.block_b >= batch
 
 
 def test_config_table_by_device_kind():
@@ -746,6 +1019,42 @@ def test_candidates_argument_errors():
     call(vocab_size=0)
   with pytest.raises(ValueError, match="shared memory"):
     call(config=C(128, 128, 128, 8, 8, False))
+  # Quantized weights: H in bf16/f16, an f32 scale of shape () or [V].
+  w8 = w.astype(jnp.float8_e4m3fn)
+  with pytest.raises(TypeError, match="hidden.dtype=float32 must be bfloat16 or float16"):
+    call(hidden=h.astype(jnp.float32), weight=w8)
+  with pytest.raises(TypeError, match="weight.dtype=uint8"):
+    call(weight=w.astype(jnp.uint8))
+  with pytest.raises(TypeError, match="weight_scale.dtype=bfloat16 must be float32"):
+    call(weight=w8, weight_scale=jnp.ones((100,), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"weight_scale.shape=\(1,\) must be \(\)"):
+    call(weight=w8, weight_scale=jnp.ones((1,), jnp.float32))
+  with pytest.raises(ValueError, match=r"weight_scale.shape=\(99,\)"):
+    call(weight=w8.T, layout="dv", weight_scale=jnp.ones((99,), jnp.float32))
+  with pytest.raises(TypeError, match="weight_scale must be a float32 array"):
+    call(weight=w8, weight_scale=2.0)
+
+
+def test_weight_operands():
+  """A per-tensor scale stays one element ([1], a reshape); a per-row scale
+  is passed as it is; 8-bit floats travel as bytes below sm90."""
+  w = jnp.zeros((10, 16), jnp.float8_e4m3fn)
+  bf = jnp.bfloat16
+  for cap, wd, conv in [((9, 0), E4M3, ts.CONVERT_DIRECT),
+                        ((9, 0), E5M2, ts.CONVERT_DIRECT),
+                        ((8, 9), E4M3, ts.CONVERT_E4M3_BITS),
+                        ((8, 0), E5M2, ts.CONVERT_E5M2_BITS),
+                        ((8, 0), I8, ts.CONVERT_DIRECT)]:
+    got_w, s, consts = ts.weight_operands(w.astype(wd), jnp.float32(0.5),
+                                          hidden_dtype=bf, rows=10, capability=cap)
+    assert consts == dict(SCALE=ts.SCALE_TENSOR, W_CONVERT=conv)
+    assert s.shape == (1,) and float(s[0]) == 0.5
+    assert got_w.dtype == (jnp.uint8 if conv else wd)
+  row = jnp.arange(10, dtype=jnp.float32)
+  _, s, consts = ts.weight_operands(w, row, hidden_dtype=bf, rows=10, capability=(9, 0))
+  assert consts["SCALE"] == ts.SCALE_ROW and s is row
+  _, s, consts = ts.weight_operands(w, None, hidden_dtype=bf, rows=10, capability=(9, 0))
+  assert consts["SCALE"] == ts.SCALE_NONE and s.shape == (1,)
 
 
 def test_pack_rows():
@@ -823,12 +1132,20 @@ def xla_best(s, valid, ids):
   return m, jnp.min(jnp.where(hit, ids, INT_MAX), -1)
 
 
+def xla_logits(h, w, layout, scale=None):
+  """f32 logits as the package defines them: an 8-bit W converted to H's
+  dtype, the f32 product times ``scale`` (``()`` or ``[rows]``)."""
+  w = (w.T if layout == "vd" else w).astype(h.dtype)
+  l = jnp.dot(h, w, preferred_element_type=jnp.float32)
+  return l if scale is None else l * scale
+
+
 def xla_tile_reference(h, w, rowdata, offset, *, layout, vocab_size, rows_valid,
-                       block_v):
+                       block_v, scale=None):
   """Per (row, tile) best (score, id) computed by XLA: logits from
-  ``jnp.dot``, noise as ``jax.random.gumbel`` computes it, ``l / T`` as XLA
-  divides."""
-  l = jnp.dot(h, w.T if layout == "vd" else w, preferred_element_type=jnp.float32)
+  ``jnp.dot`` (times the weight scale), noise as ``jax.random.gumbel``
+  computes it, ``l / T`` as XLA divides."""
+  l = xla_logits(h, w, layout, scale)
   b, rows = l.shape
   k0, k1, tb, _, inv_b, c_hi, c_lo = (rowdata[i][:, None] for i in range(7))
   t = jax.lax.bitcast_convert_type(tb, jnp.float32)
@@ -849,9 +1166,9 @@ def xla_tile_reference(h, w, rowdata, offset, *, layout, vocab_size, rows_valid,
 
 
 def xla_controls_reference(h, w, rows_arr, offset, ctl, *, layout, vocab_size,
-                           rows_valid, block_v, bias, mask):
+                           rows_valid, block_v, bias, mask, scale=None):
   """The controls kernel's outputs computed by XLA (jnp.tanh for the cap)."""
-  l = jnp.dot(h, w.T if layout == "vd" else w, preferred_element_type=jnp.float32)
+  l = xla_logits(h, w, layout, scale)
   b, rows = l.shape
   f32 = lambda r: jax.lax.bitcast_convert_type(rows_arr[r][:, None], jnp.float32)
   k0, k1 = rows_arr[RowLayout.K0][:, None], rows_arr[RowLayout.K1][:, None]
@@ -945,6 +1262,20 @@ GPU_CASES = [
     ("vd", jnp.bfloat16, 300, 256, 1000, 1000, 1000, 0, None),
     ("vd", jnp.bfloat16, 9, 96, 333, 333, 333, 0, C(64, 16, 64, 4, 3)),
     ("dv", jnp.float16, 33, 96, 320, 320, 320, 0, C(32, 64, 32, 4, 2, False)),
+]
+
+
+# (layout, H dtype, W dtype, scale, B, D, rows, rows_valid, vocab_size, offset,
+# capability whose table and conversions to use or None, fine W values)
+QUANT_GPU_CASES = [
+    ("vd", jnp.bfloat16, E4M3, "row", 1, 4096, 151936, 151936, 151936, 0, None, False),
+    ("dv", jnp.bfloat16, E4M3, "tensor", 13, 512, 3008, 2990, 5000, 64, None, True),
+    ("vd", jnp.float16, E5M2, "row", 40, 512, 1999, 1999, 1900, 0, None, True),
+    ("dv", jnp.bfloat16, I8, "row", 64, 1024, 4096, 4096, 4096, 4096, None, False),
+    ("vd", jnp.bfloat16, E4M3, "row", 100, 512, 2500, 2400, 2400, 0, None, True),
+    ("vd", jnp.float16, I8, "tensor", 300, 256, 1000, 1000, 1000, 0, None, False),
+    ("vd", jnp.bfloat16, E4M3, "tensor", 16, 512, 3000, 3000, 3000, 0, (8, 0), True),
+    ("dv", jnp.bfloat16, E5M2, "row", 9, 512, 333, 333, 333, 0, (8, 0), True),
 ]
 
 
@@ -1116,6 +1447,138 @@ class TestGPU:
                                     bits(want["cand_vals"][j]))
     if ctl.top_k:
       np.testing.assert_array_equal(bits(got.bound), bits(want["bound"]))
+
+  @pytest.mark.parametrize("wdtype,convert", _CONVERSIONS)
+  def test_weight_conversion_exhaustive(self, wdtype, convert):
+    """Every byte of each 8-bit dtype through weight_operand on the GPU,
+    to bf16 and f16, bit for bit against ml_dtypes: Triton's conversions
+    (from sm90) and the byte conversions the kernels use below sm90."""
+    jt = triton_noise.jax_triton_module()
+    w = all_bytes(wdtype)
+    if convert != ts.CONVERT_DIRECT:
+      w = w.view(np.uint8)
+    for out in (jnp.bfloat16, jnp.float16):
+      got = jt.triton_call(jnp.asarray(w), kernel=_convert_probe_kernel,
+                           out_shape=jax.ShapeDtypeStruct((256,), out), grid=(1,),
+                           W_CONVERT=convert, OUT_F16=out == jnp.float16)
+      assert_converted(got, wdtype, out)
+
+  @pytest.mark.parametrize("layout,dtype,wdtype,scale,b,d,rows,rows_valid,vocab,"
+                           "offset,capability,fine", QUANT_GPU_CASES)
+  def test_quantized_candidates_bit_identical(self, layout, dtype, wdtype, scale, b,
+                                              d, rows, rows_valid, vocab, offset,
+                                              capability, fine):
+    """8-bit heads: every (row, tile) candidate equals XLA's on the same GPU
+    bit for bit, XLA computing ``f32(dot(H, W.astype(H.dtype))) * scale``
+    (scales and temperatures not powers of two). ``capability`` (8, 0) runs
+    the sm80 table's config and the byte conversions on this GPU."""
+    h, w, sc, _ = quantized_problem(b, d, rows, wdtype=wdtype, layout=layout,
+                                    dtype=dtype, scale=scale, seed=b, fine=fine,
+                                    logits=False)
+    rowdata, _ = make_rowdata(b, seed=rows, ctr_base=2**32 - 1000,
+                              ctr_step=2**33 + 12345,
+                              temperatures=(0.25, 0.6, 0.7, 1.0, 1.3, 2.0))
+    rowdata = jnp.asarray(rowdata)
+    cap = capability or ts.device_capability()
+    cfg = (ts.pick_config(b, d, rows, capability, w_itemsize=1) if capability
+           else None)
+    f = jax.jit(lambda h, w, sc, rd, off: ts.candidates(
+        h, w, rd, off, layout=layout, vocab_size=vocab, rows_valid=rows_valid,
+        weight_scale=sc, config=cfg, capability=cap))
+    score, index = f(h, w, sc, rowdata, jnp.int32(offset))
+    block_v = (cfg or ts.pick_config(b, d, rows, cap, w_itemsize=1)).block_v
+    want_s, want_i = jax.jit(lambda h, w, sc, rd: xla_tile_reference(
+        h, w, rd, offset, layout=layout, vocab_size=vocab, rows_valid=rows_valid,
+        block_v=block_v, scale=sc))(h, w, sc, rowdata)
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(score).view(np.uint32),
+                                  np.asarray(want_s).view(np.uint32))
+
+  @pytest.mark.parametrize("wdtype,layout,per_row_keys", [
+      (E4M3, "vd", False), (I8, "dv", True), (E5M2, "dv", False)])
+  def test_quantized_tokens_equal_categorical(self, wdtype, layout, per_row_keys):
+    """Exact 8-bit heads (integers, power-of-two scales per row or per
+    tensor): the reduced candidates are ``jax.random.categorical``'s tokens
+    on ``f32(H @ W.T) * scale / T``."""
+    b, d, v = 48, 1024, 100_000
+    h, w, _ = exact_problem(b, d, v, layout=layout, logits=False, seed=2)
+    w = w.astype(wdtype)
+    r = np.random.default_rng(1)
+    sc = (2.0 ** r.integers(-3, 2, v) if per_row_keys
+          else 2.0 ** r.integers(-3, 2)).astype(np.float32)
+    logits = xla_logits(h, w, layout, jnp.asarray(sc))
+    t = jnp.asarray(r.choice([0.5, 1.0, 2.0], b), jnp.float32)
+    lt = logits / t[:, None]
+    if per_row_keys:
+      keys = jax.random.split(jax.random.key(3), b)
+      kd = jax.random.key_data(keys)
+      ctr = jnp.zeros((b,), jnp.uint32)
+      rowdata = ts.pack_rowdata(kd[:, 0], kd[:, 1], ctr, ctr, t)
+      want = jax.vmap(jax.random.categorical)(keys, lt)
+    else:
+      key = jax.random.key(3)
+      kd = jax.random.key_data(key)
+      base = np.arange(b, dtype=np.uint64) * np.uint64(v)
+      rowdata = ts.pack_rowdata(
+          jnp.full((b,), kd[0]), jnp.full((b,), kd[1]),
+          (base >> np.uint64(32)).astype(np.uint32), base.astype(np.uint32), t)
+      want = jax.random.categorical(key, lt)
+    score, index = jax.jit(lambda h, w, sc, rd: ts.candidates(
+        h, w, rd, layout=layout, vocab_size=v, weight_scale=sc))(
+            h, w, jnp.asarray(sc), rowdata)
+    _, tokens = reduce_tiles(np.asarray(score), np.asarray(index))
+    np.testing.assert_array_equal(tokens, np.asarray(want))
+
+  @pytest.mark.parametrize("layout,wdtype,scale,b,kw", [
+      ("vd", E4M3, "row", 3,
+       dict(samples=2, bias=True, mask=True, t_best=True, lse=True, top_k=8)),
+      ("dv", I8, "tensor", 70, dict(samples=1, bias=True, lse=True, top_k=4,
+                                     t_best=True)),
+  ])
+  def test_quantized_controls_match_xla(self, layout, wdtype, scale, b, kw):
+    """The controls kernel on 8-bit heads against XLA on the scaled logits,
+    bit for bit (the log-sum-exp sum within 1e-5)."""
+    from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+    ctl = tc.Controls(**kw)
+    d, rows, rows_valid, vocab, offset = 512, 3072, 3000, 4000, 128
+    h, w, sc, _ = quantized_problem(b, d, rows, wdtype=wdtype, layout=layout,
+                                    scale=scale, seed=b, logits=False)
+    rows_np, _ = make_control_rows(b, ctl.samples, seed=rows)
+    t = np.random.default_rng(b).choice(np.float32([0, 0.6, 0.7, 1.3]), b)
+    rows_np[RowLayout.TEMPERATURE] = t.view(np.uint32)
+    rows_np[RowLayout.INV_TEMPERATURE] = (
+        np.float32(1) / np.where(t == 0, np.float32(1), t)).astype(np.float32).view(np.uint32)
+    rows_arr = jnp.asarray(rows_np)
+    r = np.random.default_rng(rows)
+    bias = jnp.asarray(r.standard_normal(vocab), jnp.float32) if ctl.bias else None
+    mask = (jnp.asarray(r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
+                        .astype(np.uint32)) if ctl.mask else None)
+    cfg = tc.pick_controls_config(b, d, rows, ts.device_capability(), ctl,
+                                  w_itemsize=1)
+    got = jax.jit(lambda h, w, sc, ra, bias, mask: tc.control_candidates(
+        h, w, ra, offset, layout=layout, vocab_size=vocab, controls=ctl,
+        bias=bias, allowed_mask=mask, rows_valid=rows_valid, weight_scale=sc))(
+            h, w, sc, rows_arr, bias, mask)
+    want = jax.jit(lambda h, w, sc, ra, bias, mask: xla_controls_reference(
+        h, w, ra, offset, ctl, layout=layout, vocab_size=vocab,
+        rows_valid=rows_valid, block_v=cfg.block_v, bias=bias, mask=mask,
+        scale=sc))(h, w, sc, rows_arr, bias, mask)
+    bits = lambda x: np.asarray(x).view(np.uint32)
+    for s_ in range(ctl.samples):
+      np.testing.assert_array_equal(np.asarray(got.best_index[:, s_]),
+                                    np.asarray(want["best_index"][s_]))
+      np.testing.assert_array_equal(bits(got.best_score[:, s_]),
+                                    bits(want["best_score"][s_]))
+      np.testing.assert_array_equal(bits(got.best_t[:, s_]), bits(want["best_t"][s_]))
+    np.testing.assert_array_equal(bits(got.lse_max), bits(want["lse_max"]))
+    np.testing.assert_allclose(np.asarray(got.lse_sum), np.asarray(want["lse_sum"]),
+                               rtol=1e-5)
+    for j in range(ctl.top_k):
+      np.testing.assert_array_equal(np.asarray(got.cand_ids[:, j]),
+                                    np.asarray(want["cand_ids"][j]))
+      np.testing.assert_array_equal(bits(got.cand_vals[:, j]),
+                                    bits(want["cand_vals"][j]))
+    np.testing.assert_array_equal(bits(got.bound), bits(want["bound"]))
 
   def test_counter_carry(self):
     hi = jnp.full((4096,), 5, jnp.uint32)

@@ -4,6 +4,10 @@ This adapter turns a checked problem into the array arguments of
 :mod:`pallas_kernels.triton_sampler` (plain sampling) and
 :mod:`pallas_kernels.triton_controls` (sampling controls), launched through
 ``jax_triton.triton_call``, and merges their per-tile outputs for stage 2.
+Quantized heads (float8_e4m3fn, float8_e5m2, int8 weights with an f32
+scale per vocabulary row or per tensor; docs/design.md, "Quantized heads")
+run in the same kernels: each W tile is read in its 8-bit dtype and converted
+on chip, and the scale multiplies the f32 dot result first.
 Triton and jax-triton are an optional extra
 (``pip install "flashsample-jax[triton]"``) imported only where a CUDA GPU is
 present: a machine without them never imports them.
@@ -51,6 +55,17 @@ SAMPLES_AS_ROWS_MAX = 64
 # is not measured on the GPUs it is meant for (sm80, sm89, sm100): 64 until
 # it is.
 ROUTE_MAX_ROWS = 64
+
+
+# 8-bit weights the kernels convert on chip (exactly) to the hidden dtype.
+_QUANTIZED = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2),
+              jnp.dtype(jnp.int8))
+
+
+def _weight_scale(p):
+  """The problem's weight scale (None for a float head): f32 ``()`` or
+  ``[weight_rows]``, passed to the kernels as it is."""
+  return getattr(p, "weight_scale", None)
 
 
 def _kernels():
@@ -107,10 +122,20 @@ class TritonBackend(SamplerBackend):
             f"the triton backend needs {module}: pip install "
             "'flashsample-jax[triton]' (jax-triton 0.3.1, triton 3.6)")
     dtype = jnp.dtype(p.weight.dtype)
-    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    halves = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if dtype in _QUANTIZED:
+      if _weight_scale(p) is None:
+        raise NotImplementedError(
+            f"the triton backend takes a {dtype} weight only with its "
+            "weight_scale (per vocabulary row or per tensor)")
+      if jnp.dtype(p.hidden.dtype) not in halves:
+        raise NotImplementedError(
+            f"the triton backend multiplies a quantized weight with bfloat16 or "
+            f"float16 hidden states, got hidden.dtype={p.hidden.dtype}")
+    elif dtype not in halves:
       raise NotImplementedError(
-          f"the triton backend supports bfloat16 and float16 weights, got "
-          f"weight.dtype={dtype}")
+          f"the triton backend supports bfloat16, float16, float8_e4m3fn, "
+          f"float8_e5m2 and int8 weights, got weight.dtype={dtype}")
 
   def candidates(self, p, *, vocab_offset=0):
     sampler, _ = _kernels()
@@ -118,7 +143,8 @@ class TritonBackend(SamplerBackend):
                      ctr_hi=p.ctr_hi, ctr_lo=p.ctr_lo)
     score, index = sampler.candidates(
         p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
-        vocab_size=p.vocab_size, config=self.config)
+        vocab_size=p.vocab_size, weight_scale=_weight_scale(p),
+        config=self.config)
     return rules.argbest(score, index, axis=1)
 
   def controls_state(self, p, c, *, vocab_offset=0):
@@ -140,7 +166,7 @@ class TritonBackend(SamplerBackend):
       parts.append(kernel.control_candidates(
           p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
           vocab_size=p.vocab_size, controls=spec, bias=c.logit_bias,
-          allowed_mask=c.allowed_mask))
+          allowed_mask=c.allowed_mask, weight_scale=_weight_scale(p)))
     first = parts[0]
     lists = (first.cand_vals, first.cand_ids, first.bound)
     if c.lists:
