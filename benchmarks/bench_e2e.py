@@ -46,12 +46,28 @@ weights give logits of std ~1, flat enough that top-p alone and min-p keep
 thousands of ids and every row takes that path; ``--logit-std`` sets the
 final norm's gain for a wider spread (e.g. 4), where the nucleus fits the lists.
 
-Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` (rewritten after every
+``--head-dtype`` (docs/design.md, "Quantized heads"): the LM head as
+stored, ``bf16`` (the default), or quantized per vocabulary row to ``fp8``
+(float8_e4m3fn), ``fp8_e5m2`` or ``int8`` with
+:func:`flashsample_jax.flax_heads.quantize_head` (absmax scales, f32 ``[V]``);
+the rest of the decoder stays bf16. Both samplers read the same quantized
+head: ``fused`` passes its scales as ``weight_scale``, ``xla`` materializes
+``f32(h @ W8.astype(bf16).T) * scale``. Several head dtypes (``bf16,fp8``)
+share the decoder's weights and run interleaved, like the samplers; every
+row says its head dtype, and the floor counts the head at its dtype (plus its
+4V bytes of scales). A quantized head needs an untied model (``qwen3-8b``,
+the default then; ``tiny-untied`` with ``--smoke``): a tied head is the input
+embedding, which stays bf16. The exact-path share is not reported for
+quantized heads (benchmarks/_fallback.py takes no ``weight_scale``).
+
+Writes ``benchmarks/results/e2e_<gpu>.{json,md,png}`` (``e2e_<gpu>_head-<dtypes>``
+with a quantized head; ``e2e_<name>`` with ``--name``; rewritten after every
 point, so a run stopped by a time limit keeps what it measured) with the GPU
 name, jax version and date.
 
   python3 -m benchmarks.bench_e2e --generation-config plain,qwen3     # GPU
   python3 -m benchmarks.bench_e2e --generation-config all --configs qwen3-1.7b
+  python3 -m benchmarks.bench_e2e --head-dtype bf16,fp8 --configs qwen3-8b
   python3 -m benchmarks.bench_e2e --smoke                             # CPU, seconds
 """
 
@@ -77,12 +93,16 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks import _timing  # noqa: E402
 from benchmarks._fallback import exact_path_rows  # noqa: E402
 from examples import _model  # noqa: E402
+import flashsample_jax as fs  # noqa: E402
 from flashsample_jax import flax_heads  # noqa: E402
 
 BATCHES = (1, 16, 64, 128, 256)
 GPU_CONFIGS = ("qwen3-1.7b", "qwen3-8b")
 # Headline configs first: a run cut short by its time limit keeps them.
 GENERATIONS = ("plain", "qwen3", "greedy", "llama3", "min-p")
+# --head-dtype name -> the dtype flax_heads.quantize_head takes (None: as stored).
+HEAD_DTYPES = {"bf16": None, "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+               "int8": "int8"}
 
 
 def parse_args(argv=None):
@@ -96,12 +116,28 @@ def parse_args(argv=None):
                  help=f"comma-separated names from {list(GENERATIONS)}, or 'all'")
   p.add_argument("--batches", default=None,
                  help=f"default {','.join(map(str, BATCHES))} (--smoke: 2)")
+  p.add_argument("--head-dtype", default="bf16",
+                 help=f"the LM head's dtype, comma-separated from {list(HEAD_DTYPES)}: "
+                 "bf16 as stored, or quantized per row (fp8 = float8_e4m3fn); the rest "
+                 "of the decoder stays bf16. A quantized head needs an untied config "
+                 "(default then qwen3-8b; --smoke: tiny-untied)")
   add_decode_args(p, point="batch size")
   a = p.parse_args(argv)
-  a.configs = (a.configs or ("tiny" if a.smoke else ",".join(GPU_CONFIGS))).split(",")
+  a.head_dtypes = list(dict.fromkeys(a.head_dtype.split(",")))
+  for hd in a.head_dtypes:
+    if hd not in HEAD_DTYPES:
+      p.error(f"unknown head dtype {hd!r}; choose from {list(HEAD_DTYPES)}")
+  quantized = any(HEAD_DTYPES[hd] for hd in a.head_dtypes)
+  default = (("tiny-untied" if a.smoke else "qwen3-8b") if quantized else
+             ("tiny" if a.smoke else ",".join(GPU_CONFIGS)))
+  a.configs = (a.configs or default).split(",")
   for c in a.configs:
     if c not in _model.CONFIGS:
       p.error(f"unknown config {c!r}; choose from {sorted(_model.CONFIGS)}")
+    if quantized and _model.CONFIGS[c].tied:
+      untied = sorted(k for k, v in _model.CONFIGS.items() if not v.tied)
+      p.error(f"config {c!r} has a tied LM head (the input embedding, which stays bf16): "
+              f"--head-dtype {a.head_dtype} needs an untied one, from {untied}")
   gens = GENERATIONS if a.generation_config == "all" else a.generation_config.split(",")
   for g in gens:
     if g not in _model.GENERATION_CONFIGS:
@@ -167,6 +203,55 @@ def measure_bandwidth() -> float:
   return _timing.read_bandwidth()
 
 
+def with_head_dtype(graphdef, state, head_dtype: str):
+  """``(graphdef, state)`` of the decoder with its LM head in ``head_dtype``:
+  as it is for bf16; else the ``nnx.Linear`` head replaced by its
+  :class:`flashsample_jax.flax_heads.QuantizedHead` (which
+  ``flax_heads.sample_from_head`` and ``flax_heads.logits``, hence both
+  samplers, read with its scales). The other weights are the same arrays."""
+  if HEAD_DTYPES[head_dtype] is None:
+    return graphdef, state
+  model = nnx.merge(graphdef, state)
+  model.lm_head = flax_heads.quantize_head(model.lm_head, HEAD_DTYPES[head_dtype])
+  return nnx.split(model)
+
+
+def head_arrays(graphdef, state):
+  """``(weight, weight_layout, weight_scale or None)`` of the model's LM head."""
+  head = nnx.merge(graphdef, state).head
+  w, layout = flax_heads.head_weight(head)
+  return w, layout, getattr(head, "scale", None)
+
+
+def step_weight_bytes(cfg, graphdef, state) -> int:
+  """:meth:`Config.step_weight_bytes` with the LM head (and its scales) at
+  the bytes it is stored in."""
+  w, _, scale = head_arrays(graphdef, state)
+  as_bf16 = cfg.vocab * cfg.dim * jax.numpy.dtype(cfg.dtype).itemsize
+  stored = w.size * w.dtype.itemsize + (0 if scale is None else scale.size * 4)
+  return cfg.step_weight_bytes() - as_bf16 + stored
+
+
+def fused_backend(cfg, graphdef, state, batch: int, backend: str, gen) -> str:
+  """The backend ``backend`` resolves to for the model's LM head as stored
+  (:func:`examples._model.fused_backend`, with the scales of a quantized head)."""
+  w, layout, scale = head_arrays(graphdef, state)
+  if scale is None:
+    return _model.fused_backend(cfg, batch, backend, generation=gen)
+  picked = []
+
+  def probe(h, w, s):
+    picked.append(fs.which_backend(h, w, jax.random.key(0), backend=backend,
+                                   weight_layout=layout, weight_scale=s,
+                                   **gen.fused_kwargs()))
+    return h
+
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  jax.eval_shape(probe, jax.ShapeDtypeStruct((batch, cfg.dim), jax.numpy.dtype(cfg.dtype)),
+                 sds(w), sds(scale))
+  return picked[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _reference_noise_fn(graphdef, gen):
   """The baseline's kept set sampled with the reference's noise (un-timed)."""
@@ -188,15 +273,17 @@ def _logits_fn(graphdef):
   return jax.jit(lambda state, h: flax_heads.logits(nnx.merge(graphdef, state).head, h))
 
 
-def exact_path_share(graphdef, state, gen, hidden, key, backend) -> float:
+def exact_path_share(graphdef, state, gen, hidden, key, backend) -> float | None:
   """Share of the first step's rows whose controls the fused sampler decides
   on the exact materialized path (a kept set larger than its candidate
-  lists: top-p alone or min-p on flat logits)."""
+  lists: top-p alone or min-p on flat logits); None for a quantized head
+  with controls (benchmarks/_fallback.py takes no ``weight_scale`` yet)."""
   kw = gen.fused_kwargs()
   if len(kw) == 1:           # temperature alone: no candidate lists
     return 0.0
-  head = nnx.merge(graphdef, state).head
-  w, layout = flax_heads.head_weight(head)
+  w, layout, scale = head_arrays(graphdef, state)
+  if scale is not None:
+    return None
   h = jax.device_put(hidden, jax.tree.leaves(state)[0].sharding)
   return exact_path_rows(h, w, key, weight_layout=layout, backend=backend, **kw) / h.shape[0]
 
@@ -243,7 +330,8 @@ def bench(args, on_point=None) -> dict:
       jax_version=jax.__version__, backend=jax.default_backend(),
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       tokens=args.tokens, prompt_len=args.prompt_len, repeats=args.repeats,
-      dtype="bfloat16", samplers=list(_model.SAMPLERS), attention=args.attention,
+      dtype="bfloat16", head_dtypes=list(args.head_dtypes),
+      samplers=list(_model.SAMPLERS), attention=args.attention,
       requested_backend=args.backend, read_bandwidth_Bps=bandwidth,
       generation_configs={g: {**dataclasses.asdict(_model.GENERATION_CONFIGS[g]),
                               "baseline": _model.GENERATION_CONFIGS[g].describe_baseline()}
@@ -256,61 +344,76 @@ def bench(args, on_point=None) -> dict:
     cfg = _model.CONFIGS[cfg_name]
     bar.set_postfix_str(f"{cfg_name}: init")
     graphdef, state = _model.init(cfg, logit_std=args.logit_std)
-    jax.block_until_ready(state)
-    floor_ms = _model.weight_read_floor_ms(cfg, bandwidth)
+    # One model per head dtype, sharing every weight but the head.
+    models = {hd: with_head_dtype(graphdef, state, hd) for hd in args.head_dtypes}
+    del graphdef, state
+    jax.block_until_ready([st for _, st in models.values()])
+    floors = {hd: 1e3 * step_weight_bytes(cfg, *m) / bandwidth for hd, m in models.items()}
     for b in args.batches:
       if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
         print(f"time budget of {args.budget_s:.0f} s spent: skipping {cfg_name} B={b} and later")
         stopped = True
         break
       bar.set_postfix_str(f"{cfg_name} B={b}: compile")
-      decs = {(g, s): _model.Decoding(cfg, graphdef, state, batch=b, tokens=args.tokens,
-                                      prompt_len=args.prompt_len, sampler=s, generation=g,
-                                      backend=args.backend, attention=args.attention)
-              for g in args.generations for s in _model.SAMPLERS[::-1]}
+      decs = {}
+      for hd in args.head_dtypes:
+        decs.update({(g, hd, s): _model.Decoding(
+            cfg, *models[hd], batch=b, tokens=args.tokens, prompt_len=args.prompt_len,
+            sampler=s, generation=g, backend=args.backend, attention=args.attention)
+                     for g in args.generations for s in _model.SAMPLERS[::-1]})
+        # Decodings share a prefill per graphdef, and two quantized heads
+        # (fp8, int8) have the same one: each head dtype gets its own.
+        _model.forget_programs()
       compile_all(list(decs.values()), args.compile_threads)
       for g in args.generations:
         gen = _model.GENERATION_CONFIGS[g]
-        runs = {s: [] for s in _model.SAMPLERS}
+        runs = {(hd, s): [] for hd in args.head_dtypes for s in _model.SAMPLERS}
         for r in range(args.repeats):
-          for s in _model.SAMPLERS:  # interleaved, so drift hits both alike
-            bar.set_postfix_str(f"{cfg_name} B={b} {g}: {s} #{r}")
-            runs[s].append(decs[(g, s)].run(seed=r))
-        same_rows = float(np.mean([np.all(f.tokens == x.tokens, axis=1).mean()
-                                   for f, x in zip(runs["fused"], runs["xla"])]))
-        same_first = first_token_agreement(runs, graphdef, state, gen, args.prompt_len)
-        h0 = runs["fused"][0].hidden0
-        logits0 = first_step_logits(graphdef, state, h0)
-        logit_std = float(np.mean(np.asarray(jax.numpy.std(logits0, axis=1))))
-        del logits0
-        exact_share = exact_path_share(graphdef, state, gen, h0,
-                                       _model.step_key(0, args.prompt_len), args.backend)
-        for s in _model.SAMPLERS:
-          tpots = [r.tpot_ms for r in runs[s]]
-          tpot = statistics.median(tpots)
-          res["rows"].append(dict(
-              config=cfg_name, generation=g, params=cfg.params, dim=cfg.dim,
-              vocab=cfg.vocab, layers=cfg.layers, tied=cfg.tied, batch=b, sampler=s,
-              baseline=gen.describe_baseline() if s == "xla" else None,
-              fused_backend=(_model.fused_backend(cfg, b, args.backend, generation=gen)
-                             if s == "fused" else None),
-              tpot_ms=tpot, tpot_ms_runs=tpots, tokens_per_s=b / (tpot / 1e3),
-              floor_ms=floor_ms, tpot_over_floor=tpot / floor_ms,
-              prefill_ms=statistics.median(1e3 * r.prefill_s for r in runs[s]),
-              compile_s=decs[(g, s)].compile_s, same_tokens_rows=same_rows,
-              same_first_token_rows=same_first, logit_std=logit_std,
-              exact_path_rows=exact_share if s == "fused" else None))
+          for hd, s in runs:  # interleaved, so drift hits all alike
+            bar.set_postfix_str(f"{cfg_name} B={b} {g} {hd}: {s} #{r}")
+            runs[(hd, s)].append(decs[(g, hd, s)].run(seed=r))
+        for hd in args.head_dtypes:
+          graphdef, state = models[hd]
+          mine = {s: runs[(hd, s)] for s in _model.SAMPLERS}
+          floor_ms = floors[hd]
+          same_rows = float(np.mean([np.all(f.tokens == x.tokens, axis=1).mean()
+                                     for f, x in zip(mine["fused"], mine["xla"])]))
+          same_first = first_token_agreement(mine, graphdef, state, gen, args.prompt_len)
+          h0 = mine["fused"][0].hidden0
+          logits0 = first_step_logits(graphdef, state, h0)
+          logit_std = float(np.mean(np.asarray(jax.numpy.std(logits0, axis=1))))
+          del logits0
+          exact_share = exact_path_share(graphdef, state, gen, h0,
+                                         _model.step_key(0, args.prompt_len), args.backend)
+          for s in _model.SAMPLERS:
+            tpots = [r.tpot_ms for r in mine[s]]
+            tpot = statistics.median(tpots)
+            res["rows"].append(dict(
+                config=cfg_name, generation=g, params=cfg.params, dim=cfg.dim,
+                vocab=cfg.vocab, layers=cfg.layers, tied=cfg.tied, head_dtype=hd,
+                batch=b, sampler=s,
+                baseline=gen.describe_baseline() if s == "xla" else None,
+                fused_backend=(fused_backend(cfg, graphdef, state, b, args.backend, gen)
+                               if s == "fused" else None),
+                tpot_ms=tpot, tpot_ms_runs=tpots, tokens_per_s=b / (tpot / 1e3),
+                floor_ms=floor_ms, tpot_over_floor=tpot / floor_ms,
+                prefill_ms=statistics.median(1e3 * r.prefill_s for r in mine[s]),
+                compile_s=decs[(g, hd, s)].compile_s, same_tokens_rows=same_rows,
+                same_first_token_rows=same_first, logit_std=logit_std,
+                exact_path_rows=exact_share if s == "fused" else None))
+          f, x = res["rows"][-2:]
+          exact = "-" if exact_share is None else f"{100 * exact_share:.0f}%"
+          print(f"{cfg_name} {g} B={b} head {hd}: fused {f['tpot_ms']:.3f} ms, xla "
+                f"{x['tpot_ms']:.3f} ms ({x['tpot_ms'] / f['tpot_ms']:.3f}x), floor "
+                f"{floor_ms:.3f} ms, same tokens {100 * same_rows:.1f}%, same first token "
+                f"{100 * same_first:.1f}%, logit std {logit_std:.2f}, exact-path rows "
+                f"{exact}", flush=True)
         bar.update()
-        f, x = res["rows"][-2:]
-        print(f"{cfg_name} {g} B={b}: fused {f['tpot_ms']:.3f} ms, xla {x['tpot_ms']:.3f} ms "
-              f"({x['tpot_ms'] / f['tpot_ms']:.3f}x), floor {floor_ms:.3f} ms, same tokens "
-              f"{100 * same_rows:.1f}%, same first token {100 * same_first:.1f}%, "
-              f"logit std {logit_std:.2f}, exact-path rows {100 * exact_share:.0f}%", flush=True)
         if on_point:
           on_point(res)
       del decs
     _model.forget_programs()
-    del state
+    del models
     if stopped:
       break
   bar.close()
@@ -319,16 +422,23 @@ def bench(args, on_point=None) -> dict:
   return res
 
 
+def _head(r: dict) -> str:
+  return r.get("head_dtype", "bf16")       # results from before --head-dtype: bf16
+
+
 def _pairs(res: dict):
-  """``(fused row, xla row)`` per (config, generation, batch), sorted by
-  config and generation as run, then by B (the suite may run B out of order)."""
-  by = {(r["config"], r["generation"], r["batch"], r["sampler"]): r for r in res["rows"]}
+  """``(fused row, xla row)`` per (config, generation, head dtype, batch),
+  sorted by config, generation and head dtype as run, then by B (the suite
+  may run B out of order)."""
+  by = {(r["config"], r["generation"], _head(r), r["batch"], r["sampler"]): r
+        for r in res["rows"]}
   configs = list(dict.fromkeys(r["config"] for r in res["rows"]))
   gens = list(res["generation_configs"])
-  keys = sorted(((c, g, b) for (c, g, b, s) in by if s == "fused" and (c, g, b, "xla") in by),
-                key=lambda k: (configs.index(k[0]), gens.index(k[1]), k[2]))
-  for c, g, b in keys:
-    yield by[(c, g, b, "fused")], by[(c, g, b, "xla")]
+  heads = list(res.get("head_dtypes", ["bf16"]))
+  keys = sorted((k[:4] for k in by if k[4] == "fused" and (*k[:4], "xla") in by),
+                key=lambda k: (configs.index(k[0]), gens.index(k[1]), heads.index(k[2]), k[3]))
+  for k in keys:
+    yield by[(*k, "fused")], by[(*k, "xla")]
 
 
 def markdown(res: dict) -> str:
@@ -338,6 +448,10 @@ def markdown(res: dict) -> str:
       f"{res['gpu']}, jax {res['jax_version']}, {res['date']}. Random bf16 weights"
       + (f" (final norm set for a logit std of {res['logit_std_target']:g})"
          if res.get("logit_std_target") else " (logit std about 1: flat distributions)")
+      + (", the LM head quantized per row where the head column says so (fp8 = "
+         "float8_e4m3fn; absmax f32 scales [V]; both samplers read the quantized head, "
+         "the floor counts it at its bytes)"
+         if set(res.get("head_dtypes", ["bf16"])) != {"bf16"} else "")
       + ", "
       f"prompt {res['prompt_len']}, N={res['tokens']} tokens, median of "
       f"{res['repeats']} runs, attention {res['attention']}. fused = "
@@ -363,19 +477,22 @@ def markdown(res: dict) -> str:
       "lists cannot hold the kept set); logit std: of the first step's logits over the "
       "vocabulary, mean over rows.",
       "",
-      "| config | generation | B | fused backend | fused TPOT ms | xla TPOT ms | speedup | "
-      "floor ms | fused / floor | xla / floor | same tokens | same first token | "
+      "| config | generation | B | head | fused backend | fused TPOT ms | xla TPOT ms | "
+      "speedup | floor ms | fused / floor | xla / floor | same tokens | same first token | "
       "exact path | logit std |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for f, x in _pairs(res):
+    exact = ("-" if f.get("exact_path_rows") is None
+             else f"{100 * f['exact_path_rows']:.0f}%")
     lines.append(
-        f"| {f['config']} | {f['generation']} | {f['batch']} | {f['fused_backend']} | "
+        f"| {f['config']} | {f['generation']} | {f['batch']} | {_head(f)} | "
+        f"{f['fused_backend']} | "
         f"{f['tpot_ms']:.3f} | {x['tpot_ms']:.3f} | {x['tpot_ms'] / f['tpot_ms']:.3f}x | "
         f"{f['floor_ms']:.3f} | {f['tpot_over_floor']:.2f} | {x['tpot_over_floor']:.2f} | "
         f"{100 * f['same_tokens_rows']:.1f}% | {100 * f['same_first_token_rows']:.1f}% | "
-        + (f"{100 * f['exact_path_rows']:.0f}% | {f['logit_std']:.2f} |"
-           if f.get("exact_path_rows") is not None else "- | - |"))
+        f"{exact} | " + (f"{f['logit_std']:.2f} |" if f.get("logit_std") is not None
+                         else "- |"))
   return "\n".join(lines) + "\n"
 
 
@@ -388,23 +505,35 @@ def plot(res: dict, path: Path) -> None:
   if not configs:
     return
   gens = list(res["generation_configs"])
-  colors = dict(zip(gens, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  heads = list(res.get("head_dtypes", ["bf16"]))
+  series = [(g, hd) for g in gens for hd in heads]
+  colors = dict(zip(series, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+  name = lambda g, hd: g if heads == ["bf16"] else f"{g} {hd} head"
   fig, axes = plt.subplots(2, len(configs), figsize=(5.5 * len(configs), 7.5), squeeze=False)
   pairs = list(_pairs(res))
   for col, cfg in enumerate(configs):
     top, bottom = axes[0][col], axes[1][col]
-    for g in gens:
-      ps = sorted(((f, x) for f, x in pairs if f["config"] == cfg and f["generation"] == g),
-                  key=lambda p: p[0]["batch"])
+    for g, hd in series:
+      ps = sorted(((f, x) for f, x in pairs if f["config"] == cfg and f["generation"] == g
+                   and _head(f) == hd), key=lambda p: p[0]["batch"])
       if not ps:
         continue
       bs = [f["batch"] for f, _ in ps]
-      top.plot(bs, [f["tpot_ms"] for f, _ in ps], "o-", color=colors[g], label=f"{g}: fused")
-      top.plot(bs, [x["tpot_ms"] for _, x in ps], "s--", color=colors[g], label=f"{g}: xla")
-      bottom.plot(bs, [x["tpot_ms"] / f["tpot_ms"] for f, x in ps], "o-", color=colors[g],
-                  label=g)
+      c = colors[(g, hd)]
+      top.plot(bs, [f["tpot_ms"] for f, _ in ps], "o-", color=c, label=f"{name(g, hd)}: fused")
+      top.plot(bs, [x["tpot_ms"] for _, x in ps], "s--", color=c, label=f"{name(g, hd)}: xla")
+      bottom.plot(bs, [x["tpot_ms"] / f["tpot_ms"] for f, x in ps], "o-", color=c,
+                  label=name(g, hd))
     fl = [r for r in res["rows"] if r["config"] == cfg]
-    top.axhline(fl[0]["floor_ms"], color="k", lw=1, ls=":", label="weight-read floor")
+    floors = {}                                   # floor ms -> head dtypes (fp8 = int8)
+    for hd in heads:
+      floor = next((r["floor_ms"] for r in fl if _head(r) == hd), None)
+      if floor is not None:
+        floors.setdefault(floor, []).append(hd)
+    for i, (floor, hds) in enumerate(floors.items()):
+      top.axhline(floor, color="k", lw=1, ls=(":", "-.", "--", "-")[i % 4],
+                  label="weight-read floor" + ("" if heads == ["bf16"]
+                                               else f" ({', '.join(hds)} head)"))
     bottom.axhline(1.0, color="k", lw=1)
     bs = sorted({r["batch"] for r in fl})
     _timing.pow2_axis(top, bs, "batch B", "time per output token (ms)", cfg)
@@ -420,7 +549,8 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  stem = f"e2e_{args.name or slug(device_name())}"
+  heads = "" if args.head_dtypes == ["bf16"] else "_head-" + "-".join(args.head_dtypes)
+  stem = f"e2e_{args.name}" if args.name else f"e2e_{slug(device_name())}{heads}"
   _timing.run_and_write(bench, args, stem, markdown=markdown, plot=plot)
   return 0
 

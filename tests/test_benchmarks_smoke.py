@@ -68,6 +68,56 @@ def test_bench_e2e_reports_the_exact_path(logit_std, share, tmp_path):
   assert f"| {100 * share:.0f}% |" in (tmp_path / "e2e_test.md").read_text()
 
 
+def test_bench_sampler_quantized_heads(tmp_path):
+  # --weight-dtype on a tiny head: every default provider (the backends that
+  # run here, auto, XLA's dot + categorical, its top-k + top-p and the dot
+  # alone) gets the 8-bit head with its scales. fp8_e5m2 and int8 take the
+  # same path through the benchmark (only fs.quantize_weight's dtype differs;
+  # int8 runs in test_bench_e2e_quantized_heads), so one dtype keeps it short.
+  _run(["benchmarks.bench_sampler", "--smoke", "--batches", "2", "--reps", "1",
+        "--inner", "1", "--weight-dtype", "fp8"], tmp_path)
+  d, v = 256, 4096                                  # bench_sampler.SHAPES["smoke"]
+  res = json.loads((tmp_path / "sampler_cpu_fp8.json").read_text())
+  assert res["weight_dtype"] == "fp8"
+  assert {"gpu", "jax", "date", "read_bandwidth_Bps"} <= set(res)
+  (r,) = res["rows"]
+  assert (r["weight_dtype"], r["B"], r["weight_bytes"], r["scale_bytes"]) == ("fp8", 2, d * v,
+                                                                             4 * v)
+  # The floor: V x D x 1 byte at the measured bandwidth, half the bf16 head's.
+  assert r["floor_us"] == pytest.approx(d * v / res["read_bandwidth_Bps"] * 1e6)
+  assert r["bf16_floor_us"] == pytest.approx(2 * r["floor_us"])
+  for prov in ("auto", "xla", "xla_baseline", "dot", "auto_topk_topp", "xla_topk_topp"):
+    assert r[f"{prov}_us"] > 0, prov
+  assert r["mosaic_us"] is None and r["mosaic_why"]       # no GPU here: check() refuses
+  assert r["auto_backend"] in ("dense", "xla") and r["auto_to_floor"] > 0
+  md = (tmp_path / "sampler_cpu_fp8.md").read_text()
+  assert "float8_e4m3fn" in md and "| auto / floor |" in md and "| smoke | 2 |" in md
+  assert (tmp_path / "sampler_cpu_fp8.png").exists()
+
+
+def test_bench_e2e_quantized_heads(tmp_path):
+  # --head-dtype: two quantized heads on one untied decoder (their models
+  # share the graphdef, so each needs its own prefill), both samplers reading
+  # the same 8-bit head with its scales: plain sampling agrees token for token.
+  from examples import _model
+  _run(["benchmarks.bench_e2e", "--smoke", "--head-dtype", "fp8,int8",
+        "--generation-config", "plain", "--tokens", "1"], tmp_path)
+  res = json.loads((tmp_path / "e2e_cpu_head-fp8-int8.json").read_text())
+  assert res["complete"] and res["head_dtypes"] == ["fp8", "int8"]
+  assert {(r["config"], r["head_dtype"], r["sampler"]) for r in res["rows"]} == {
+      ("tiny-untied", hd, s) for hd in ("fp8", "int8") for s in ("fused", "xla")}
+  cfg = _model.CONFIGS["tiny-untied"]
+  head_bytes = cfg.vocab * cfg.dim + 4 * cfg.vocab   # 8-bit head + f32 scales
+  step_bytes = cfg.step_weight_bytes() - 2 * cfg.vocab * cfg.dim + head_bytes
+  for r in res["rows"]:
+    assert r["floor_ms"] == pytest.approx(1e3 * step_bytes / res["read_bandwidth_Bps"])
+    assert r["tpot_ms"] > 0 and r["same_tokens_rows"] == 1.0
+    assert r["same_first_token_rows"] == 1.0
+  md = (tmp_path / "e2e_cpu_head-fp8-int8.md").read_text()
+  assert "| tiny-untied | plain | 2 | fp8 |" in md and "| tiny-untied | plain | 2 | int8 |" in md
+  assert (tmp_path / "e2e_cpu_head-fp8-int8.png").exists()
+
+
 def _check_e2e(tmp_path, name):
   res = json.loads((tmp_path / f"e2e_{name}.json").read_text())
   assert {"gpu", "jax_version", "date", "rows", "read_bandwidth_Bps"} <= set(res)
