@@ -317,7 +317,8 @@ def _controls_kernel(
 def pick_controls_config(batch: int, dim: int, rows: int,
                          capability: tuple[int, int],
                          controls: Controls,
-                         w_itemsize: int | None = None) -> base.TritonConfig:
+                         w_itemsize: int | None = None,
+                         layout: str = "vd") -> base.TritonConfig:
   """The plain sampler's config with fewer elements per thread.
 
   The epilogue keeps every element of a thread live at once; each sample,
@@ -330,7 +331,8 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   from L2). A list without the noise is light (B = 128, 32 elements: 99
   registers).
   """
-  cfg = base.pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize)
+  cfg = base.pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize,
+                         layout=layout)
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
            or controls.t_best)
   limit = 16 if heavy else 32
@@ -456,7 +458,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   w_itemsize = jnp.dtype(weight.dtype).itemsize
   if config is None:
     config = pick_controls_config(batch, dim, w_rows, capability, controls,
-                                  w_itemsize=w_itemsize)
+                                  w_itemsize=w_itemsize, layout=layout)
   cfg = base.resolve_config(config, batch=batch, dim=dim, rows=w_rows,
                             itemsize=jnp.dtype(hidden.dtype).itemsize,
                             w_itemsize=w_itemsize, capability=capability)

@@ -36,13 +36,17 @@ stored dtype (half the bytes of bf16: decode streams W) and converted in
 registers to ``H``'s dtype (bf16 or f16; exact for every 8-bit value), so
 ``tl.dot`` accumulates in f32 exactly as for a bf16 head; the tile's logits
 are then ``acc * scale``, one f32 multiply rounded on its own
-(``enable_fp_fusion=False``), before anything else reads them. GPUs below
-sm90 take the weight's bytes as uint8 instead, converted with integer ops
-(:func:`e4m3_bits_to`, :func:`e5m2_bits_to`): Triton 3.6 has no e4m3 type
-below sm89, and once a process has compiled an 8-bit float conversion for
-sm90 it emits sm89/sm90 instructions (``mul.bf16x2``, ``cvt`` of e5m2x2) in
-later sm80/sm89 compiles of the same conversion, which ptxas rejects (seen
-compiling for several targets in one process, as the CPU tests do).
+(``enable_fp_fusion=False``), before anything else reads them.
+
+Some 8-bit floats travel as their bytes (uint8), converted with integer ops
+(:func:`e4m3_bits_to`, :func:`e5m2_bits_to`): float8_e5m2 on every GPU,
+because Triton 3.6's e5m2 -> bf16 conversion (the bytes into bf16's fields,
+then ``mul.rn.bf16x2`` by 2**112) turns infinities and NaN into finite
+values (the exhaustive GPU test found it on an H200); float8_e4m3fn below
+sm90, because Triton has no e4m3 type below sm89, and once a process has
+compiled an 8-bit float conversion for sm90 it emits sm89/sm90 instructions
+in later sm80/sm89 compiles of the same conversion, which ptxas rejects
+(seen compiling for several targets in one process, as the CPU tests do).
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ QUANTIZED_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2),
 SCALE_NONE, SCALE_TENSOR, SCALE_ROW = 0, 1, 2
 # The W_CONVERT constexpr: how a loaded W tile becomes the dot's operand
 # (weight_operand): Triton's conversion (the identity for a float head, int8,
-# 8-bit floats from sm90), or an 8-bit float's bytes converted with integer
-# ops (below sm90).
+# e4m3 from sm90), or an 8-bit float's bytes converted with integer ops
+# (module docstring).
 CONVERT_DIRECT, CONVERT_E4M3_BITS, CONVERT_E5M2_BITS = 0, 1, 2
 _LAYOUTS = ("vd", "dv")
 # The vocabulary tiles are the grid's axis 1 (CUDA allows 65535 there): the
@@ -262,12 +266,28 @@ CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
     ),
 }
 
-# 8-bit weights (quantized heads): a W tile is half the bytes of a bf16 one,
-# so at the same tile shape a stage holds half the bytes in flight. Provisional
-# (compiled for registers on a CPU, not measured): the float tables' rows with
-# steps of 128 along D where the float row takes 64, so that a stage reads
-# as many bytes of W as the float kernel's.
-CONFIGS_8BIT: dict[str, tuple[tuple[int, TritonConfig], ...]] = {}
+# 8-bit weights (quantized heads), per layout: rows tried before the float
+# table's (batches above the last row take the float table). A W tile is
+# half the bytes of a bf16 one and is converted in registers before the
+# dot, so the best shapes differ from the float ones; measured on an H200,
+# plain sampling on S (D 4096 x V 151936, e4m3, per-row scales;
+# docs/performance.md, "Quantized heads"), the fastest of the configs tried
+# at B = 1 and 16:
+# * "vd": 64-id tiles with steps of 128 along D (vocabulary on M), 1.3x
+#   faster than the float table's 128-id tiles of 6 stages at B = 1;
+# * "dv": the vocabulary on N (mma.sync, 72 registers): with it on M the
+#   converted [D, V] tile is transposed in registers (118-205 registers)
+#   and ran 2.2-2.4x slower.
+# At B = 64 no config tried beat the float table's, which runs as fast as
+# the bf16 head there. The H100 takes these rows too (not measured there).
+CONFIGS_8BIT: dict[str, dict[str, tuple[tuple[int, TritonConfig], ...]]] = {
+    "sm90": {
+        "vd": ((16, _C(block_v=64, block_b=16, block_d=128, num_warps=4,
+                       num_stages=4)),),
+        "dv": ((16, _C(block_v=128, block_b=16, block_d=64, num_warps=4,
+                       num_stages=4, vocab_on_m=False)),),
+    },
+}
 del _C
 
 # Devices whose measured table differs from their family's: a device whose
@@ -339,21 +359,25 @@ def config_table(capability: tuple[int, int], kind: str | None = None) -> str:
 
 def pick_config(batch: int, dim: int, rows: int,
                 capability: tuple[int, int], kind: str | None = None,
-                w_itemsize: int | None = None) -> TritonConfig:
+                w_itemsize: int | None = None, layout: str = "vd") -> TritonConfig:
   """The heuristic config for ``batch`` rows, hidden ``D = dim``, ``V = rows``.
 
   The row of :data:`CONFIGS` for the device (:func:`config_table`: the GPU
   family, or a measured device's own table) and batch, with ``block_d``
   fitted to divide ``D`` and ``block_v`` shrunk for tiny vocabularies; an
-  8-bit weight (``w_itemsize=1``) takes :data:`CONFIGS_8BIT`'s row where
-  the table has one. No autotuning at call time. Extend the table
-  (``CONFIGS["sm90"] = ...``, a new family, or a device's table named in
-  :data:`DEVICE_TABLES`) to change it.
+  8-bit weight (``w_itemsize=1``) first tries the rows of
+  :data:`CONFIGS_8BIT` for its table (or family) and ``layout``. No
+  autotuning at call time. Extend the table (``CONFIGS["sm90"] = ...``, a
+  new family, or a device's table named in :data:`DEVICE_TABLES`) to
+  change it.
   """
   table = config_table(capability, kind)
   rows_of = CONFIGS[table]
   if w_itemsize == 1:
-    rows_of = CONFIGS_8BIT.get(table, CONFIGS_8BIT.get(table.split("-")[0], rows_of))
+    quant = CONFIGS_8BIT.get(table, CONFIGS_8BIT.get(table.split("-")[0], {}))
+    own = quant.get(layout, ())
+    if own and batch <= own[-1][0]:
+      rows_of = own
   cfg = None
   for max_batch, c in rows_of:
     cfg = c
@@ -752,17 +776,15 @@ def check_vocab(rows: int, rows_valid, vocab_size) -> int:
 def weight_conversion(weight_dtype, hidden_dtype,
                       capability: tuple[int, int]) -> int:
   """The ``W_CONVERT`` constexpr (``CONVERT_*``) for a weight on a GPU:
-  Triton's conversion, except for 8-bit floats below sm90, whose bytes the
-  kernel converts itself (module docstring).
+  Triton's conversion, except for e5m2 and (below sm90) e4m3, whose bytes
+  the kernel converts itself (module docstring).
   """
   del hidden_dtype  # every conversion serves bf16 and f16 alike
   wd = jnp.dtype(weight_dtype)
-  if tuple(capability) >= (9, 0):
-    return CONVERT_DIRECT
-  if wd == jnp.dtype(jnp.float8_e4m3fn):
-    return CONVERT_E4M3_BITS
   if wd == jnp.dtype(jnp.float8_e5m2):
     return CONVERT_E5M2_BITS
+  if wd == jnp.dtype(jnp.float8_e4m3fn) and tuple(capability) < (9, 0):
+    return CONVERT_E4M3_BITS
   return CONVERT_DIRECT
 
 
@@ -779,8 +801,8 @@ def weight_operands(weight, weight_scale, *, hidden_dtype, rows: int,
     capability: the target GPU's.
 
   Returns:
-    ``(weight, scale, consts)``: the weight (an 8-bit float below sm90: its
-    bytes as uint8, a bitcast), the f32 scale operand (``[1]``, ``[rows]``, or
+    ``(weight, scale, consts)``: the weight (as bytes, a uint8 bitcast,
+    where :func:`weight_conversion` says so), the f32 scale operand (``[1]``, ``[rows]``, or
     a 1-element placeholder the kernel never reads) and the ``SCALE`` and
     ``W_CONVERT`` constexprs (:func:`weight_conversion`). A per-tensor scale
     stays one element (a reshape): no ``[V]`` broadcast is launched for it.
@@ -811,12 +833,13 @@ def weight_operands(weight, weight_scale, *, hidden_dtype, rows: int,
 
 
 def resolve_config(config, *, batch, dim, rows, itemsize, capability,
-                   w_itemsize=None):
+                   w_itemsize=None, layout="vd"):
   """``config`` or the heuristic's, checked against the family's SMEM."""
   if capability is None:
     capability = device_capability()
   if config is None:
-    config = pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize)
+    config = pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize,
+                         layout=layout)
   elif not isinstance(config, TritonConfig):
     raise TypeError(f"config={config!r} must be a TritonConfig")
   n_tiles = -(-rows // config.block_v)
@@ -884,7 +907,7 @@ def candidates(hidden, weight, rowdata, vocab_offset=0, *, layout: str,
   cfg = resolve_config(config, batch=batch, dim=dim, rows=rows,
                        itemsize=jnp.dtype(hidden.dtype).itemsize,
                        w_itemsize=jnp.dtype(weight.dtype).itemsize,
-                       capability=capability)
+                       capability=capability, layout=layout)
   weight, scale, wconsts = weight_operands(weight, weight_scale,
                                            hidden_dtype=hidden.dtype, rows=rows,
                                            capability=capability)
