@@ -11,11 +11,12 @@ from flashsample_jax.backends import BACKENDS, Backend
 from flashsample_jax.controls import SampleOutput
 from flashsample_jax.params import SamplingParams
 from flashsample_jax.quantize import quantize_weight
+from flashsample_jax.scoring import ScoreOutput, score_tokens
 from flashsample_jax.sharding import sample_sharded
 from flashsample_jax.speculative import VerifyOutput, verify_drafts
 
 __all__ = ["sample", "sample_logits", "sample_sharded", "verify_drafts", "VerifyOutput",
-           "SamplingParams", "quantize_weight",
+           "SamplingParams", "quantize_weight", "score_tokens", "ScoreOutput",
            "SampleOutput", "Backend", "BACKENDS",
            "STATIC_ARGNAMES", "which_backend", "reference", "noise", "sharding",
            "controls", "backends", "mesh", "problem"]

@@ -27,7 +27,8 @@ __all__ = ["sample", "sample_logits", "which_backend", "run", "BACKENDS", "Backe
 # ``jax.jit(fs.sample, static_argnames=fs.STATIC_ARGNAMES)``.
 STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
                    "batch_axis", "num_samples", "return_logprobs", "top_logprobs",
-                   "truncation_order")
+                   "truncation_order", "return_entropy", "return_raw_logprobs",
+                   "return_kept")
 
 # The keyword defaults of the controls (SamplingParams' fields): with
 # ``params``, every control keyword must still be its default.
@@ -89,7 +90,8 @@ def which_backend(hidden, weight, key, params=None, *, backend="auto", temperatu
                   allowed_mask=None, softcap=None, repetition_penalty=None,
                   presence_penalty=None, frequency_penalty=None, prompt_ids=None,
                   output_ids=None, num_samples=None, return_logprobs=False,
-                  top_logprobs=0, truncation_order="hf"):
+                  top_logprobs=0, truncation_order="hf", return_entropy=False,
+                  return_raw_logprobs=False, return_kept=0):
   """The name of the backend :func:`sample` would run these arguments on.
 
   Args: as :func:`sample` (controls and mesh axes included).
@@ -130,23 +132,28 @@ def run(p: problem.Problem, c: _controls.Controls, *,
       score, token = mesh.combine_over_axis(score, token, axes.vocab)
     return token.reshape(c.samples, p.batch)
   # Where every row truncates, the pass draws no noise (Controls.for_pass).
-  pc = c.for_pass()
-  if c.penalizes and not backend.fuses_penalties(p, c):
-    # The fused pass skips the history ids (their logits change); their
-    # penalized scores come from their own weight rows, then one merge.
-    hist = stage2.history(c)
-    st = stage2.state_combine(pc, stage2.candidate_count(p, c))(
-        backend.controls_state(p, stage2.pass_controls(pc, hist, p.vocab_size),
-                               vocab_offset=offset),
-        stage2.history_state(p, pc, hist, vocab_offset=offset))
-  else:
-    st = backend.controls_state(p, pc, vocab_offset=offset)
-  st = stage2.per_sample(st, c.samples)
+  st = stage2.per_sample(pass_state(p, c.for_pass(), backend, offset), c.samples)
   exact_top = None if axes.vocab else backend.exact_top(p, c)
   tokens, out, _ = stage2.finish(p, c, st, axis=axes.vocab, exact_top=exact_top)
   if out is not None:
     return out if c.num_samples is not None else out.first_sample()
   return tokens if c.num_samples is not None else tokens[0]
+
+
+def pass_state(p: problem.Problem, c: _controls.Controls,
+               backend: backends.SamplerBackend, offset):
+  """The :class:`~pallas_kernels.state.ControlsState` of one pass of
+  ``backend`` over this shard's rows (``offset``: their first global id)
+  with controls ``c``, the penalized history ids included."""
+  if c.penalizes and not backend.fuses_penalties(p, c):
+    # The fused pass skips the history ids (their logits change); their
+    # penalized scores come from their own weight rows, then one merge.
+    hist = stage2.history(c)
+    return stage2.state_combine(c, stage2.candidate_count(p, c))(
+        backend.controls_state(p, stage2.pass_controls(c, hist, p.vocab_size),
+                               vocab_offset=offset),
+        stage2.history_state(p, c, hist, vocab_offset=offset))
+  return backend.controls_state(p, c, vocab_offset=offset)
 
 
 def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="vd",
@@ -156,7 +163,8 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
            allowed_mask=None, softcap=None, repetition_penalty=None,
            presence_penalty=None, frequency_penalty=None, prompt_ids=None,
            output_ids=None, num_samples=None, return_logprobs=False,
-           top_logprobs=0, truncation_order="hf"):
+           top_logprobs=0, truncation_order="hf", return_entropy=False,
+           return_raw_logprobs=False, return_kept=0):
   """Samples one token per row from ``softmax(hidden @ W.T / T)``.
 
   Never writes the ``[B, V]`` logits to device memory. Returns exactly the
@@ -241,12 +249,23 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
     top_logprobs: N (a Python int, 0 = off, at most 128): also return each
       row's N most likely ids before truncation and their log-probabilities
       (the OpenAI API's ``top_logprobs``), from the same pass over W.
+    return_entropy: also return each row's entropy before and after
+      truncation (``entropy``, ``entropy_truncated``; RL monitoring).
+    return_raw_logprobs: also return ``logprob_raw``, each token's
+      log-probability under the raw logits (soft-capped; before bias,
+      penalties, the mask and the temperature).
+    return_kept: N (a Python int, 0 = off, at most 1024): also return each
+      row's kept set, its N most likely ids (``kept_ids``) and its true size
+      (``kept_count``), exactly the set the token was drawn from (README,
+      "Determinism and RL").
 
   Returns:
     int32 token ids ``[B]`` (``[S, B]`` with ``num_samples``). With
-    ``return_logprobs=True`` or ``top_logprobs > 0``, a
+    ``return_logprobs=True``, ``top_logprobs > 0`` or an RL output
+    (``return_entropy``, ``return_raw_logprobs``, ``return_kept``), a
     :class:`flashsample_jax.SampleOutput` ``(tokens, logprob,
-    logprob_truncated, logsumexp, top_ids, top_logprobs)`` (the fields not
+    logprob_truncated, logsumexp, top_ids, top_logprobs, logprob_raw,
+    entropy, entropy_truncated, kept_ids, kept_count)`` (the fields not
     asked for are None).
 
     No token possible: with any control (the arguments from ``top_k`` on,
@@ -293,7 +312,8 @@ def sample_logits(logits, key, params=None, *, temperature=1.0, vocab_size=None,
                   allowed_mask=None, softcap=None, repetition_penalty=None,
                   presence_penalty=None, frequency_penalty=None, prompt_ids=None,
                   output_ids=None, num_samples=None, return_logprobs=False,
-                  top_logprobs=0, truncation_order="hf"):
+                  top_logprobs=0, truncation_order="hf", return_entropy=False,
+                  return_raw_logprobs=False, return_kept=0):
   """:func:`sample` for logits that are already materialized.
 
   The same controls, the same exact semantics and the same outputs as
@@ -336,5 +356,13 @@ def empty_result(c: _controls.Controls):
     if c.top_logprobs:
       out = out._replace(top_ids=jnp.zeros((0, c.top_logprobs), jnp.int32),
                          top_logprobs=jnp.zeros((0, c.top_logprobs), jnp.float32))
+    if c.return_raw_logprobs:
+      out = out._replace(logprob_raw=jnp.zeros(shape, jnp.float32))
+    if c.return_entropy:
+      out = out._replace(entropy=jnp.zeros((0,), jnp.float32),
+                         entropy_truncated=jnp.zeros((0,), jnp.float32))
+    if c.return_kept:
+      out = out._replace(kept_ids=jnp.zeros((0, c.return_kept), jnp.int32),
+                         kept_count=jnp.zeros((0,), jnp.int32))
     return out
   return tokens

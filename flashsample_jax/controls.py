@@ -92,6 +92,14 @@ class Controls:
       best of each row is the argmax of ``x`` (:meth:`for_pass`).
     truncation_order: static, ``"hf"`` or ``"vllm"``: what top-p's mass is
       measured over (the module docstring).
+    return_entropy: static bool: entropies of each row's distribution
+      before and after truncation.
+    return_raw_logprobs: static bool: each token's log-probability under
+      the raw logits (soft-capped only: :func:`raw_logits`).
+    return_kept: static int N (0 = off): each row's kept set, its N most
+      likely ids and its size.
+    given_ids: int32 ``[B]`` or None: ids whose tempered logit the pass
+      reports (``ControlsState.given_t``; :func:`flashsample_jax.score_tokens`).
   """
 
   top_k: Any = None
@@ -105,12 +113,16 @@ class Controls:
   frequency_penalty: Any = None
   prompt_ids: Any = None
   output_ids: Any = None
+  given_ids: Any = None
   num_samples: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
   every_row_truncates: bool = dataclasses.field(default=False, metadata=dict(static=True))
   noise: bool = dataclasses.field(default=True, metadata=dict(static=True))
   truncation_order: str = dataclasses.field(default="hf", metadata=dict(static=True))
+  return_entropy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  return_raw_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  return_kept: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
@@ -125,12 +137,26 @@ class Controls:
   @property
   def returns_output(self) -> bool:
     """The call returns a :class:`SampleOutput` (not bare tokens)."""
-    return self.return_logprobs or self.top_logprobs > 0
+    return self.return_logprobs or self.top_logprobs > 0 or self.rl_outputs
+
+  @property
+  def rl_outputs(self) -> bool:
+    """Entropies, raw log-probabilities or kept sets are asked for (the
+    outputs for RL rollouts; docs/design.md, "Determinism and RL")."""
+    return self.return_entropy or self.return_raw_logprobs or self.return_kept > 0
+
+  @property
+  def needs_kept_set(self) -> bool:
+    """Outputs that depend on each row's exact kept set (not only on its
+    token): stage 2 may then not take shortcuts that decide the token
+    alone."""
+    return self.return_logprobs or self.return_entropy or self.return_kept > 0
 
   @property
   def lists(self) -> bool:
-    """A pass must keep the top-M candidate lists (truncation, top-N)."""
-    return self.truncates or self.top_logprobs > 0
+    """A pass must keep the top-M candidate lists (truncation, top-N, kept
+    sets)."""
+    return self.truncates or self.top_logprobs > 0 or self.return_kept > 0
 
   @property
   def transforms(self) -> bool:
@@ -259,6 +285,9 @@ def _on_everywhere(value, on) -> bool:
 # The largest ``top_logprobs``; the candidate lists hold a few more ids per
 # row (stage2.candidate_count).
 TOP_LOGPROBS_MAX = 128
+# The largest ``return_kept``: kept sets are reported by their N most likely
+# ids (RL trainers renormalize over them; past N the count flags overflow).
+RETURN_KEPT_MAX = 1024
 _F32_MAX = float(np.finfo(np.float32).max)
 # What top-p's mass is measured over (the module docstring).
 TRUNCATION_ORDERS = ("hf", "vllm")
@@ -293,7 +322,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      softcap=None, repetition_penalty=None, presence_penalty=None,
                      frequency_penalty=None, prompt_ids=None, output_ids=None,
                      num_samples=None, return_logprobs=False,
-                     top_logprobs=0, truncation_order="hf") -> Controls:
+                     top_logprobs=0, truncation_order="hf", return_entropy=False,
+                     return_raw_logprobs=False, return_kept=0) -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
   if not isinstance(truncation_order, str) or truncation_order not in TRUNCATION_ORDERS:
     if isinstance(truncation_order, jax.core.Tracer):
@@ -356,6 +386,17 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {top_max}] "
                      f"(at most {TOP_LOGPROBS_MAX} and the vocabulary size)")
   top_logprobs = int(top_logprobs)
+  for name, flag in (("return_entropy", return_entropy),
+                     ("return_raw_logprobs", return_raw_logprobs)):
+    if not isinstance(flag, bool):
+      raise problem.static_arg_error(name, flag, "a bool")
+  if isinstance(return_kept, bool) or not isinstance(return_kept, (int, np.integer)):
+    raise problem.static_arg_error("return_kept", return_kept, "a Python int (0 = off)")
+  kept_max = min(RETURN_KEPT_MAX, vocab_size)
+  if not 0 <= return_kept <= kept_max:
+    raise ValueError(f"return_kept={return_kept} must be in [0, {kept_max}] "
+                     f"(at most {RETURN_KEPT_MAX} and the vocabulary size)")
+  return_kept = int(return_kept)
   repetition_penalty = _per_row("repetition_penalty", repetition_penalty, batch,
                                 integer=False, lo=None, hi=None,
                                 off="1 turns it off", check=problem.check_normal)
@@ -383,7 +424,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   return_logprobs=return_logprobs,
                   top_logprobs=top_logprobs,
                   every_row_truncates=every_row_truncates,
-                  truncation_order=truncation_order)
+                  truncation_order=truncation_order, return_entropy=return_entropy,
+                  return_raw_logprobs=return_raw_logprobs, return_kept=return_kept)
 
 
 def allowed_bits(allowed_mask, gid):
@@ -439,9 +481,7 @@ def transform(l, gid, c: Controls, vocab_size, history=None):
   ``(seen, count)`` of :func:`penalize` for the block (required when
   ``c.penalizes``).
   """
-  x = l
-  if c.softcap is not None:
-    x = c.softcap * jnp.tanh(x / c.softcap)
+  x = softcapped(l, c)
   if c.logit_bias is not None:
     bias = jnp.take(c.logit_bias, gid, mode="clip")
     x = x + (bias[None, :] if gid.ndim == 1 else bias)
@@ -451,6 +491,46 @@ def transform(l, gid, c: Controls, vocab_size, history=None):
   if c.allowed_mask is not None:
     valid = valid & allowed_bits(c.allowed_mask, gid)
   return jnp.where(valid, x, -jnp.inf)
+
+
+def softcapped(l, c: Controls):
+  """Step 2 of the module docstring: ``c * tanh(l / c)``, or ``l``."""
+  if c.softcap is None:
+    return l
+  return c.softcap * jnp.tanh(l / c.softcap)
+
+
+def raw_logits(l, gid, c: Controls, vocab_size):
+  """The raw logits of a block (``return_raw_logprobs``; vLLM's "raw"): the
+  model's logits soft-capped (step 2), ``-inf`` only for ids ``>=
+  vocab_size``; no bias, penalty, mask or temperature."""
+  return jnp.where(gid < vocab_size, softcapped(l, c), -jnp.inf)
+
+
+def entropy_terms(t, m):
+  """``sum(exp(t - m) * (t - m))`` over the last axis, ``m`` the rows' max
+  (``[B]``, as ``t``'s leading axes): with ``s = sum(exp(t - m))`` the
+  entropy of ``softmax(t)`` is ``log(s) - terms / s``. Ids with ``t = -inf``
+  (probability 0) add nothing; rows whose max is ``-inf`` add 0."""
+  d = t - m[..., None]
+  return jnp.sum(jnp.where(t > -jnp.inf, jnp.exp(d) * d, 0.0), axis=-1)
+
+
+def entropy(t):
+  """The entropy of ``softmax(t)`` over the last axis (NaN for a row of
+  ``-inf``): :func:`entropy_terms`' formula on materialized rows."""
+  m = jnp.max(t, axis=-1)
+  s = jnp.sum(jnp.exp(t - m[..., None]), axis=-1)
+  return jnp.log(s) - entropy_terms(t, m) / s
+
+
+def kept_list(kept, n: int, ids=None):
+  """``(ids int32 [B, n], count int32 [B])`` of each row's kept set (the
+  finite entries of ``kept``, ``-inf`` elsewhere): its ``n`` most likely
+  ids in :func:`top_n`'s order, ``-1`` past its end, and its size."""
+  vals, top = top_n(kept, n, ids=ids)
+  count = jnp.sum(kept > -jnp.inf, axis=-1, dtype=jnp.int32)
+  return jnp.where(vals > -jnp.inf, top, -1).astype(jnp.int32), count
 
 
 def none_allowed(allowed_mask, vocab_size: int):
@@ -568,6 +648,19 @@ class SampleOutput(NamedTuple):
       unless ``top_logprobs=N``.
     top_logprobs: f32 ``[B, N]``: their log-probabilities (``-inf`` where
       ``top_ids`` is ``-1``). None unless ``top_logprobs=N``.
+    logprob_raw: ``log_softmax(raw)[token]``, ``raw`` the model's logits
+      soft-capped, before bias, penalties, the mask and the temperature
+      (vLLM's "raw_logprobs"). None unless ``return_raw_logprobs=True``.
+    entropy: f32 ``[B]`` (per row, not per sample): the entropy of
+      ``softmax(t)`` before truncation. None unless ``return_entropy=True``.
+    entropy_truncated: f32 ``[B]``: the same over the kept set
+      (renormalized). None unless ``return_entropy=True``.
+    kept_ids: int32 ``[B, N]``: the row's kept set (the ids truncation keeps;
+      with no rule on, every id of finite ``t``), most likely first, ties by
+      lower id, ``-1`` past its end. None unless ``return_kept=N``.
+    kept_count: int32 ``[B]``: the kept set's true size; larger than N
+      means ``kept_ids`` lists only its N most likely (overflow, never a
+      silent cut). None unless ``return_kept=N``.
   """
 
   tokens: Any
@@ -576,10 +669,17 @@ class SampleOutput(NamedTuple):
   logsumexp: Any
   top_ids: Any = None
   top_logprobs: Any = None
+  logprob_raw: Any = None
+  entropy: Any = None
+  entropy_truncated: Any = None
+  kept_ids: Any = None
+  kept_count: Any = None
 
   def first_sample(self) -> "SampleOutput":
-    """The output of sample 0 (``[S, B]`` fields to ``[B]``; top-N as is)."""
+    """The output of sample 0 (``[S, B]`` fields to ``[B]``; per-row fields
+    as they are)."""
     first = lambda a: None if a is None else a[0]
     return self._replace(tokens=first(self.tokens), logprob=first(self.logprob),
                          logprob_truncated=first(self.logprob_truncated),
-                         logsumexp=first(self.logsumexp))
+                         logsumexp=first(self.logsumexp),
+                         logprob_raw=first(self.logprob_raw))

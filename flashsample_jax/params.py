@@ -45,6 +45,8 @@ class SamplingParams:
     return_logprobs: bool.
     top_logprobs: int N (0 = off).
     truncation_order: ``"hf"`` or ``"vllm"``.
+    return_entropy, return_raw_logprobs: bool.
+    return_kept: int N (0 = off).
   """
 
   temperature: Any = 1.0
@@ -63,6 +65,9 @@ class SamplingParams:
   return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
   truncation_order: str = dataclasses.field(default="hf", metadata=dict(static=True))
+  return_entropy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  return_raw_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  return_kept: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   def as_kwargs(self) -> dict[str, Any]:
     """The keyword arguments of :func:`flashsample_jax.sample` these are."""
@@ -129,7 +134,8 @@ class SamplingParams:
 
 # The fields of SamplingParams, by kind (api.sample checks that keywords
 # and params are not mixed).
-STATIC_NAMES = ("num_samples", "return_logprobs", "top_logprobs", "truncation_order")
+STATIC_NAMES = ("num_samples", "return_logprobs", "top_logprobs", "truncation_order",
+                "return_entropy", "return_raw_logprobs", "return_kept")
 CONTROL_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 # What from_generation_config reads; the penalties other than repetition's

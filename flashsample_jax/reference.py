@@ -17,23 +17,36 @@ import numpy as np
 from flashsample_jax import backends, controls as _controls, problem
 
 
+def _logits(p: problem.Problem):
+  """``l = hidden @ W.T`` in f32 ``[B, rows]`` (a quantized ``W`` converted
+  to ``hidden``'s dtype, ``l`` then times ``weight_scale``; layout
+  "logits": the given logits in f32)."""
+  if p.layout == "logits":
+    return p.weight.astype(jnp.float32)
+  contract = 1 if p.layout == "vd" else 0
+  l = jax.lax.dot_general(p.hidden, p.weight.astype(p.hidden.dtype),
+                          (((1,), (contract,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+  if p.weight_scale is not None:
+    l = l * p.weight_scale
+  return l
+
+
+def raw_logits(p: problem.Problem, c: _controls.Controls):
+  """The raw logits ``[B, vocab_size]``: :func:`_logits`, soft-capped."""
+  x = _logits(p)[:, :p.vocab_size]
+  if c.softcap is not None:
+    x = c.softcap * jnp.tanh(x / c.softcap)
+  return x
+
+
 def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   """Transformed, untempered f32 logits ``[B, vocab_size]``.
 
-  ``l = hidden @ W.T`` in f32 (a quantized ``W`` converted to ``hidden``'s
-  dtype, ``l`` then times ``weight_scale``; layout "logits": the given
-  logits in f32), then soft-cap, bias, penalties and the allowed mask in the order of
-  :mod:`flashsample_jax.controls`.
+  :func:`_logits`, then soft-cap, bias, penalties and the allowed mask in
+  the order of :mod:`flashsample_jax.controls`.
   """
-  if p.layout == "logits":
-    l = p.weight.astype(jnp.float32)
-  else:
-    contract = 1 if p.layout == "vd" else 0
-    l = jax.lax.dot_general(p.hidden, p.weight.astype(p.hidden.dtype),
-                            (((1,), (contract,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    if p.weight_scale is not None:
-      l = l * p.weight_scale
+  l = _logits(p)
   x = l[:, :p.vocab_size]
   if c is None:
     return x
@@ -58,6 +71,14 @@ def _categorical(p, logits, samples):
     draw = lambda k, row: jax.random.categorical(k, row, shape=(samples,))
     return jax.vmap(draw)(key, logits).T
   return jax.random.categorical(key, logits, shape=(samples, p.batch))
+
+
+def _entropy(t):
+  """``-sum(q log q)`` of ``q = softmax(t)`` per row, terms of ``q = 0`` left
+  out; NaN for a row of ``-inf`` (no distribution)."""
+  q = jax.nn.softmax(t, axis=-1)
+  h = -jnp.sum(jnp.where(q > 0, q * jax.nn.log_softmax(t, axis=-1), 0.0), axis=-1)
+  return jnp.where(jnp.all(t == -jnp.inf, axis=-1), jnp.nan, h)
 
 
 @jax.jit
@@ -105,6 +126,18 @@ def _sample(p: problem.Problem, c: _controls.Controls):
       empty = _controls.none_allowed(c.allowed_mask, p.vocab_size)[:, None]
       top_lp = jnp.where(empty, jnp.nan, top_lp)
     lp = lp._replace(top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+  if c.return_raw_logprobs:
+    raw = raw_logits(p, c)
+    raw_lp = jax.nn.log_softmax(raw, axis=-1)
+    raw_tok = jnp.take_along_axis(raw_lp[None], jnp.maximum(tokens, 0)[..., None],
+                                  axis=2)[..., 0]
+    lp = lp._replace(logprob_raw=jnp.where(tokens < 0, jnp.nan, raw_tok))
+  if c.return_entropy:
+    lp = lp._replace(entropy=_entropy(t), entropy_truncated=_entropy(kept))
+  if c.return_kept:
+    kept_t, kept_ids = _controls.top_n(kept, c.return_kept)
+    lp = lp._replace(kept_ids=jnp.where(kept_t > -jnp.inf, kept_ids, -1).astype(jnp.int32),
+                     kept_count=jnp.sum(kept > -jnp.inf, axis=-1, dtype=jnp.int32))
   if num_samples is None:
     lp = lp.first_sample()
   return lp
@@ -116,7 +149,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
            logit_bias=None, allowed_mask=None, softcap=None,
            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
            prompt_ids=None, output_ids=None, num_samples=None,
-           return_logprobs=False, top_logprobs=0, truncation_order="hf"):
+           return_logprobs=False, top_logprobs=0, truncation_order="hf",
+           return_entropy=False, return_raw_logprobs=False, return_kept=0):
   """Reference sampler: :func:`flashsample_jax.sample`'s arguments, on one device.
 
   (The mesh arguments ``vocab_axis``/``batch_axis`` are not taken: compare a
@@ -146,7 +180,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       softcap=softcap, repetition_penalty=repetition_penalty,
       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
       prompt_ids=prompt_ids, output_ids=output_ids, top_logprobs=top_logprobs,
-      truncation_order=truncation_order)
+      truncation_order=truncation_order, return_entropy=return_entropy,
+      return_raw_logprobs=return_raw_logprobs, return_kept=return_kept)
   return _sample(p, c)
 
 

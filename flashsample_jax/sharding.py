@@ -108,8 +108,14 @@ def _sample_sharded(p, c, *, mesh, backend, axes: _mesh.MeshAxes):
   if c.returns_output:
     top_spec = P(bspec, None) if c.top_logprobs else None
     lp_spec = tok_spec if c.return_logprobs else None
-    out_spec = _controls.SampleOutput(tok_spec, lp_spec, lp_spec, lp_spec,
-                                      top_spec, top_spec)
+    kept_spec = P(bspec, None) if c.return_kept else None
+    row_spec = P(bspec)
+    out_spec = _controls.SampleOutput(
+        tok_spec, lp_spec, lp_spec, lp_spec, top_spec, top_spec,
+        logprob_raw=tok_spec if c.return_raw_logprobs else None,
+        entropy=row_spec if c.return_entropy else None,
+        entropy_truncated=row_spec if c.return_entropy else None,
+        kept_ids=kept_spec, kept_count=row_spec if c.return_kept else None)
   n_vocab = _mesh_axes_size(mesh, "vocab_axis", axes.vocab)
 
   def per_shard(p, c):

@@ -65,6 +65,8 @@ def candidate_count(p: Problem, c: controls.Controls) -> int:
   m = CANDIDATES if c.truncates else 0
   if c.top_logprobs:
     m = max(m, c.top_logprobs + _TOP_SLACK)
+  if c.return_kept:
+    m = max(m, c.return_kept + _TOP_SLACK)
   return min(m, p.total_rows)
 
 
@@ -107,6 +109,17 @@ def _lse_merge(a, b):
   return m, a[1] * scale(a[0]) + b[1] * scale(b[0])
 
 
+def _entropy_merge(a, b, m):
+  """Merges :attr:`ControlsState.ent_sum` terms ``(max, sum, terms)`` onto
+  the merged max ``m``: ``exp(t - m) (t - m) = e^(a - m) (exp(t - a) (t -
+  a) + (a - m) exp(t - a))`` for a part whose max is ``a``."""
+  def part(mx, total, terms):
+    empty = (mx == -jnp.inf) | (m == -jnp.inf)
+    shift = jnp.where(empty, 0.0, mx - m)
+    return jnp.where(empty, 0.0, jnp.exp(shift) * (terms + shift * total))
+  return part(*a) + part(*b)
+
+
 def topm_merge(a, b, m: int):
   """Merges candidate lists ``(vals [B, *], ids, bound [B])``: the ``m``
   largest values (ties keep ``a``, lower ids, first) and the larger bound.
@@ -137,12 +150,49 @@ def state_combine(c: controls.Controls, m: int):
         best_score=pick(a.best_score, b.best_score),
         best_id=pick(a.best_id, b.best_id), best_t=pick(a.best_t, b.best_t),
         lse_max=lse[0], lse_sum=lse[1])
+    if c.return_entropy:
+      out = out._replace(ent_sum=_entropy_merge((a.lse_max, a.lse_sum, a.ent_sum),
+                                                (b.lse_max, b.lse_sum, b.ent_sum), lse[0]))
+    if c.return_raw_logprobs:
+      raw = _lse_merge((a.raw_max, a.raw_sum), (b.raw_max, b.raw_sum))
+      out = out._replace(raw_max=raw[0], raw_sum=raw[1])
+    if c.return_kept:
+      out = out._replace(finite_count=a.finite_count + b.finite_count)
+    if c.given_ids is not None:   # one part holds each given id
+      out = out._replace(given_t=jnp.maximum(a.given_t, b.given_t))
     if c.lists:
       vals, ids, bound = topm_merge((a.cand_vals, a.cand_ids, a.cand_bound),
                                     (b.cand_vals, b.cand_ids, b.cand_bound), m)
       out = out._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
     return out
   return combine
+
+
+def rl_state(c: controls.Controls, st: ControlsState, t, raw=None,
+             gid=None) -> ControlsState:
+  """``st`` (a block's state, ``lse_max`` its max of ``t``) with the fields
+  the RL outputs need (:attr:`controls.Controls.rl_outputs`): the entropy
+  terms of ``t [B, W]``, the raw logits' log-sum-exp (``raw [B, W]``;
+  None: a block whose raw logits another block covers), the count of
+  finite ``t`` and, for ``c.given_ids``, the ``t`` of each row's given id
+  (``gid``: the block's ids, ``[W]`` or ``[B, W]``)."""
+  b = t.shape[0]
+  if c.given_ids is not None:
+    ids = gid if gid.ndim == 2 else gid[None, :]
+    st = st._replace(given_t=jnp.max(jnp.where(ids == c.given_ids[:, None], t, -jnp.inf),
+                                     axis=1))
+  if c.return_entropy:
+    st = st._replace(ent_sum=controls.entropy_terms(t, st.lse_max))
+  if c.return_raw_logprobs:
+    if raw is None:
+      st = st._replace(raw_max=jnp.full((b,), -jnp.inf), raw_sum=jnp.zeros((b,)))
+    else:
+      rm = jnp.max(raw, axis=1)
+      st = st._replace(raw_max=rm, raw_sum=jnp.sum(
+          jnp.where(rm[:, None] == -jnp.inf, 0.0, jnp.exp(raw - rm[:, None])), axis=1))
+  if c.return_kept:
+    st = st._replace(finite_count=jnp.sum(t > -jnp.inf, axis=1, dtype=jnp.int32))
+  return st
 
 
 def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
@@ -324,6 +374,9 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
       best_score=score, best_id=tok, best_t=best_t, lse_max=mx,
       lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
                                 jnp.exp(t - mx[:, None])), axis=1))
+  # The pass scores every id's raw logit (the history ids are excluded from
+  # it by the mask only, which raw logits ignore).
+  st = rl_state(c, st, t, gid=gid)
   if c.lists:
     m = candidate_count(p, c)
     vals, ids = top_m(t, gid, jnp.full((p.batch,), -jnp.inf), m)
@@ -477,8 +530,10 @@ class _Rows(NamedTuple):
   """What :func:`finish` decides per row, step by step: ``tokens`` int32
   ``[S, B]``, their tempered logits ``t_tok [S, B]``, the kept set's
   log-sum-exp ``lse_kept [S, B]``, the row's ``lse_all [B]``, the top N
-  ``(vals [B, N], ids [B, N])`` or None, and ``fallback`` bool ``[B]``, the
-  rows the exact materialized path redoes."""
+  ``(vals [B, N], ids [B, N])`` or None, ``fallback`` bool ``[B]``, the
+  rows the exact materialized path redoes, and with the RL outputs the
+  entropies ``ent_all``/``ent_kept`` ``[B]`` and the kept set ``(ids [B,
+  N], count [B])`` (None where not asked for)."""
 
   tokens: jax.Array
   t_tok: jax.Array
@@ -486,6 +541,17 @@ class _Rows(NamedTuple):
   lse_all: jax.Array
   top: tuple | None
   fallback: jax.Array
+  ent_all: jax.Array | None = None
+  ent_kept: jax.Array | None = None
+  kept: tuple | None = None
+
+  @staticmethod
+  def batch_axes(rows: "_Rows") -> "_Rows":
+    """The batch axis of each field (for :func:`_redo_flagged`)."""
+    pair = lambda x: None if x is None else (0, 0)
+    one = lambda x: None if x is None else 0
+    return _Rows(1, 1, 1, 0, pair(rows.top), 0, one(rows.ent_all), one(rows.ent_kept),
+                 pair(rows.kept))
 
 
 class _Lists(NamedTuple):
@@ -529,16 +595,22 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   """
   if axis:
     st = _gather_shards(st, axis, state_combine(c, candidate_count(p, c)))
-  rows = _pass_rows(st)
+  rows = _pass_rows(c, st)
   lists = _lists(p, c, st) if c.lists else None
+  decision = None
   if c.truncates:
-    rows = _truncate(p, c, st, lists, rows)
-  own_exact_top = exact_top is not None and c.top_logprobs and not c.truncates
+    rows, decision = _truncate_decision(p, c, st, lists, rows)
+  if c.return_kept:
+    rows = _kept_sets(c, st, lists, rows, decision)
+  own_exact_top = (exact_top is not None and c.top_logprobs and not c.truncates
+                   and not c.return_kept)
   if c.top_logprobs:
     rows = _top_n(c, st, lists, rows, exact_top if own_exact_top else None)
   if c.lists and not own_exact_top:
     rows = _exact_path(p, c, rows, axis)
   out = _output(c, rows) if c.returns_output else None
+  if out is not None and c.return_raw_logprobs:
+    out = out._replace(logprob_raw=_raw_logprob(p, c, st, rows.tokens, axis))
   if not c.samples_only:
     rows, out = _nothing_to_sample(p, c, st, rows, out)
   return rows.tokens, out, rows.fallback
@@ -555,15 +627,19 @@ def _gather_shards(st: ControlsState, axis, combine) -> ControlsState:
   return st
 
 
-def _pass_rows(st: ControlsState) -> _Rows:
+def _pass_rows(c: controls.Controls, st: ControlsState) -> _Rows:
   """The rows as the pass left them: its best of each sample, no truncation."""
   tokens = st.best_id.T                                      # [S, B]
   # Rows with NaN or infinite t: the max is what jax.nn.logsumexp gives.
   lse_all = jnp.where(jnp.isfinite(st.lse_max), st.lse_max + jnp.log(st.lse_sum),
                       st.lse_max)
+  ent = None
+  if c.return_entropy:
+    ent = jnp.log(st.lse_sum) - st.ent_sum / st.lse_sum
   return _Rows(tokens=tokens, t_tok=st.best_t.T,
                lse_kept=jnp.broadcast_to(lse_all, tokens.shape), lse_all=lse_all,
-               top=None, fallback=jnp.zeros((tokens.shape[1],), bool))
+               top=None, fallback=jnp.zeros((tokens.shape[1],), bool),
+               ent_all=ent, ent_kept=ent)
 
 
 def _lists(p: Problem, c: controls.Controls, st: ControlsState) -> _Lists:
@@ -617,17 +693,21 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
   finite = ~active | jnp.isfinite(st.lse_max)
   certified &= finite
   sampled = p.temperature != 0
-  if not c.return_logprobs:  # greedy rows ignore truncation (argmax of x)
+  if not c.needs_kept_set:  # greedy rows ignore truncation (argmax of x)
     certified |= ~sampled
   use = active & sampled & (st.lse_max > -jnp.inf)
   pick = functools.partial(_pick_kept, p, c.samples, lists, rows, use=use, active=active)
   tokens, t_tok, lse_kept = pick(keep)
   fallback = ~certified
-  if c.top_p is not None and not c.return_logprobs:
+  if c.top_p is not None and not c.needs_kept_set:
     tokens, t_tok, fallback = _top_p_edge(c, certify, pick, finite, tokens, t_tok,
                                           fallback)
+  ent_kept = rows.ent_kept
+  if c.return_entropy:
+    kept_t = jnp.where(keep, lists.vals, -jnp.inf)
+    ent_kept = jnp.where(active, controls.entropy(kept_t), rows.ent_kept)
   return (rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
-                        fallback=rows.fallback | fallback),
+                        fallback=rows.fallback | fallback, ent_kept=ent_kept),
           _Decision(keep=keep, use=use, active=active, pick=pick))
 
 
@@ -671,6 +751,29 @@ def _top_p_edge(c: controls.Controls, certify, pick, finite, tokens, t_tok, fall
           fallback & ~same)
 
 
+def _kept_sets(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
+               decision: _Decision | None) -> _Rows:
+  """Each row's kept set (``return_kept=N``): its N most likely ids and its
+  size. Rows with a rule on read it off the kept candidates (certified with
+  the token: :func:`_truncate_decision` flags the others); rows with none
+  keep every id of finite t: their N most likely are the lists' top N where
+  the N-th lies above ``last`` (as :func:`_top_n`), and the size is the
+  pass's count of finite t."""
+  n = c.return_kept
+  ids, count = controls.kept_list(lists.vals, n, ids=lists.ids)
+  count = st.finite_count
+  certain = (lists.complete | (lists.vals[:, n - 1] > lists.last)) & jnp.isfinite(st.lse_max)
+  fallback = ~certain
+  if decision is not None:
+    r = decision.active
+    k_ids, k_count = controls.kept_list(jnp.where(decision.keep, lists.vals, -jnp.inf), n,
+                                        ids=lists.ids)
+    ids = jnp.where(r[:, None], k_ids, ids)
+    count = jnp.where(r, k_count, count)
+    fallback &= ~r
+  return rows._replace(kept=(ids, count), fallback=rows.fallback | fallback)
+
+
 def _top_n(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
            exact_top) -> _Rows:
   """The N largest t by (t descending, id ascending), controls.top_n's
@@ -708,7 +811,8 @@ EXACT_ROWS = 8
 
 # Controls fields with one entry (or one row) per batch row.
 _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
-               "presence_penalty", "frequency_penalty", "prompt_ids", "output_ids")
+               "presence_penalty", "frequency_penalty", "prompt_ids", "output_ids",
+               "given_ids")
 
 
 def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
@@ -720,8 +824,7 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
     return _materialized(ps, cs, sub._replace(fallback=flags),
                          lambda x, t, gid: perturbed(ps, x, t, gid, samples), axis)
 
-  top_axes = None if rows.top is None else (0, 0)
-  return _redo_flagged(p, c, rows.fallback, rows, _Rows(1, 1, 1, 0, top_axes, 0), redo)
+  return _redo_flagged(p, c, rows.fallback, rows, _Rows.batch_axes(rows), redo)
 
 
 def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
@@ -800,7 +903,28 @@ def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
     vals, ids = rows.top
     out = out._replace(top_ids=jnp.where(vals == -jnp.inf, -1, ids),
                        top_logprobs=vals - rows.lse_all[:, None])
+  if c.return_entropy:
+    out = out._replace(entropy=rows.ent_all, entropy_truncated=rows.ent_kept)
+  if c.return_kept:
+    out = out._replace(kept_ids=rows.kept[0], kept_count=rows.kept[1])
   return out
+
+
+def _raw_logprob(p: Problem, c: controls.Controls, st: ControlsState, tokens, axis):
+  """``logprob_raw [S, B]``: each token's raw logit (soft-capped, from its
+  own weight row as :func:`history_state` scores ids; under ``axis`` from
+  the shard that holds it) minus the raw logits' log-sum-exp; NaN for
+  ``-1``."""
+  lse = jnp.where(jnp.isfinite(st.raw_max), st.raw_max + jnp.log(st.raw_sum), st.raw_max)
+  tok = tokens.T                                                     # [B, S]
+  offset = mesh.MeshAxes(vocab=axis).vocab_offset(p.weight_rows) if axis else 0
+  local = tok - offset
+  ok = (tok >= 0) & (local >= 0) & (local < p.weight_rows)
+  raw = controls.softcapped(_history_logits(p, jnp.clip(local, 0, p.weight_rows - 1)), c)
+  raw = jnp.where(ok, raw, 0.0)
+  if axis:   # one shard holds each token's row; the others add 0
+    raw = jnp.sum(mesh.all_gather_invariant(raw, axis), axis=0)
+  return jnp.where(tok >= 0, raw - lse[:, None], jnp.nan).T
 
 
 def _nothing_to_sample(p: Problem, c: controls.Controls, st: ControlsState,
@@ -821,7 +945,11 @@ def _nothing_to_sample(p: Problem, c: controls.Controls, st: ControlsState,
   if out is not None:
     nan = lambda a, e=tokens < 0: None if a is None else jnp.where(e, jnp.nan, a)
     out = out._replace(tokens=tokens, logprob=nan(out.logprob),
-                       logprob_truncated=nan(out.logprob_truncated))
+                       logprob_truncated=nan(out.logprob_truncated),
+                       logprob_raw=nan(out.logprob_raw))
+    if out.kept_ids is not None:
+      out = out._replace(kept_ids=jnp.where(empty[:, None], -1, out.kept_ids),
+                         kept_count=jnp.where(empty, 0, out.kept_count))
     if out.top_logprobs is not None and masked is not None:
       out = out._replace(top_logprobs=nan(out.top_logprobs, masked[:, None]))
   return rows._replace(tokens=tokens), out
@@ -869,12 +997,78 @@ def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis
     # around this branch to the host on every call).
     top_t, top_i = controls.top_n(t, top[0].shape[1])
     top = (jnp.where(r[:, None], top_t, top[0]), jnp.where(r[:, None], top_i, top[1]))
+  if rows.ent_all is not None:
+    rows = rows._replace(ent_all=jnp.where(r, controls.entropy(t), rows.ent_all),
+                         ent_kept=jnp.where(r, controls.entropy(kept), rows.ent_kept))
+  if rows.kept is not None:
+    ids, count = controls.kept_list(kept, rows.kept[0].shape[1])
+    rows = rows._replace(kept=(jnp.where(r[:, None], ids, rows.kept[0]),
+                               jnp.where(r, count, rows.kept[1])))
   return rows._replace(
       tokens=jnp.where(r[None], j.T.astype(jnp.int32), rows.tokens),
       t_tok=jnp.where(r[None], new_t.T, rows.t_tok),
       lse_kept=jnp.where(r[None], jax.nn.logsumexp(kept, axis=1)[None], rows.lse_kept),
       lse_all=jnp.where(r, jax.nn.logsumexp(t, axis=1), rows.lse_all),
       top=top)
+
+
+# -- scoring given tokens (flashsample_jax.score_tokens) -------------------------
+
+
+class Scores(NamedTuple):
+  """What :func:`score` finds per row (every field ``[B]``): the given
+  id's tempered logit ``t_tok``, the row's log-sum-exp ``lse_all``, the
+  kept set's ``lse_kept``, whether the id is in the kept set ``in_kept``,
+  the entropies ``ent_all``/``ent_kept`` and the raw log-probability
+  ``logprob_raw``."""
+
+  t_tok: jax.Array
+  lse_all: jax.Array
+  lse_kept: jax.Array
+  in_kept: jax.Array
+  ent_all: jax.Array
+  ent_kept: jax.Array
+  logprob_raw: jax.Array
+
+
+def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> Scores:
+  """The scores of each row's given id (``c.given_ids``) from a noise-free
+  pass's state: the same steps and the same expressions as :func:`finish`
+  (the kept set certified on the candidates, the rest on the exact path),
+  so that a token :func:`finish` drew gets the log-probabilities it
+  reported, bit for bit, from the same pass."""
+  if axis:
+    st = _gather_shards(st, axis, state_combine(c, candidate_count(p, c)))
+  rows = _pass_rows(c, st)
+  in_kept = st.given_t > -jnp.inf
+  sc = Scores(t_tok=st.given_t, lse_all=rows.lse_all, lse_kept=rows.lse_all,
+              in_kept=in_kept, ent_all=rows.ent_all, ent_kept=rows.ent_kept,
+              logprob_raw=_raw_logprob(p, c, st, c.given_ids[None], axis)[0])
+  if not c.truncates:
+    return sc
+  lists = _lists(p, c, st)
+  keep, decided, active = _certify(c, lists.vals, (st.lse_max, st.lse_sum),
+                                   lists.complete, lists.last)
+  certified = ~active | (decided & jnp.isfinite(st.lse_max))
+  kept_t = jnp.where(keep, lists.vals, -jnp.inf)
+  listed = jnp.any(keep & (lists.vals > -jnp.inf) & (lists.ids == c.given_ids[:, None]),
+                   axis=1)
+  sc = sc._replace(lse_kept=jnp.where(active, jax.nn.logsumexp(kept_t, axis=1), sc.lse_all),
+                   in_kept=jnp.where(active, listed, in_kept),
+                   ent_kept=jnp.where(active, controls.entropy(kept_t), sc.ent_kept))
+
+  def redo(ps, cs, sub, flags):
+    x, t, kept, gid = materialized_rows(ps, cs, axis)
+    g = jnp.clip(cs.given_ids, 0, t.shape[1] - 1)[:, None]
+    tk = jnp.take_along_axis(kept, g, axis=1)[:, 0]
+    new = Scores(t_tok=jnp.take_along_axis(t, g, axis=1)[:, 0],
+                 lse_all=jax.nn.logsumexp(t, axis=1),
+                 lse_kept=jax.nn.logsumexp(kept, axis=1), in_kept=tk > -jnp.inf,
+                 ent_all=controls.entropy(t), ent_kept=controls.entropy(kept),
+                 logprob_raw=sub.logprob_raw)
+    return jax.tree.map(lambda a, b: jnp.where(flags, a, b), new, sub)
+
+  return _redo_flagged(p, c, ~certified, sc, Scores(0, 0, 0, 0, 0, 0, 0), redo)
 
 
 # -- speculative verification (flashsample_jax.speculative) ---------------------
@@ -935,7 +1129,7 @@ def finish_drafts(p: Problem, c: controls.Controls, st_without: ControlsState,
     st_without = _gather_shards(st_without, axis, combine)
     st_draft = _gather_shards(st_draft, axis, combine)
   st = combine(st_without, st_draft)
-  rows = _pass_rows(st)
+  rows = _pass_rows(c, st)
   t_draft = st_draft.lse_max            # the one listed id's t, or -inf
   residual, t_residual = st_without.best_id[:, 0], st_without.best_t[:, 0]
   kept = t_draft > -jnp.inf

@@ -34,6 +34,14 @@ class ControlsState(NamedTuple):
     cand_bound: f32 ``[B]``: no tempered logit that is not listed is larger
       (``-inf`` when the lists are exact). Listed values at or below it are
       ``-inf``: they may have unlisted equals or neighbours.
+    ent_sum: f32 ``[B]``: ``sum(exp(t - lse_max) * (t - lse_max))`` over the
+      finite ``t`` (for the entropy; else None).
+    raw_max, raw_sum: f32 ``[B]``: an online log-sum-exp of the raw logits
+      (for raw log-probabilities; else None).
+    finite_count: int32 ``[B]``: how many ids have a finite ``t`` (for kept
+      sets; else None).
+    given_t: f32 ``[B]``: the ``t`` of each row's given id (``-inf`` where
+      the part does not hold it; for scoring given tokens; else None).
   """
 
   best_score: Any
@@ -44,6 +52,11 @@ class ControlsState(NamedTuple):
   cand_vals: Any = None
   cand_ids: Any = None
   cand_bound: Any = None
+  ent_sum: Any = None
+  raw_max: Any = None
+  raw_sum: Any = None
+  finite_count: Any = None
+  given_t: Any = None
 
 
 def top_m(vals, ids, bound, m: int, *, by_id: bool = False):

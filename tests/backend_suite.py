@@ -193,6 +193,28 @@ class BackendSuite:
     self.check_controls(dict(cases.CASES[case], return_logprobs=True),
                         w=cases.W.astype(dt), weight_scale=s)
 
+  # -- RL outputs: entropies, raw log-probabilities, kept sets -------------
+
+  @pytest.mark.parametrize("case", ["k_p_minp", "penalties_all"])
+  def test_rl_outputs(self, case):
+    kw = dict(cases.CASES[case], return_entropy=True, return_raw_logprobs=True,
+              return_kept=40, return_logprobs=True)
+    impl = (self.backend if isinstance(self.backend, fs.backends.SamplerBackend)
+            else fs.backends.get(self.backend))
+    if not impl.rl_outputs():
+      # Refused by name (auto then takes a backend that computes them).
+      with pytest.raises(NotImplementedError, match="does not yet compute entropies"):
+        self.run(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T, **kw)
+      return
+    got, out = self.checked_output(kw)
+    want = fs.reference.sample(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
+                               **kw)
+    np.testing.assert_array_equal(out.kept_ids, want.kept_ids)
+    np.testing.assert_array_equal(out.kept_count, want.kept_count)
+    for name in ("logprob_raw", "entropy", "entropy_truncated"):
+      np.testing.assert_allclose(getattr(out, name), getattr(want, name), rtol=1e-5,
+                                 atol=1e-5, err_msg=name)
+
   # -- random inputs: >= 99.9% agreement ------------------------------------
 
   random_shapes = [(64, 128, 4099), (32, 256, 3000)]

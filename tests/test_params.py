@@ -19,6 +19,7 @@ import pytest
 
 import flashsample_jax as fs
 from flashsample_jax import controls, problem, reference
+from flashsample_jax.params import STATIC_NAMES
 from tests import cases
 from tests.cases import B, CASES, H, KEYS, T, V, W
 from tests.test_statistics import P_MIN, chi_square_p
@@ -199,7 +200,7 @@ def test_sample_logits_padding_dtypes_and_errors():
 
 
 def test_sample_logits_under_jit():
-  f = jax.jit(fs.sample_logits, static_argnames=fs.STATIC_ARGNAMES[-4:])
+  f = jax.jit(fs.sample_logits, static_argnames=STATIC_NAMES)
   np.testing.assert_array_equal(
       f(LOGITS, KEYS["scalar"], top_k=jnp.int32(25), top_logprobs=4).top_ids,
       reference.sample_logits(LOGITS, KEYS["scalar"], top_k=25, top_logprobs=4).top_ids)

@@ -103,6 +103,14 @@ class SamplerBackend(abc.ABC):
     del p, c
     return None
 
+  def rl_outputs(self) -> bool:
+    """Whether :meth:`controls_state` fills the state fields of the RL
+    outputs (entropy terms, raw log-sum-exp, finite counts:
+    :attr:`~flashsample_jax.controls.Controls.rl_outputs`). Where not,
+    :func:`resolve` refuses such calls (``auto`` then takes a backend that
+    does)."""
+    return False
+
   def samples_as_rows(self, p: Problem, c: Controls) -> bool:
     """Whether to draw ``c.samples`` samples as rows of one plain pass
     (:func:`flashsample_jax.stage2.samples_as_rows`); asked only when
@@ -116,6 +124,16 @@ def rows_per_pass(backend: SamplerBackend, p: Problem, c: Controls) -> int:
   when several samples are not drawn as rows of one plain pass."""
   as_rows = c.samples_only and backend.samples_as_rows(p, c)
   return p.batch * (1 if as_rows else c.samples)
+
+
+def _check(impl: SamplerBackend, p: Problem, c: Controls) -> None:
+  """``impl.check`` and the checks every backend shares."""
+  impl.check(p, c)
+  if c.rl_outputs and not impl.rl_outputs():
+    raise NotImplementedError(
+        f"the {impl.name} backend does not yet compute entropies, raw "
+        "log-probabilities or kept sets (return_entropy, return_raw_logprobs, "
+        "return_kept); the xla and dense backends do")
 
 
 def _load(name: str) -> type[SamplerBackend]:
@@ -157,13 +175,13 @@ def resolve(backend, p: Problem, c: Controls) -> SamplerBackend:
   check_name(backend)
   if backend != "auto":
     impl = backend if isinstance(backend, SamplerBackend) else get(backend)
-    impl.check(p, c)
+    _check(impl, p, c)
     return impl
   reasons, able = [], []
   for name in BACKENDS:
     impl = get(name)
     try:
-      impl.check(p, c)
+      _check(impl, p, c)
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue

@@ -165,6 +165,8 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
         best_id=gid[j], best_t=jnp.take_along_axis(t, j, axis=1), lse_max=mx,
         lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
                                   jnp.exp(t - mx[:, None])), axis=1))
+    st = stage2.rl_state(c, st, t, controls.raw_logits(l, gid, c, p.vocab_size)
+                         if c.return_raw_logprobs else None, gid=gid)
     if c.lists:
       vals, j = lax.top_k(t, min(m, width))
       if width < m:
@@ -197,6 +199,9 @@ class XlaBackend(SamplerBackend):
 
   def controls_state(self, p, c, *, vocab_offset=0):
     return controls_state(p, c, vocab_offset=vocab_offset, chunk=self.chunk)
+
+  def rl_outputs(self):
+    return True
 
 
 

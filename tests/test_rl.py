@@ -1,0 +1,268 @@
+"""The RL outputs (issue #39): entropies, raw log-probabilities, kept sets.
+
+The reference is held to formulas written out here in float64 on the
+materialized logits; the streaming backends (xla, dense; the suite in
+tests/backend_suite.py runs every backend) to the reference, exactly for
+the kept sets (ties at every edge, overflow rows) and within 1e-5 for the
+entropies and log-probabilities; vocabulary sharding to one device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import flashsample_jax as fs
+from flashsample_jax import controls, problem, reference
+from tests import cases, inputs
+from tests.conftest import has_gpu
+
+RL = dict(return_entropy=True, return_raw_logprobs=True, return_kept=64,
+          return_logprobs=True)
+
+
+def _f64_outputs(kw, key=cases.KEYS["scalar"], h=cases.H, w=cases.W, t=cases.T):
+  """Entropies, raw log-probabilities and kept sets of the reference's
+  tokens, from the materialized logits in float64."""
+  p = problem.prepare(h, w, key, temperature=t)
+  c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
+                                **kw)
+  x = np.asarray(reference.transformed_logits(p, c), np.float64)
+  temp = np.asarray(p.temperature, np.float64)[:, None]
+  tt = x / np.where(temp == 0, 1.0, temp)
+  t32 = jnp.asarray(np.asarray(reference.transformed_logits(p, c)) /
+                    np.where(temp == 0, 1.0, temp).astype(np.float32))
+  keep = np.asarray(controls.keep_mask(t32, c)) if c.truncates else np.isfinite(tt)
+
+  def entropy(v):
+    v = np.where(np.isfinite(v), v, -np.inf)
+    m = v.max(axis=1, keepdims=True)
+    q = np.exp(v - m)
+    q /= q.sum(axis=1, keepdims=True)
+    return -np.sum(np.where(q > 0, q * np.log(np.where(q > 0, q, 1)), 0), axis=1)
+
+  l = np.asarray(reference._logits(p), np.float64)
+  raw = l if c.softcap is None else float(c.softcap) * np.tanh(l / float(c.softcap))
+  raw_lp = raw - (raw.max(axis=1, keepdims=True)
+                  + np.log(np.exp(raw - raw.max(axis=1, keepdims=True)).sum(axis=1,
+                                                                           keepdims=True)))
+  return entropy(tt), entropy(np.where(keep, tt, -np.inf)), raw_lp, keep & np.isfinite(tt), tt
+
+
+@pytest.mark.parametrize("case", ["top_k", "k_p_minp", "p_minp_vllm", "penalties_all",
+                                  "softcap", "mask"])
+def test_reference_is_the_formulas(case):
+  kw = {k: v for k, v in cases.CASES[case].items() if k != "top_logprobs"}
+  out = fs.reference.sample(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
+                            **kw, **RL)
+  ent, ent_kept, raw_lp, keep, tt = _f64_outputs(kw)
+  np.testing.assert_allclose(out.entropy, ent, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(out.entropy_truncated, ent_kept, atol=1e-5, rtol=1e-5)
+  tok = np.asarray(out.tokens)
+  np.testing.assert_allclose(out.logprob_raw, raw_lp[np.arange(cases.B), tok],
+                             atol=1e-5, rtol=1e-5)
+  count = keep.sum(axis=1)
+  np.testing.assert_array_equal(out.kept_count, count)
+  for b in range(cases.B):
+    ids = np.flatnonzero(keep[b])
+    order = ids[np.lexsort((ids, -tt[b, ids]))][:64]           # t descending, then id
+    got = np.asarray(out.kept_ids[b])
+    np.testing.assert_array_equal(got[:order.size], order)
+    assert np.all(got[order.size:] == -1)
+    assert tok[b] in ids                                         # drawn from the kept set
+  if "top_k" not in kw and "top_p" not in kw and "min_p" not in kw:
+    # No rule: the kept set is every id of finite t (the allowed ids).
+    np.testing.assert_array_equal(out.kept_count, np.isfinite(tt).sum(axis=1))
+
+
+def _check(got, want):
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_array_equal(got.kept_count, want.kept_count)
+  for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+               "entropy_truncated"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
+                               atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_kept_sets_at_every_edge_and_overflow(backend):
+  # The nucleus rows: ties at the top-p edge, nuclei wider than the lists
+  # and than N (overflow: kept_count > N, the N most likely listed).
+  h, w, keys, _ = cases.nucleus_inputs()
+  sel = np.arange(0, h.shape[0], 4)
+  h, keys = h[sel], keys[sel]
+  for kw in (dict(top_p=1 - 1e-4), dict(top_k=130), dict(min_p=jnp.float32(np.exp(-4.75))),
+             dict(top_k=125, top_p=0.999)):
+    got = fs.sample(h, w, keys, backend=backend, **kw, **RL)
+    want = fs.reference.sample(h, w, keys, **kw, **RL)
+    _check(got, want)
+    assert np.any(np.asarray(want.kept_count) > 64)                 # overflow rows
+  # Ties at the top-k edge: every id tied at the k-th value is kept.
+  b, v = 6, 300
+  hh = jnp.ones((b, 64), jnp.bfloat16)
+  ww = np.zeros((v, 64), np.float32)
+  ww[:, 0] = np.repeat(np.arange(30), 10)[::-1][:v] / 4
+  ww = jnp.asarray(ww, jnp.bfloat16)
+  got = fs.sample(hh, ww, jax.random.key(1), backend=backend, top_k=15, **RL)
+  want = fs.reference.sample(hh, ww, jax.random.key(1), top_k=15, **RL)
+  _check(got, want)
+  assert np.all(np.asarray(got.kept_count) == 20)
+
+
+def test_greedy_rows_and_several_samples():
+  kw = dict(top_k=40, top_p=0.8)
+  t = cases.T.at[:3].set(0.0)
+  got = fs.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=t, num_samples=3,
+                  backend="xla", **kw, **RL)
+  want = fs.reference.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=t,
+                             num_samples=3, **kw, **RL)
+  assert got.logprob_raw.shape == (3, cases.B) and got.entropy.shape == (cases.B,)
+  assert got.kept_ids.shape == (cases.B, 64)
+  _check(got, want)
+
+
+def test_rows_with_nothing_to_sample():
+  mask = np.zeros((cases.B, -(-cases.V // 32)), np.uint32)
+  mask[1:] = 0xFFFFFFFF
+  got = fs.sample(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
+                  allowed_mask=jnp.asarray(mask), backend="xla", top_k=5, **RL)
+  assert got.tokens[0] == -1 and got.kept_count[0] == 0 and np.all(got.kept_ids[0] == -1)
+  assert np.isnan(got.logprob_raw[0]) and np.isnan(got.entropy_truncated[0])
+  want = fs.reference.sample(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
+                             allowed_mask=jnp.asarray(mask), top_k=5, **RL)
+  _check(got, want)
+
+
+def test_params_jit_and_empty_batch():
+  params = fs.SamplingParams(temperature=0.7, top_k=30, return_entropy=True, return_kept=8)
+  f = jax.jit(lambda h, k, p: fs.sample(h, cases.W, k, p, backend="xla"))
+  got = f(cases.H, cases.KEYS["scalar"], params)
+  want = fs.reference.sample(cases.H, cases.W, cases.KEYS["scalar"], temperature=0.7,
+                             top_k=30, return_entropy=True, return_kept=8)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_allclose(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
+  assert got.logprob is None and got.logprob_raw is None
+  empty = fs.sample(cases.H[:0], cases.W, cases.KEYS["scalar"], **RL)
+  assert empty.kept_ids.shape == (0, 64) and empty.entropy.shape == (0,)
+
+
+def test_bad_arguments_name_them():
+  key = cases.KEYS["scalar"]
+  with pytest.raises(ValueError, match=r"return_kept=1025 must be in \[0, 1024\]"):
+    fs.sample(cases.H, cases.W, key, return_kept=1025)
+  with pytest.raises(TypeError, match=r"return_kept=True must be a Python int"):
+    fs.sample(cases.H, cases.W, key, return_kept=True)
+  with pytest.raises(TypeError, match=r"return_entropy='yes' must be a bool"):
+    fs.sample(cases.H, cases.W, key, return_entropy="yes")
+  with pytest.raises(TypeError, match=r"return_raw_logprobs=1 must be a bool"):
+    fs.sample(cases.H, cases.W, key, return_raw_logprobs=1)
+  # A backend that does not compute them refuses by name; auto takes one that does.
+  from flashsample_jax.backends.mosaic import MosaicBackend
+  with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet compute"):
+    fs.sample(cases.H, cases.W, key, return_entropy=True,
+              backend=MosaicBackend(interpret=True))
+  assert fs.which_backend(cases.H, cases.W, key, return_kept=4) in ("xla", "dense")
+
+
+@pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
+def test_sharded_rl_outputs_on_1_2_4_8_shards():
+  kw = dict(top_k=40, top_p=0.9, softcap=8.0, **RL)
+  h, w = cases.H, cases.W[:3000]                       # 3000: divisible by 8
+  want = fs.reference.sample(h, w, cases.KEYS["scalar"], temperature=cases.T, **kw)
+  for n in (1, 2, 4, 8):
+    mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:n])
+    got = fs.sample_sharded(h, w, cases.KEYS["scalar"], mesh=mesh, vocab_axis="tp",
+                            temperature=cases.T, **kw)
+    _check(got, want)
+
+
+# -- score_tokens: the log-probabilities of given tokens ----------------------
+
+
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_score_tokens_is_bit_for_bit_what_sample_returned(backend):
+  # Random inputs, so that any other summation order would show in the bits.
+  h, w = inputs.random_inputs(48, 128, 4099, seed=3, logit_std=3.0)
+  t = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, 48), jnp.float32).at[:4].set(0)
+  keys = inputs.row_keys(48, seed=1)
+  hist = jnp.asarray(np.random.default_rng(1).integers(0, 4099, (48, 16)), jnp.int32)
+  for kw in (dict(), dict(top_k=50, top_p=0.9), dict(min_p=0.05, softcap=20.0),
+             dict(top_p=0.95, repetition_penalty=1.2, output_ids=hist)):
+    out = fs.sample(h, w, keys, temperature=t, backend=backend, return_logprobs=True,
+                    return_entropy=True, return_raw_logprobs=True, **kw)
+    sc = fs.score_tokens(h, w, out.tokens, temperature=t, backend=backend, **kw)
+    for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+                 "entropy_truncated"):
+      a, b = np.asarray(getattr(out, name)), np.asarray(getattr(sc, name))
+      np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=name)
+    assert np.all(np.asarray(sc.in_kept))
+
+
+def test_score_tokens_of_any_token_against_float64():
+  kw = {k: v for k, v in cases.CASES["penalties_all"].items() if k != "top_logprobs"}
+  r = np.random.default_rng(5)
+  ent, ent_kept, raw_lp, keep, tt = _f64_outputs(kw)
+  # Half the rows score a kept id, half an id truncation removes.
+  tok = np.array([r.choice(np.flatnonzero(keep[b] if b % 2 else ~keep[b] & np.isfinite(tt[b])))
+                  for b in range(cases.B)])
+  sc = fs.score_tokens(cases.H, cases.W, jnp.asarray(tok, jnp.int32), temperature=cases.T,
+                       **kw)
+  lse = np.log(np.sum(np.exp(tt - tt.max(axis=1, keepdims=True)), axis=1)) + tt.max(axis=1)
+  kt = np.where(keep, tt, -np.inf)
+  lse_k = np.log(np.sum(np.exp(kt - kt.max(axis=1, keepdims=True)), axis=1)) + kt.max(axis=1)
+  rows = np.arange(cases.B)
+  np.testing.assert_array_equal(sc.in_kept, rows % 2 == 1)
+  np.testing.assert_allclose(sc.logprob, tt[rows, tok] - lse, atol=1e-5, rtol=1e-5)
+  want_k = np.where(rows % 2 == 1, tt[rows, tok] - lse_k, -np.inf)
+  np.testing.assert_allclose(sc.logprob_truncated, want_k, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(sc.logprob_raw, raw_lp[rows, tok], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(sc.entropy, ent, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(sc.entropy_truncated, ent_kept, atol=1e-5, rtol=1e-5)
+
+
+def test_score_tokens_under_jit_params_and_errors():
+  params = fs.SamplingParams(temperature=0.7, top_k=30, return_kept=4)
+  tok = jnp.arange(cases.B, dtype=jnp.int32)
+  f = jax.jit(lambda h, tk: fs.score_tokens(h, cases.W, tk, params))
+  got = f(cases.H, tok)
+  want = fs.score_tokens(cases.H, cases.W, tok, temperature=0.7, top_k=30)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match=r"token_ids\[2\]=3001 must be in \[0, 3001\)"):
+    fs.score_tokens(cases.H, cases.W, tok.at[2].set(3001))
+  with pytest.raises(ValueError, match=r"token_ids.shape=\(23,\) must be \[B\]=\(24,\)"):
+    fs.score_tokens(cases.H, cases.W, tok[1:])
+  with pytest.raises(TypeError, match=r"token_ids must be an integer array"):
+    fs.score_tokens(cases.H, cases.W, tok.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"params.num_samples=2 must be None"):
+    fs.score_tokens(cases.H, cases.W, tok, fs.SamplingParams(num_samples=2))
+  err, _ = jax.jit(jax.experimental.checkify.checkify(
+      lambda tk: fs.score_tokens(cases.H, cases.W, tk)))(tok.at[5].set(-1))
+  with pytest.raises(Exception, match=r"token_ids\[5\]=-1 must be in \[0, 3001\)"):
+    err.throw()
+
+
+@pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
+def test_score_tokens_in_shard_map_on_1_2_4_8_shards():
+  kw = dict(top_k=40, top_p=0.9, softcap=8.0)
+  h, w = cases.H, cases.W[:3000]
+  tok = jnp.asarray(np.random.default_rng(6).integers(0, 3000, cases.B), jnp.int32)
+  want = fs.score_tokens(h, w, tok, temperature=cases.T, **kw)
+  for n in (1, 2, 4, 8):
+    mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:n])
+    f = jax.shard_map(
+        lambda h, w, tk: fs.score_tokens(h, w, tk, temperature=cases.T, vocab_axis="tp",
+                                         **kw),
+        mesh=mesh, in_specs=(P(), P("tp", None), P()), out_specs=P(), check_vma=False)
+    got = jax.jit(f)(h, w, tok)
+    np.testing.assert_array_equal(got.in_kept, want.in_kept)
+    for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+                 "entropy_truncated"):
+      np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6,
+                                 atol=1e-6, err_msg=name)
