@@ -14,13 +14,14 @@ import numpy as np
 
 
 def exact_path_rows(hidden, weight, key, *, weight_layout: str = "vd",
-                    temperature=1.0, backend: str = "auto", **controls) -> int:
+                    temperature=1.0, backend: str = "auto", weight_scale=None,
+                    **controls) -> int:
   """Rows of ``sample(hidden, weight, key, temperature=..., **controls)``
   that take the exact path (un-timed: the backend's pass, then stage 2)."""
   from flashsample_jax import backends, problem, stage2
   from flashsample_jax import controls as ctl
   p = problem.prepare(hidden, weight, key, temperature=temperature,
-                      weight_layout=weight_layout)
+                      weight_layout=weight_layout, weight_scale=weight_scale)
   c = ctl.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
                            **controls)
   if not c.lists:

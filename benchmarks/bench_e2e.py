@@ -276,16 +276,14 @@ def _logits_fn(graphdef):
 def exact_path_share(graphdef, state, gen, hidden, key, backend) -> float | None:
   """Share of the first step's rows whose controls the fused sampler decides
   on the exact materialized path (a kept set larger than its candidate
-  lists: top-p alone or min-p on flat logits); None for a quantized head
-  with controls (benchmarks/_fallback.py takes no ``weight_scale`` yet)."""
+  lists: top-p alone or min-p on flat logits)."""
   kw = gen.fused_kwargs()
   if len(kw) == 1:           # temperature alone: no candidate lists
     return 0.0
   w, layout, scale = head_arrays(graphdef, state)
-  if scale is not None:
-    return None
   h = jax.device_put(hidden, jax.tree.leaves(state)[0].sharding)
-  return exact_path_rows(h, w, key, weight_layout=layout, backend=backend, **kw) / h.shape[0]
+  return exact_path_rows(h, w, key, weight_layout=layout, backend=backend,
+                         weight_scale=scale, **kw) / h.shape[0]
 
 
 def first_token_agreement(runs, graphdef, state, gen, prompt_len) -> float:
@@ -361,9 +359,6 @@ def bench(args, on_point=None) -> dict:
             cfg, *models[hd], batch=b, tokens=args.tokens, prompt_len=args.prompt_len,
             sampler=s, generation=g, backend=args.backend, attention=args.attention)
                      for g in args.generations for s in _model.SAMPLERS[::-1]})
-        # Decodings share a prefill per graphdef, and two quantized heads
-        # (fp8, int8) have the same one: each head dtype gets its own.
-        _model.forget_programs()
       compile_all(list(decs.values()), args.compile_threads)
       for g in args.generations:
         gen = _model.GENERATION_CONFIGS[g]

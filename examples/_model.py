@@ -624,7 +624,9 @@ class Decoding:
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
     t0 = time.perf_counter()
     with progs.lock:
-      pkey = (batch, prompt_len, s)
+      # The parameters' dtypes too: heads of one structure may differ in
+      # dtype only (an fp8 and an int8 quantized head).
+      pkey = (batch, prompt_len, s, tuple((a.shape, str(a.dtype)) for a in avals))
       if pkey not in progs.prefill_cache:
         progs.prefill_cache[pkey] = progs.prefill().lower(
             avals, sds((batch, prompt_len), jnp.int32), cache, i32, key).compile()
