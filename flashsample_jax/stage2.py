@@ -197,7 +197,8 @@ def rl_state(c: controls.Controls, st: ControlsState, t, raw=None,
 
 def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
                      lse_sum=None, cand_vals=None, cand_ids=None,
-                     cand_bound=None, *, m: int) -> ControlsState:
+                     cand_bound=None, *, m: int, ent_sum=None, raw_max=None,
+                     raw_sum=None, finite_count=None, given_t=None) -> ControlsState:
   """One :class:`ControlsState` per row from a kernel's per-part outputs.
 
   A part is whatever the kernel reduced on its own (a vocabulary tile, a
@@ -205,7 +206,10 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
   ``[B, S, P]``, ``lse_max``/``lse_sum`` ``[B, P]`` (None: not asked for),
   candidate lists ``cand_vals``/``cand_ids`` ``[B, K, P]`` with
   ``cand_bound`` ``[B, P]`` (no value of the part that is not listed is
-  larger). Lists keep the ``m`` largest values over the parts.
+  larger). Lists keep the ``m`` largest values over the parts. The RL
+  fields (:func:`rl_state`), each ``[B, P]`` or None: ``ent_sum`` relative
+  to the part's ``lse_max``, ``raw_max``/``raw_sum``, ``finite_count``,
+  ``given_t``.
   """
   if best_t is None:
     score, tok = rules.argbest(best_score, best_id, axis=2)
@@ -216,16 +220,33 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
   if lse_max is None:
     mx, total = jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32)
   else:
-    mx = jnp.max(lse_max, axis=1)
-    scale = jnp.where(lse_max == -jnp.inf, 0.0, jnp.exp(lse_max - mx[:, None]))
-    total = jnp.sum(lse_sum * scale, axis=1)
+    mx, total = _lse_parts(lse_max, lse_sum)
   st = ControlsState(best_score=score, best_id=tok, best_t=t, lse_max=mx,
                      lse_sum=total)
+  if ent_sum is not None:
+    # Each part's terms moved onto the merged max (_entropy_merge's rule).
+    empty = (lse_max == -jnp.inf) | (mx[:, None] == -jnp.inf)
+    shift = jnp.where(empty, 0.0, lse_max - mx[:, None])
+    st = st._replace(ent_sum=jnp.sum(
+        jnp.where(empty, 0.0, jnp.exp(shift) * (ent_sum + shift * lse_sum)), axis=1))
+  if raw_max is not None:
+    st = st._replace(**dict(zip(("raw_max", "raw_sum"), _lse_parts(raw_max, raw_sum))))
+  if finite_count is not None:
+    st = st._replace(finite_count=jnp.sum(finite_count, axis=1, dtype=jnp.int32))
+  if given_t is not None:
+    st = st._replace(given_t=jnp.max(given_t, axis=1))
   if cand_vals is None:
     return st
   bound = jnp.max(cand_bound, axis=1)
   vals, ids = top_m(cand_vals, cand_ids, bound, m)
   return st._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
+
+
+def _lse_parts(mx, total):
+  """Online log-sum-exp pieces ``(max, sum)`` ``[B, P]`` merged over the parts."""
+  m = jnp.max(mx, axis=1)
+  scale = jnp.where(mx == -jnp.inf, 0.0, jnp.exp(mx - m[:, None]))
+  return m, jnp.sum(total * scale, axis=1)
 
 
 class History(NamedTuple):

@@ -266,3 +266,41 @@ def test_score_tokens_in_shard_map_on_1_2_4_8_shards():
                  "entropy_truncated"):
       np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6,
                                  atol=1e-6, err_msg=name)
+
+
+def test_state_from_parts_merges_the_rl_fields_of_kernel_parts():
+  # What a kernel reports per tile, merged, equals one block over the row.
+  from flashsample_jax import stage2
+  from pallas_kernels.state import ControlsState
+  r = np.random.default_rng(7)
+  t = r.standard_normal((5, 96)).astype(np.float32) * 3
+  t[0] = -np.inf                                      # an empty row
+  t[1, :40] = -np.inf                                 # an empty first part
+  t = jnp.asarray(t)
+  raw = jnp.asarray(r.standard_normal((5, 96)).astype(np.float32))
+  gid = jnp.arange(96)
+  c = controls.Controls(return_entropy=True, return_raw_logprobs=True, return_kept=4,
+                        given_ids=jnp.asarray([3, 50, 95, 0, 17], jnp.int32))
+
+  def block(tb, rb, gb):
+    mx = jnp.max(tb, axis=1)
+    st = ControlsState(best_score=tb[:, :1], best_id=jnp.zeros((5, 1), jnp.int32),
+                       best_t=tb[:, :1], lse_max=mx,
+                       lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
+                                                 jnp.exp(tb - mx[:, None])), axis=1))
+    return stage2.rl_state(c, st, tb, rb, gid=gb)
+
+  whole = block(t, raw, gid)
+  parts = [block(t[:, a:a + 32], raw[:, a:a + 32], gid[a:a + 32]) for a in (0, 32, 64)]
+  stack = lambda name: jnp.stack([getattr(q, name) for q in parts], axis=-1)
+  merged = stage2.state_from_parts(
+      stack("best_score"), stack("best_id"), None, stack("lse_max"), stack("lse_sum"),
+      m=4, ent_sum=stack("ent_sum"), raw_max=stack("raw_max"), raw_sum=stack("raw_sum"),
+      finite_count=stack("finite_count"), given_t=stack("given_t"))
+  for name in ("lse_max", "lse_sum", "ent_sum", "raw_max", "raw_sum"):
+    np.testing.assert_allclose(getattr(merged, name), getattr(whole, name), rtol=1e-5,
+                               atol=1e-5, err_msg=name)
+  np.testing.assert_array_equal(merged.finite_count, whole.finite_count)
+  np.testing.assert_array_equal(merged.given_t, whole.given_t)
+  ent = jnp.log(merged.lse_sum) - merged.ent_sum / merged.lse_sum
+  np.testing.assert_allclose(ent[1:], controls.entropy(t)[1:], rtol=1e-5, atol=1e-5)
