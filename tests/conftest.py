@@ -127,6 +127,15 @@ SLOW = (
     "tests/test_flax.py::test_leading_dimensions_for_every_argument_and_output",
     # Every README snippet run (~30 s).
     "tests/test_readme.py::test_readme_python_blocks_run",
+    # Quantized heads and the RL outputs on vocabulary shards, and scoring
+    # random inputs bit for bit (~100 s).
+    "tests/test_quantized.py::test_sharded_quantized_head_on_1_2_4_8_shards",
+    "tests/test_quantized.py::test_verify_drafts_with_a_quantized_head",
+    "tests/test_rl.py::test_sharded_rl_outputs_on_1_2_4_8_shards",
+    "tests/test_rl.py::test_score_tokens_in_shard_map",
+    "tests/test_rl.py::test_score_tokens_is_bit_for_bit_what_sample_returned",
+    # Quantized heads with controls in Mosaic's interpret mode (~35 s).
+    "tests/test_mosaic.py::TestMosaicInterpret::test_quantized_heads_with_controls",
     # Hypothesis's generated problems on the xla backend (~60 s).
     "tests/test_properties.py::test_sample_matches_reference",
     "tests/test_properties.py::test_controls_match_reference",

@@ -155,26 +155,28 @@ def test_errors_name_weight_scale():
 @pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
 @pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "per_tensor"])
 def test_sharded_quantized_head_on_1_2_4_8_shards(per_row):
+  # Per-row scales are split with the weight at every shard count (plain
+  # sampling: the scale's slicing is the same for every route), then with
+  # controls on 8; a per-tensor scale is replicated, the same at any count.
   b, d, v = 9, 64, 1024
   h, w, s = inputs.quantized_inputs(b, d, v, dtype=jnp.float8_e4m3fn, per_row=per_row,
                                     seed=10)
   t = inputs.pow2_temperatures(b, greedy_every=4, seed=10)
   key = jax.random.key(5)
-  kw = dict(temperature=t, top_k=30, top_p=0.9)
-  want = np.asarray(fs.reference.sample(h, w, key, weight_scale=s, **kw))
-  # Per-row scales are split with the weight at every shard count; a
-  # per-tensor scale is replicated, the same at any count (8 shown).
-  for n in (1, 2, 4, 8) if per_row else (8,):
+  controlled = dict(temperature=t, top_k=30, top_p=0.9)
+  runs = [(n, dict(temperature=t)) for n in ((1, 2, 4) if per_row else ())]
+  for n, kw in runs + [(8, controlled)]:
+    want = np.asarray(fs.reference.sample(h, w, key, weight_scale=s, **kw))
     mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:n])
     f = jax.shard_map(
-        lambda h, w, s: fs.sample(h, w, key, weight_scale=s, vocab_axis="tp", **kw)[None],
+        lambda h, w, s, kw=kw: fs.sample(h, w, key, weight_scale=s, vocab_axis="tp",
+                                         **kw)[None],
         mesh=mesh, in_specs=(P(), P("tp", None), P("tp") if per_row else P()),
         out_specs=P("tp"), check_vma=False)
-    got = np.asarray(jax.jit(f)(h, w, s))
-    for row in got:
+    for row in np.asarray(jax.jit(f)(h, w, s)):
       np.testing.assert_array_equal(row, want)
-  got = fs.sample_sharded(h, w, key, mesh=mesh, vocab_axis="tp", weight_scale=s, **kw)
+  got = fs.sample_sharded(h, w, key, mesh=mesh, vocab_axis="tp", weight_scale=s, **controlled)
   np.testing.assert_array_equal(got, want)
 
 

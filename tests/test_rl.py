@@ -248,12 +248,12 @@ def test_score_tokens_under_jit_params_and_errors():
 
 
 @pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
-def test_score_tokens_in_shard_map_on_1_2_4_8_shards():
+def test_score_tokens_in_shard_map():
   kw = dict(top_k=40, top_p=0.9, softcap=8.0)
   h, w = cases.H, cases.W[:3000]
   tok = jnp.asarray(np.random.default_rng(6).integers(0, 3000, cases.B), jnp.int32)
   want = fs.score_tokens(h, w, tok, temperature=cases.T, **kw)
-  for n in (1, 2, 4, 8):
+  for n in (2, 8):
     mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:n])
     f = jax.shard_map(
