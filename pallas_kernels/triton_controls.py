@@ -26,7 +26,14 @@ and per (row, tile) it writes:
   lower id first; NaN never listed; past the tile's valid ids: ``(-inf,
   INT32_MAX)``) and ``bound``: the ``(K+1)``-th largest ``t``, an upper bound
   on every value of the tile that is not listed (``-inf`` when the tile has
-  at most ``K`` valid values).
+  at most ``K`` valid values);
+* optionally what the RL outputs need (docs/design.md, "Determinism and
+  RL"; ``pallas_kernels.state.ControlsState`` names the fields): the entropy
+  terms ``sum(exp(t - m) (t - m))`` over the finite ``t``, ``m`` the tile's
+  log-sum-exp max; ``(max, sum exp(r - max))`` of the raw logits ``r`` (the
+  soft-capped ``x``, ``-inf`` only past the valid ids: no bias, mask or
+  temperature); the count of finite ``t``; and the ``t`` of each row's given
+  id (``-inf`` where the tile does not hold it).
 
 Outputs keep the tile axis last (``[B, ..., n_tiles]``), so that stage 2
 reduces along the minor axis.
@@ -94,6 +101,13 @@ class Controls(NamedTuple):
     tanh: ``TANH_LIBDEVICE`` or ``TANH_RATIONAL`` (see the module docstring).
     noise: False: no noise; each sample's best is that of ``x`` (for calls
       whose sampled rows are all decided on the candidate lists).
+    entropy: also write the tile's entropy terms (needs ``lse``: they are
+      relative to the tile's max ``t``).
+    raw: also write the tile's ``(max r, sum exp(r - max r))`` of the raw
+      logits.
+    finite: also write the tile's count of finite ``t``.
+    given: also write the ``t`` of each row's given id (a ``[B]`` int32
+      input).
   """
 
   samples: int = 1
@@ -105,16 +119,23 @@ class Controls(NamedTuple):
   top_k: int = 0
   tanh: int = TANH_RATIONAL
   noise: bool = True
+  entropy: bool = False
+  raw: bool = False
+  finite: bool = False
+  given: bool = False
 
   @property
   def f_rows(self) -> int:
-    """f32 output rows per (row, tile): scores, t of the best, lse, list, bound."""
+    """f32 output rows per (row, tile): scores, t of the best, lse, list,
+    bound, entropy terms, raw lse, given t."""
     return (self.samples * (2 if self.t_best else 1) + (2 if self.lse else 0)
-            + (self.top_k + 1 if self.top_k else 0))
+            + (self.top_k + 1 if self.top_k else 0) + int(self.entropy)
+            + (2 if self.raw else 0) + int(self.given))
 
   @property
   def i_rows(self) -> int:
-    return self.samples + self.top_k
+    """int32 output rows per (row, tile): ids of the bests, list ids, count."""
+    return self.samples + self.top_k + int(self.finite)
 
 
 class ControlsCandidates(NamedTuple):
@@ -131,6 +152,11 @@ class ControlsCandidates(NamedTuple):
   cand_vals: jax.Array | None   # f32 [B, K, T]
   cand_ids: jax.Array | None    # int32 [B, K, T]
   bound: jax.Array | None       # f32 [B, T]
+  ent_sum: jax.Array | None = None       # f32 [B, T], relative to lse_max
+  raw_max: jax.Array | None = None       # f32 [B, T]
+  raw_sum: jax.Array | None = None       # f32 [B, T]
+  finite_count: jax.Array | None = None  # int32 [B, T]
+  given_t: jax.Array | None = None       # f32 [B, T]
 
 
 def pack_control_rows(k0, k1, ctr_hi, ctr_lo, temperature, softcap=None):
@@ -207,6 +233,18 @@ def _store_rows(ptr, val, rows_b, pid_v, R: tl.constexpr, NR: tl.constexpr,
 
 
 @triton.jit
+def _store_given_t(t, gid, given_ptr, f_ptr, rows_b, pid_v, B: tl.constexpr,
+                   R: tl.constexpr, NR: tl.constexpr, N_TILES: tl.constexpr,
+                   AXIS: tl.constexpr, VOCAB_ON_M: tl.constexpr):
+  """Writes the ``t`` of each row's given id (``given_ptr [B]``) in the tile
+  to row ``R`` (``-inf`` where the tile does not hold it)."""
+  given_id = tl.load(given_ptr + tl.minimum(rows_b, B - 1))
+  is_given = gid == base.along_rows(given_id, VOCAB_ON_M)
+  t_given = tl.reduce(tl.where(is_given, t, float("-inf")), AXIS, base.max_nan)
+  _store_rows(f_ptr, t_given, rows_b, pid_v, R, NR, B, N_TILES)
+
+
+@triton.jit
 def _controls_kernel(
     off_ptr,      # int32 [1]: global id of the weight's first row
     rows_ptr,     # uint32 [RowLayout(S).rows, B]: see pack_control_rows
@@ -216,6 +254,7 @@ def _controls_kernel(
     scale_ptr,    # f32 [1] (SCALE 1) or [ROWS] (SCALE 2); unread with SCALE 0
     bias_ptr,     # f32 [VOCAB_SIZE] (read only with HAS_BIAS)
     mask_ptr,     # uint32 [B, N_WORDS] (read only with HAS_MASK)
+    given_ptr,    # int32 [B]: each row's given id (read only with GIVEN)
     f_ptr,        # f32 [B, F_ROWS, N_TILES] (output)
     i_ptr,        # int32 [B, I_ROWS, N_TILES] (output)
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
@@ -225,8 +264,19 @@ def _controls_kernel(
     W_CONVERT: tl.constexpr, S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, N_WORDS: tl.constexpr, T_BEST: tl.constexpr,
     LSE: tl.constexpr, K: tl.constexpr, TANH: tl.constexpr,
-    NOISE: tl.constexpr, F_ROWS: tl.constexpr, I_ROWS: tl.constexpr):
+    NOISE: tl.constexpr, ENT: tl.constexpr, RAW: tl.constexpr,
+    FINITE: tl.constexpr, GIVEN: tl.constexpr, F_ROWS: tl.constexpr,
+    I_ROWS: tl.constexpr):
   """One (batch block, vocabulary tile) of the controls kernel (module doc)."""
+  # Output rows: f = scores [S], t of the bests [S], lse [2], list [K] and
+  # bound, entropy terms, raw lse [2], given t; i = ids [S], list ids [K],
+  # finite count (each present only with its flag; Controls.f_rows/i_rows).
+  R_LSE: tl.constexpr = S * 2 if T_BEST else S
+  R_TOP: tl.constexpr = R_LSE + 2 if LSE else R_LSE
+  R_ENT: tl.constexpr = R_TOP + K + 1 if K > 0 else R_TOP
+  R_RAW: tl.constexpr = R_ENT + 1 if ENT else R_ENT
+  R_GIVEN: tl.constexpr = R_RAW + 2 if RAW else R_RAW
+  R_FINITE: tl.constexpr = S + K
   pid_b = tl.program_id(0)
   pid_v = tl.program_id(1)
   x = base.tile_logits(h_ptr, w_ptr, scale_ptr, pid_b, pid_v, B, D, ROWS, W_VD,
@@ -253,6 +303,15 @@ def _controls_kernel(
                    VOCAB_ON_M).to(
         tl.float32, bitcast=True)
     x = cap * softcap_tanh(tl.fdiv(x, cap), TANH)
+  if RAW:
+    # The raw logits' log-sum-exp piece, here where x is still raw: only
+    # ids past the valid ones are -inf (valid holds no mask bit yet).
+    r = tl.where(valid, x, float("-inf"))
+    rm = tl.reduce(r, AXIS, base.max_nan)
+    re = tl.where(r == float("-inf"), 0.0, tl.exp(r - tl.expand_dims(rm, AXIS)))
+    _store_rows(f_ptr, rm, rows_b, pid_v, R_RAW, F_ROWS, B, N_TILES)
+    _store_rows(f_ptr, tl.sum(re, AXIS), rows_b, pid_v, R_RAW + 1, F_ROWS, B,
+                N_TILES)
   if HAS_BIAS:
     bias = tl.load(bias_ptr + gid_v, mask=in_vocab, other=0.0)
     x = x + base.along_vocab(bias, VOCAB_ON_M)
@@ -264,6 +323,14 @@ def _controls_kernel(
   inv = _row_u32(rows_ptr, pid_b, B, BLOCK_B, _ROW_INV_TEMPERATURE,
                  VOCAB_ON_M).to(tl.float32, bitcast=True)
   t = base.tempered(x, inv)
+
+  # The given id's t: before the noise where it runs, else last. Either
+  # place alone spilled on sm80's 8-warp configs with every control and the
+  # RL fields (compiled on the CPU): 8 bytes after the noise, 16 before a
+  # noise-free list.
+  if GIVEN and NOISE:
+    _store_given_t(t, gid, given_ptr, f_ptr, rows_b, pid_v, B, R_GIVEN, F_ROWS,
+                   N_TILES, AXIS, VOCAB_ON_M)
 
   for s in tl.static_range(S):
     if NOISE:
@@ -284,15 +351,20 @@ def _controls_kernel(
       t_own = tl.reduce(tl.where(own, t, float("-inf")), AXIS, base.max_nan)
       _store_rows(f_ptr, t_own, rows_b, pid_v, S + s, F_ROWS, B, N_TILES)
 
-  R_LSE: tl.constexpr = S * 2 if T_BEST else S
   if LSE:
     m = tl.reduce(t, AXIS, base.max_nan)
-    e = tl.where(t == float("-inf"), 0.0, tl.exp(t - tl.expand_dims(m, AXIS)))
+    d = t - tl.expand_dims(m, AXIS)
+    e = tl.where(t == float("-inf"), 0.0, tl.exp(d))
     _store_rows(f_ptr, m, rows_b, pid_v, R_LSE, F_ROWS, B, N_TILES)
     _store_rows(f_ptr, tl.sum(e, AXIS), rows_b, pid_v, R_LSE + 1, F_ROWS, B,
                 N_TILES)
-
-  R_TOP: tl.constexpr = R_LSE + 2 if LSE else R_LSE
+    if ENT:
+      # controls.entropy_terms: finite t only (NaN and -inf add nothing).
+      ent = tl.sum(tl.where(t > float("-inf"), e * d, 0.0), AXIS)
+      _store_rows(f_ptr, ent, rows_b, pid_v, R_ENT, F_ROWS, B, N_TILES)
+  if FINITE:
+    count = tl.sum((t > float("-inf")).to(tl.int32), AXIS)
+    _store_rows(i_ptr, count, rows_b, pid_v, R_FINITE, I_ROWS, B, N_TILES)
   if K > 0:
     # K + 1 passes of (max, lowest id attaining it, remove it): the last max
     # is the bound. NaN is never listed; -inf is "nothing left".
@@ -307,6 +379,9 @@ def _controls_kernel(
         work = tl.where(gid == tl.expand_dims(top, AXIS), float("-inf"), work)
       else:
         _store_rows(f_ptr, v, rows_b, pid_v, R_TOP + K, F_ROWS, B, N_TILES)
+  if GIVEN and not NOISE:
+    _store_given_t(t, gid, given_ptr, f_ptr, rows_b, pid_v, B, R_GIVEN, F_ROWS,
+                   N_TILES, AXIS, VOCAB_ON_M)
 
 
 # ----------------------------------------------------------------------------
@@ -326,16 +401,27 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   (registers per thread, no GPU needed): plain 16 elements 56, 64 elements
   233; all controls (2 samples, K = 8) at 16 elements 188, at 64 elements
   255 with 1.2 KB of spills. So: at most 32 elements per thread, 16 with a
-  list drawn next to the noise, several samples or the best's t; more warps
+  list drawn next to the noise, several samples, the best's t or the RL
+  fields (8 for several samples with the RL fields at 16 warps); more warps
   first (up to 8), then smaller batch blocks (W's extra reads then come
   from L2). A list without the noise is light (B = 128, 32 elements: 99
   registers).
   """
   cfg = base.pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize,
                          layout=layout)
+  # The RL fields that feed floats (entropy terms, raw log-sum-exp, given t)
+  # count as heavy: they add per-element work, and every call that reports
+  # log-probabilities or entropies then runs one config for its batch, so
+  # that fs.score_tokens sums each tile in the order fs.sample did
+  # (docs/design.md, "Determinism and RL"). The finite count alone is not.
+  rl = controls.entropy or controls.raw or controls.given
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
-           or controls.t_best)
+           or controls.t_best or rl)
   limit = 16 if heavy else 32
+  if rl and controls.samples > 1 and cfg.num_warps >= 16:
+    # 16 warps leave 128 registers a thread: several samples with the RL
+    # fields spilled 8-24 bytes at 16 elements (sm90, B = 128).
+    limit = 8
   block_b, num_warps = cfg.block_b, cfg.num_warps
   while cfg.block_v * block_b // (32 * num_warps) > limit:
     if num_warps < 8:
@@ -365,8 +451,8 @@ def controls_constexprs(cfg: base.TritonConfig, ctl: Controls, *, batch, dim,
   consts.update(S=ctl.samples, HAS_SOFTCAP=ctl.softcap, HAS_BIAS=ctl.bias,
                 HAS_MASK=ctl.mask, N_WORDS=n_words, T_BEST=ctl.t_best,
                 LSE=ctl.lse, K=ctl.top_k, TANH=ctl.tanh, NOISE=ctl.noise,
-                F_ROWS=ctl.f_rows,
-                I_ROWS=ctl.i_rows)
+                ENT=ctl.entropy, RAW=ctl.raw, FINITE=ctl.finite,
+                GIVEN=ctl.given, F_ROWS=ctl.f_rows, I_ROWS=ctl.i_rows)
   return consts
 
 
@@ -386,9 +472,13 @@ def check_controls(ctl: Controls):
   if ctl.tanh not in (TANH_LIBDEVICE, TANH_RATIONAL):
     raise ValueError(
         f"tanh={ctl.tanh!r} must be TANH_LIBDEVICE or TANH_RATIONAL")
-  for name in ("softcap", "bias", "mask", "t_best", "lse", "noise"):
+  for name in ("softcap", "bias", "mask", "t_best", "lse", "noise", "entropy",
+               "raw", "finite", "given"):
     if not isinstance(getattr(ctl, name), bool):
       raise TypeError(f"{name}={getattr(ctl, name)!r} must be a bool")
+  if ctl.entropy and not ctl.lse:
+    raise ValueError("entropy=True needs lse=True (the terms are relative to "
+                     "the tile's log-sum-exp max)")
 
 
 def split_outputs(fo, io, ctl: Controls) -> ControlsCandidates:
@@ -396,19 +486,28 @@ def split_outputs(fo, io, ctl: Controls) -> ControlsCandidates:
   S, K = ctl.samples, ctl.top_k
   r = S
   best_t = lse_max = lse_sum = vals = ids = bound = None
+  ent = raw_max = raw_sum = finite = given = None
   if ctl.t_best:
     best_t, r = fo[:, S:2 * S], 2 * S
   if ctl.lse:
     lse_max, lse_sum, r = fo[:, r], fo[:, r + 1], r + 2
   if K:
-    vals, bound, ids = fo[:, r:r + K], fo[:, r + K], io[:, S:S + K]
+    vals, bound, ids, r = fo[:, r:r + K], fo[:, r + K], io[:, S:S + K], r + K + 1
+  if ctl.entropy:
+    ent, r = fo[:, r], r + 1
+  if ctl.raw:
+    raw_max, raw_sum, r = fo[:, r], fo[:, r + 1], r + 2
+  if ctl.given:
+    given = fo[:, r]
+  if ctl.finite:
+    finite = io[:, S + K]
   return ControlsCandidates(fo[:, :S], io[:, :S], best_t, lse_max, lse_sum,
-                            vals, ids, bound)
+                            vals, ids, bound, ent, raw_max, raw_sum, finite, given)
 
 
 def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                        vocab_size: int, controls: Controls,
-                       bias=None, allowed_mask=None,
+                       bias=None, allowed_mask=None, given_ids=None,
                        rows_valid: int | None = None,
                        weight_scale=None,
                        config: base.TritonConfig | None = None,
@@ -426,6 +525,7 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
       ``allowed_mask`` and the soft-cap row).
     bias: f32 ``[vocab_size]`` (global ids) when ``controls.bias``.
     allowed_mask: uint32 ``[B, ceil(vocab_size / 32)]`` when ``controls.mask``.
+    given_ids: int32 ``[B]`` (global ids) when ``controls.given``.
 
   Returns:
     :class:`ControlsCandidates`.
@@ -445,7 +545,14 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   if controls.mask != (allowed_mask is not None):
     raise ValueError(f"controls.mask={controls.mask} but allowed_mask is "
                      f"{'given' if allowed_mask is not None else 'None'}")
+  if controls.given != (given_ids is not None):
+    raise ValueError(f"controls.given={controls.given} but given_ids is "
+                     f"{'given' if given_ids is not None else 'None'}")
   n_words = -(-vocab_size // 32)
+  if given_ids is not None and (given_ids.dtype != jnp.int32
+                                or given_ids.shape != (batch,)):
+    raise ValueError(f"given_ids must be int32 [{batch}], got {given_ids.dtype} "
+                     f"{tuple(given_ids.shape)}")
   if bias is not None and (bias.dtype != jnp.float32 or bias.shape != (vocab_size,)):
     raise ValueError(f"bias must be f32 [{vocab_size}], got {bias.dtype} "
                      f"{tuple(bias.shape)}")
@@ -476,8 +583,9 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   bias = jnp.zeros((1,), jnp.float32) if bias is None else bias
   allowed_mask = (jnp.zeros((1,), jnp.uint32) if allowed_mask is None
                   else allowed_mask)
+  given_ids = jnp.zeros((1,), jnp.int32) if given_ids is None else given_ids
   fo, io = noise.jax_triton_module().triton_call(
-      offset, rows, hidden, weight, scale, bias, allowed_mask,
+      offset, rows, hidden, weight, scale, bias, allowed_mask, given_ids,
       kernel=_controls_kernel,
       out_shape=(jax.ShapeDtypeStruct((batch, controls.f_rows, n_tiles), jnp.float32),
                  jax.ShapeDtypeStruct((batch, controls.i_rows, n_tiles), jnp.int32)),
@@ -499,7 +607,8 @@ def controls_for_inspection(cfg: base.TritonConfig, ctl: Controls, *, layout: st
                                               capability)
   pointers = {"off_ptr": "*i32", "rows_ptr": "*u32", "h_ptr": f"*{t}",
               "w_ptr": w_type, "scale_ptr": "*fp32", "bias_ptr": "*fp32",
-              "mask_ptr": "*u32", "f_ptr": "*fp32", "i_ptr": "*i32"}
+              "mask_ptr": "*u32", "given_ptr": "*i32", "f_ptr": "*fp32",
+              "i_ptr": "*i32"}
   consts = controls_constexprs(cfg, ctl, batch=batch, dim=dim, rows=rows,
                                rows_valid=rows, vocab_size=rows, layout=layout,
                                n_words=-(-rows // 32), scale=scale,

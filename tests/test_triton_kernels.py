@@ -272,14 +272,21 @@ def test_sampler_compiles_with_xla_arithmetic(capability, layout, dtype, batch,
 
 
 @compiled_only
-@pytest.mark.parametrize("capability,batch,tanh", [((9, 0), 1, 0), ((9, 0), 64, 1),
-                                                   ((8, 0), 32, 0)])
-def test_controls_compile(capability, batch, tanh, tmp_path):
-  """Every control on: XLA's division, no IEEE division or approximate log,
-  and the controls heuristic's config does not spill."""
+@pytest.mark.parametrize("capability,batch,tanh,samples,top_k,noise,rl", [
+    ((9, 0), 1, 0, 2, 8, True, False), ((9, 0), 64, 1, 2, 8, True, True),
+    ((8, 0), 32, 0, 2, 8, True, False),
+    # The RL fields where they came near the registers: several samples at
+    # 16 warps (sm90, B = 128); sm80's 8-warp configs with the noise and with
+    # a noise-free list.
+    ((9, 0), 128, 1, 4, 4, True, True), ((8, 0), 64, 1, 1, 0, True, True),
+    ((8, 0), 32, 1, 1, 4, False, True)])
+def test_controls_compile(capability, batch, tanh, samples, top_k, noise, rl, tmp_path):
+  """Every control on (and the RL fields): XLA's division, no IEEE division
+  or approximate log, and the controls heuristic's config does not spill."""
   from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
-  ctl = tc.Controls(samples=2, softcap=True, bias=True, mask=True, t_best=True,
-                    lse=True, top_k=8, tanh=tanh)
+  ctl = tc.Controls(samples=samples, softcap=True, bias=True, mask=True, t_best=True,
+                    lse=True, top_k=top_k, tanh=tanh, noise=noise, entropy=rl, raw=rl,
+                    finite=rl, given=rl)
   cfg = tc.pick_controls_config(batch, 4096, 151936, capability, ctl)
   k = tc.controls_for_inspection(cfg, ctl, layout="vd", dtype=jnp.bfloat16,
                                  batch=batch, dim=4096, rows=151936,
@@ -658,9 +665,10 @@ def make_control_rows(batch, samples, *, seed=0, cap=None, ctr_base=2**32 - 90,
 
 
 def mirror_controls(logits, parts, ctl, *, offset, rows_valid, vocab_size, bias,
-                    mask, block_v):
+                    mask, block_v, given=None):
   """Per (row, tile) controls outputs, the kernel's math in NumPy float32
-  (the interpreter's soft-cap tanh is exp-based, as in the kernel)."""
+  (the interpreter's soft-cap tanh is exp-based, as in the kernel);
+  ``given``: each row's given id (``ctl.given``)."""
   b, rows = logits.shape
   f32 = np.float32
   local = np.arange(rows)
@@ -673,6 +681,7 @@ def mirror_controls(logits, parts, ctl, *, offset, rows_valid, vocab_size, bias,
     e = np.exp(f32(-2.0) * np.abs(y))
     r = (f32(1) - e) / (f32(1) + e)
     x = cap * np.where(y < 0, f32(0) - r, r)
+  raw = np.where(valid, x, -np.inf).astype(f32)     # no bias, mask or temperature
   if ctl.bias:
     x = x + np.where(gid < vocab_size, bias[np.minimum(gid, vocab_size - 1)], 0)
   if ctl.mask:
@@ -706,6 +715,17 @@ def mirror_controls(logits, parts, ctl, *, offset, rows_valid, vocab_size, bias,
   with np.errstate(invalid="ignore"):
     e = np.where(tt == -np.inf, 0, np.exp(tt - m[..., None]))
   out["lse_max"], out["lse_sum"] = m, e.sum(-1)
+  # The RL fields (stage2.rl_state's definitions, per tile).
+  with np.errstate(invalid="ignore"):
+    d = tt - m[..., None]
+    out["ent_sum"] = np.where(tt > -np.inf, e * d, 0).sum(-1)
+    rt = tiles(raw, -np.inf)
+    rm = np.max(rt, -1)
+    out["raw_max"] = rm
+    out["raw_sum"] = np.where(rt == -np.inf, 0, np.exp(rt - rm[..., None])).sum(-1)
+  out["finite_count"] = np.sum(tt > -np.inf, -1)
+  if given is not None:
+    out["given_t"] = np.max(np.where(gid_t == given[:, None, None], tt, -np.inf), -1)
   work = np.where(np.isnan(tt), -np.inf, tt)
   vals, ids = [], []
   for _ in range(ctl.top_k):
@@ -731,7 +751,8 @@ def _tile_best_rows(s, valid, block_v, offset):
 
 
 def run_controls(mod, h, w, rows, ctl, *, offset, layout, vocab_size,
-                 rows_valid, cfg, bias=None, mask=None, scale=None, convert=0):
+                 rows_valid, cfg, bias=None, mask=None, scale=None, convert=0,
+                 given=None):
   b, d = h.shape
   w_rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_words = -(-vocab_size // 32)
@@ -744,24 +765,56 @@ def run_controls(mod, h, w, rows, ctl, *, offset, layout, vocab_size,
           HostTensor(np.asarray(h)), w_arg, s_arg,
           HostTensor(np.zeros(1, np.float32) if bias is None else bias),
           HostTensor(np.zeros(1, np.uint32) if mask is None else mask),
+          HostTensor(np.zeros(1, np.int32) if given is None else given),
           HostTensor(np.zeros((b, ctl.f_rows, n), np.float32)),
           HostTensor(np.zeros((b, ctl.i_rows, n), np.int32))]
   mod._controls_kernel[(triton.cdiv(b, cfg.block_b), n)](*args, **consts)  # pylint: disable=protected-access
-  return mod.split_outputs(args[7].a, args[8].a, ctl)
+  return mod.split_outputs(args[8].a, args[9].a, ctl)
+
+
+RL = dict(entropy=True, raw=True, finite=True, given=True)
+
+
+def given_ids(batch, vocab, offset, seed):
+  """Each row's given id: ids in and out of the weight's rows (below the
+  offset, past them), the first row's in the first tile."""
+  ids = np.random.default_rng(seed).integers(0, vocab, batch).astype(np.int32)
+  ids[0] = offset
+  return ids
+
+
+def assert_rl_fields(got, want, ctl, rtol):
+  """The RL fields of a controls launch against a mirror's: maxima,
+  counts and given t exact, sums within ``rtol``."""
+  eq = np.testing.assert_array_equal
+  if ctl.entropy:
+    np.testing.assert_allclose(got.ent_sum, want["ent_sum"], rtol=rtol, atol=1e-6)
+  if ctl.raw:
+    eq(got.raw_max, want["raw_max"])
+    np.testing.assert_allclose(got.raw_sum, want["raw_sum"], rtol=rtol)
+  if ctl.finite:
+    eq(got.finite_count, want["finite_count"])
+  if ctl.given:
+    eq(got.given_t, want["given_t"])
+  for name, flag in (("ent_sum", ctl.entropy), ("raw_max", ctl.raw),
+                     ("finite_count", ctl.finite), ("given_t", ctl.given)):
+    assert (getattr(got, name) is None) != flag, name
 
 
 _CONTROL_CASES = [
     # (layout, B, D, rows, rows_valid, vocab, offset, cfg, controls)
     ("vd", 5, 32, 200, 200, 200, 0, C(64, 16, 32, 4, 2),
      dict(samples=2, softcap=True, bias=True, mask=True, t_best=True, lse=True,
-          top_k=3)),
+          top_k=3, **RL)),
+    # The raw log-sum-exp alone (the tile's statistics after the noise).
     ("dv", 18, 48, 160, 150, 300, 64, C(32, 16, 16, 4, 2, False),
-     dict(samples=1, bias=True, lse=True, top_k=5, t_best=True)),
+     dict(samples=1, bias=True, lse=True, top_k=5, t_best=True, raw=True)),
     ("vd", 7, 16, 96, 96, 90, 0, C(32, 16, 16, 4, 1),
      dict(samples=3, softcap=True, mask=True)),
     # No noise (every row truncates): the best is x's, the lists as before.
     ("dv", 18, 48, 160, 150, 300, 64, C(32, 16, 16, 4, 2, False),
-     dict(samples=1, mask=True, lse=True, top_k=4, t_best=True, noise=False)),
+     dict(samples=1, mask=True, lse=True, top_k=4, t_best=True, noise=False,
+          entropy=True, finite=True, given=True)),
 ]
 
 
@@ -773,7 +826,8 @@ def test_interpreter_controls(interp, layout, b, d, rows, rows_valid, vocab,
   """Every controls output of every (row, tile) against the NumPy mirror:
   soft-cap, bias by global id, the allowed bitmask, several samples with
   64-bit counters, the best's t, log-sum-exp pieces, the top-K list and its
-  bound; greedy rows, padding, ids past vocab_size, a vocabulary offset."""
+  bound, the RL fields; greedy rows, padding, ids past vocab_size, a
+  vocabulary offset."""
   tc = interp["triton_controls"]
   ctl = tc.Controls(**kw)
   h, w, logits = exact_problem(b, d, rows, layout=layout, seed=rows)
@@ -782,12 +836,14 @@ def test_interpreter_controls(interp, layout, b, d, rows, rows_valid, vocab,
   bias = r.integers(-4, 5, vocab).astype(np.float32) if ctl.bias else None
   mask = (r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
           .astype(np.uint32) if ctl.mask else None)
+  given = given_ids(b, vocab, offset, seed=b) if ctl.given else None
   got = run_controls(tc, h, w, rows_arr, ctl, offset=offset, layout=layout,
                      vocab_size=vocab, rows_valid=rows_valid, cfg=cfg,
-                     bias=bias, mask=mask)
+                     bias=bias, mask=mask, given=given)
   want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=rows_valid,
                          vocab_size=vocab, bias=bias, mask=mask,
-                         block_v=cfg.block_v)
+                         block_v=cfg.block_v, given=given)
+  assert_rl_fields(got, want, ctl, rtol=1e-6)
   eq = np.testing.assert_array_equal
   for s_ in range(ctl.samples):
     eq(got.best_index[:, s_], want["best_index"][s_])
@@ -901,7 +957,7 @@ def test_interpreter_quantized_sampler(interp, layout, dtype, wdtype, scale, con
 @pytest.mark.parametrize("layout,dtype,wdtype,scale,convert,cfg,kw", [
     ("vd", jnp.bfloat16, E4M3, "row", 1, C(64, 16, 32, 4, 2),
      dict(samples=2, softcap=True, bias=True, mask=True, t_best=True, lse=True,
-          top_k=3)),
+          top_k=3, **RL)),
     ("dv", jnp.float16, I8, "tensor", 0, C(32, 16, 16, 4, 2, False),
      dict(samples=1, bias=True, lse=True, top_k=5, t_best=True)),
 ])
@@ -919,12 +975,15 @@ def test_interpreter_quantized_controls(interp, layout, dtype, wdtype, scale, co
   bias = r.integers(-4, 5, vocab).astype(np.float32) if ctl.bias else None
   mask = (r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
           .astype(np.uint32) if ctl.mask else None)
+  given = given_ids(b, vocab, offset, seed=b) if ctl.given else None
   got = run_controls(tc, h, w, rows_arr, ctl, offset=offset, layout=layout,
                      vocab_size=vocab, rows_valid=rows_valid, cfg=cfg,
-                     bias=bias, mask=mask, scale=sc, convert=convert)
+                     bias=bias, mask=mask, scale=sc, convert=convert, given=given)
   want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=rows_valid,
                          vocab_size=vocab, bias=bias, mask=mask,
-                         block_v=cfg.block_v)
+                         block_v=cfg.block_v, given=given)
+  # The raw logits are the scaled ones.
+  assert_rl_fields(got, want, ctl, rtol=1e-6)
   eq = np.testing.assert_array_equal
   for s_ in range(ctl.samples):
     eq(got.best_index[:, s_], want["best_index"][s_])
@@ -1117,6 +1176,35 @@ def test_control_candidates_argument_errors():
     call(controls=tc.Controls(top_k=-1))
   with pytest.raises(TypeError, match="controls="):
     call(controls=dict(samples=1))
+  with pytest.raises(ValueError, match="entropy=True needs lse=True"):
+    call(controls=tc.Controls(entropy=True))
+  with pytest.raises(TypeError, match="given=1 must be a bool"):
+    call(controls=tc.Controls(given=1))
+  with pytest.raises(ValueError, match="controls.given=True but given_ids is None"):
+    call(controls=tc.Controls(given=True))
+  with pytest.raises(ValueError, match=r"given_ids must be int32 \[4\]"):
+    call(controls=tc.Controls(given=True), given_ids=jnp.zeros((4,), jnp.uint32))
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_controls_config_same_for_sample_and_score(capability):
+  # fs.score_tokens reproduces fs.sample's log-probabilities and entropies
+  # bit for bit only if both launches sum each tile in one order, i.e. run
+  # one config: a sample with log-probabilities or the RL outputs (noise or
+  # not, lists or not) and a score (no noise, the given t) of the same batch.
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  score = dict(t_best=True, lse=True, noise=False, entropy=True, raw=True, given=True)
+  samples = [dict(t_best=True, lse=True), dict(t_best=True, lse=True, top_k=4),
+             dict(t_best=True, lse=True, entropy=True, raw=True),
+             dict(t_best=True, lse=True, entropy=True, raw=True, finite=True, top_k=4),
+             dict(lse=True, entropy=True, noise=False, top_k=4)]
+  for batch in (1, 16, 33, 64, 100, 256):
+    for top_k in (0, 4):
+      want = tc.pick_controls_config(batch, 4096, 151936, capability,
+                                     tc.Controls(top_k=top_k, **score))
+      for kw in samples:
+        got = tc.pick_controls_config(batch, 4096, 151936, capability, tc.Controls(**kw))
+        assert got == want, (batch, top_k, kw)
 
 
 # ----------------------------------------------------------------------------
@@ -1185,8 +1273,9 @@ def xla_tile_reference(h, w, rowdata, offset, *, layout, vocab_size, rows_valid,
 
 
 def xla_controls_reference(h, w, rows_arr, offset, ctl, *, layout, vocab_size,
-                           rows_valid, block_v, bias, mask, scale=None):
-  """The controls kernel's outputs computed by XLA (jnp.tanh for the cap)."""
+                           rows_valid, block_v, bias, mask, scale=None, given=None):
+  """The controls kernel's outputs computed by XLA (jnp.tanh for the cap);
+  ``given``: int32 ``[B]``, each row's given id (``ctl.given``)."""
   l = xla_logits(h, w, layout, scale)
   b, rows = l.shape
   f32 = lambda r: jax.lax.bitcast_convert_type(rows_arr[r][:, None], jnp.float32)
@@ -1198,6 +1287,7 @@ def xla_controls_reference(h, w, rows_arr, offset, ctl, *, layout, vocab_size,
   x = l
   if ctl.softcap:
     x = cap * jnp.tanh(x / cap)
+  raw = xla_tiles(jnp.where(valid, x, -jnp.inf), block_v, -jnp.inf)
   if ctl.bias:
     x = x + jnp.where(gid < vocab_size, jnp.take(bias, gid, mode="clip"), 0.0)
   if ctl.mask:
@@ -1222,6 +1312,15 @@ def xla_controls_reference(h, w, rows_arr, offset, ctl, *, layout, vocab_size,
   m = jnp.max(tt, -1)
   out["lse_max"] = m
   out["lse_sum"] = jnp.sum(jnp.where(tt == -jnp.inf, 0.0, jnp.exp(tt - m[..., None])), -1)
+  # The RL fields (stage2.rl_state's definitions, per tile).
+  d = tt - m[..., None]
+  out["ent_sum"] = jnp.sum(jnp.where(tt > -jnp.inf, jnp.exp(d) * d, 0.0), -1)
+  rm = jnp.max(raw, -1)
+  out["raw_max"] = rm
+  out["raw_sum"] = jnp.sum(jnp.where(raw == -jnp.inf, 0.0, jnp.exp(raw - rm[..., None])), -1)
+  out["finite_count"] = jnp.sum(tt > -jnp.inf, -1, dtype=jnp.int32)
+  if given is not None:
+    out["given_t"] = jnp.max(jnp.where(ids == given[:, None, None], tt, -jnp.inf), -1)
   work = jnp.where(jnp.isnan(tt), -jnp.inf, tt)
   out["cand_vals"], out["cand_ids"] = [], []
   for _ in range(ctl.top_k):
@@ -1252,21 +1351,25 @@ def test_xla_references_match_mirror():
 
   from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
   ctl = tc.Controls(samples=2, bias=True, mask=True, t_best=True, lse=True,
-                    top_k=4)
+                    top_k=4, **RL)
   rows_arr, parts = make_control_rows(b, ctl.samples, seed=9)
   r = np.random.default_rng(0)
   bias = r.integers(-4, 5, vocab).astype(np.float32)
   mask = r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64).astype(np.uint32)
+  given = given_ids(b, vocab, offset, seed=1)
   got = xla_controls_reference(h, w, jnp.asarray(rows_arr), offset, ctl,
                                layout="dv", vocab_size=vocab, rows_valid=290,
                                block_v=block_v, bias=jnp.asarray(bias),
-                               mask=jnp.asarray(mask))
+                               mask=jnp.asarray(mask), given=jnp.asarray(given))
   want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=290,
-                         vocab_size=vocab, bias=bias, mask=mask, block_v=block_v)
-  for k in ("best_index", "cand_ids"):
+                         vocab_size=vocab, bias=bias, mask=mask, block_v=block_v,
+                         given=given)
+  for k in ("best_index", "cand_ids", "finite_count"):
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
-  for k in ("best_score", "best_t", "lse_max", "lse_sum", "cand_vals", "bound"):
+  for k in ("best_score", "best_t", "lse_max", "lse_sum", "cand_vals", "bound",
+            "raw_max", "raw_sum", "given_t"):
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
+  np.testing.assert_allclose(got["ent_sum"], want["ent_sum"], rtol=1e-6, atol=1e-6)
 
 
 # (layout, dtype, B, D, rows, rows_valid, vocab_size, offset, config or None)
@@ -1397,9 +1500,9 @@ class TestGPU:
 
   @pytest.mark.parametrize("layout,b,d,rows,rows_valid,vocab,offset,kw", [
       ("vd", 3, 2048, 5000, 5000, 5000, 0,
-       dict(samples=2, bias=True, mask=True, t_best=True, lse=True, top_k=8)),
+       dict(samples=2, bias=True, mask=True, t_best=True, lse=True, top_k=8, **RL)),
       ("dv", 70, 1024, 3072, 3000, 4000, 128,
-       dict(samples=1, bias=True, lse=True, top_k=4, t_best=True)),
+       dict(samples=1, bias=True, lse=True, top_k=4, t_best=True, noise=False, **RL)),
       ("vd", 33, 512, 2000, 2000, 2000, 0, dict(samples=4, mask=True)),
       ("vd", 20, 512, 2000, 2000, 2000, 0,
        dict(samples=1, softcap=True, lse=True, top_k=4)),
@@ -1425,16 +1528,18 @@ class TestGPU:
             else None)
     mask = (jnp.asarray(r.integers(0, 2**32, (b, -(-vocab // 32)), dtype=np.uint64)
                         .astype(np.uint32)) if ctl.mask else None)
+    given = (jnp.asarray(given_ids(b, vocab, offset, seed=b)) if ctl.given
+             else None)
     cap = ts.device_capability()
     cfg = tc.pick_controls_config(b, d, rows, cap, ctl)
-    got = jax.jit(lambda h, w, ra, bias, mask: tc.control_candidates(
+    got = jax.jit(lambda h, w, ra, bias, mask, given: tc.control_candidates(
         h, w, ra, offset, layout=layout, vocab_size=vocab, controls=ctl,
-        bias=bias, allowed_mask=mask, rows_valid=rows_valid))(
-            h, w, rows_arr, bias, mask)
-    want = jax.jit(lambda h, w, ra, bias, mask: xla_controls_reference(
+        bias=bias, allowed_mask=mask, given_ids=given, rows_valid=rows_valid))(
+            h, w, rows_arr, bias, mask, given)
+    want = jax.jit(lambda h, w, ra, bias, mask, given: xla_controls_reference(
         h, w, ra, offset, ctl, layout=layout, vocab_size=vocab,
-        rows_valid=rows_valid, block_v=cfg.block_v, bias=bias, mask=mask))(
-            h, w, rows_arr, bias, mask)
+        rows_valid=rows_valid, block_v=cfg.block_v, bias=bias, mask=mask,
+        given=given))(h, w, rows_arr, bias, mask, given)
     bits = lambda x: np.asarray(x).view(np.uint32)
     if ctl.softcap:
       # The kernel's tanh is a copy of XLA's rational one (equal on 9.4M
@@ -1466,6 +1571,11 @@ class TestGPU:
                                     bits(want["cand_vals"][j]))
     if ctl.top_k:
       np.testing.assert_array_equal(bits(got.bound), bits(want["bound"]))
+    # The RL fields: maxima, counts and given t bit for bit, sums of the
+    # kernel's exp (ex2.approx) within 1e-5.
+    assert_rl_fields(jax.tree.map(np.asarray, got),
+                     {k: np.asarray(v) for k, v in want.items() if not isinstance(v, list)},
+                     ctl, rtol=1e-5)
 
   @pytest.mark.parametrize("wdtype,convert", _CONVERSIONS)
   def test_weight_conversion_exhaustive(self, wdtype, convert):
