@@ -58,22 +58,26 @@ class _Controls:
   @staticmethod
   def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout,
                          vocab_size, controls, bias=None, allowed_mask=None,
-                         weight_scale=None):
+                         given_ids=None, weight_scale=None):
     triton_controls.check_controls(controls)
+    assert controls.given == (given_ids is not None)
     out = xla_controls_reference(
         hidden, weight, rows, vocab_offset, controls, layout=layout,
         vocab_size=vocab_size, rows_valid=_rows(weight, layout),
-        block_v=BLOCK_V, bias=bias, mask=allowed_mask, scale=weight_scale)
+        block_v=BLOCK_V, bias=bias, mask=allowed_mask, scale=weight_scale,
+        given=given_ids)
     stack = lambda name: jnp.stack(out[name], axis=1)
     lists = controls.top_k > 0
+    asked = lambda flag, name: out[name] if flag else None
     return triton_controls.ControlsCandidates(
         stack("best_score"), stack("best_index"),
         stack("best_t") if controls.t_best else None,
-        out["lse_max"] if controls.lse else None,
-        out["lse_sum"] if controls.lse else None,
+        asked(controls.lse, "lse_max"), asked(controls.lse, "lse_sum"),
         stack("cand_vals") if lists else None,
         stack("cand_ids") if lists else None,
-        out["bound"] if lists else None)
+        asked(lists, "bound"), asked(controls.entropy, "ent_sum"),
+        asked(controls.raw, "raw_max"), asked(controls.raw, "raw_sum"),
+        asked(controls.finite, "finite_count"), asked(controls.given, "given_t"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,3 +203,57 @@ def test_scale_reaches_the_kernels_unbroadcast(monkeypatch, per_row):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert seen and all(x.shape == ((v,) if per_row else ()) for x in seen)
   assert all(x.dtype == jnp.float32 for x in seen)
+
+
+def test_rl_fields_come_from_the_first_launch_only(monkeypatch):
+  # Six samples take two launches (MAX_KERNEL_SAMPLES = 4): the log-sum-exp,
+  # the lists and the RL fields do not depend on the samples, so only the
+  # first computes them; the outputs are the reference's.
+  specs = []
+  real = _Controls.control_candidates
+
+  def spy(*args, controls, **kw):
+    specs.append(controls)
+    return real(*args, controls=controls, **kw)
+
+  monkeypatch.setattr(_Controls, "control_candidates", staticmethod(spy))
+  from tests import cases  # pylint: disable=import-outside-toplevel
+  kw = dict(return_entropy=True, return_raw_logprobs=True, return_kept=16,
+            return_logprobs=True, num_samples=6, top_k=jnp.asarray(
+                np.where(np.arange(cases.B) % 3, 20, 0), jnp.int32))
+  got = fs.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=cases.T,
+                  backend=CpuTritonBackend(), **kw)
+  want = fs.reference.sample(cases.H, cases.W, cases.KEYS["per_row"],
+                             temperature=cases.T, **kw)
+  assert [s.samples for s in specs] == [4, 2]
+  assert specs[0].entropy and specs[0].raw and specs[0].finite and specs[0].lse
+  assert not any((specs[1].entropy, specs[1].raw, specs[1].finite, specs[1].lse,
+                  specs[1].given, specs[1].top_k))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_array_equal(got.kept_count, want.kept_count)
+  for name in ("logprob", "logprob_raw", "entropy", "entropy_truncated"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
+                               atol=1e-5, err_msg=name)
+
+
+def test_score_tokens_is_bit_for_bit_what_sample_returned():
+  # The same kernel outputs and stage 2 for both calls (tests/test_rl.py's
+  # test on the streaming backends): random inputs, so that any other
+  # summation order would show in the bits; the given ids reach the
+  # kernel's launch. One case here (CI time); tests/test_triton_gpu.py runs
+  # more on the kernels themselves.
+  b, d, v = 16, 64, 1000
+  h, w = inputs.random_inputs(b, d, v, seed=3, logit_std=3.0)
+  t = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, b), jnp.float32).at[:2].set(0)
+  keys = inputs.row_keys(b, seed=1)
+  backend = CpuTritonBackend()
+  for kw in (dict(top_k=50, top_p=0.9, softcap=20.0),):
+    out = fs.sample(h, w, keys, temperature=t, backend=backend, return_logprobs=True,
+                    return_entropy=True, return_raw_logprobs=True, **kw)
+    sc = fs.score_tokens(h, w, out.tokens, temperature=t, backend=backend, **kw)
+    for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+                 "entropy_truncated"):
+      a, c = np.asarray(getattr(out, name)), np.asarray(getattr(sc, name))
+      np.testing.assert_array_equal(a.view(np.uint32), c.view(np.uint32), err_msg=name)
+    assert np.all(np.asarray(sc.in_kept))

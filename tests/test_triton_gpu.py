@@ -64,3 +64,58 @@ def test_quantized_scores_equal_xla_backend(b):
     want = jax.jit(lambda p: fs.backends.get("xla").candidates(p))(p)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+RL = dict(return_entropy=True, return_raw_logprobs=True, return_kept=64,
+          return_logprobs=True)
+
+
+def _check_rl(got, want):
+  """Tokens and kept sets identical, floats within 1e-5 (tests/test_rl.py)."""
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_array_equal(got.kept_count, want.kept_count)
+  for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+               "entropy_truncated"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
+                               atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("b", [64, 100])
+def test_rl_outputs_equal_reference(b):
+  # Exact inputs, per-row keys and power-of-two temperatures: the kernel's
+  # RL fields (entropy terms, raw log-sum-exp, finite counts) through stage
+  # 2, with truncation (the noise-free pass), without it (kept set: every
+  # finite id; the pass with noise) and with six samples (two launches).
+  d, v = 512, 5003
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  t = inputs.pow2_temperatures(b, greedy_every=9, seed=b)
+  keys = inputs.row_keys(b, seed=b)
+  per_row_k = jnp.asarray(np.where(np.arange(b) % 4, 40, 0), jnp.int32)
+  for kw in (dict(top_k=50, top_p=0.9), dict(),
+             dict(top_k=per_row_k, num_samples=6)):
+    got = fs.sample(h, w, keys, temperature=t, backend="triton", **kw, **RL)
+    want = fs.reference.sample(h, w, keys, temperature=t, **kw, **RL)
+    _check_rl(got, want)
+
+
+@pytest.mark.parametrize("b", [48, 100])
+def test_score_tokens_is_bit_for_bit_what_sample_returned(b):
+  # tests/test_rl.py's test on the triton backend: random bf16 inputs, so
+  # that any other summation order would show in the bits; B = 100 runs the
+  # 16-warp configs of sm90.
+  h, w = inputs.random_inputs(b, 1024, 8191, seed=3, logit_std=3.0)
+  t = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, b), jnp.float32).at[:4].set(0)
+  keys = inputs.row_keys(b, seed=1)
+  hist = jnp.asarray(np.random.default_rng(1).integers(0, 8191, (b, 16)), jnp.int32)
+  for kw in (dict(), dict(top_k=50, top_p=0.9), dict(min_p=0.05, softcap=20.0),
+             dict(top_p=0.95, repetition_penalty=1.2, output_ids=hist)):
+    out = fs.sample(h, w, keys, temperature=t, backend="triton", return_logprobs=True,
+                    return_entropy=True, return_raw_logprobs=True, **kw)
+    sc = fs.score_tokens(h, w, out.tokens, temperature=t, backend="triton", **kw)
+    for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+                 "entropy_truncated"):
+      a, c = np.asarray(getattr(out, name)), np.asarray(getattr(sc, name))
+      np.testing.assert_array_equal(a.view(np.uint32), c.view(np.uint32),
+                                    err_msg=f"{name} {kw}")
+    assert np.all(np.asarray(sc.in_kept))

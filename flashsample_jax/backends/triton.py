@@ -8,6 +8,9 @@ Quantized heads (float8_e4m3fn, float8_e5m2, int8 weights with an f32
 scale per vocabulary row or per tensor; docs/design.md, "Quantized heads")
 run in the same kernels: each W tile is read in its 8-bit dtype and converted
 on chip, and the scale multiplies the f32 dot result first.
+The RL outputs (entropies, raw log-probabilities, kept sets, and the given
+ids' t of ``score_tokens``; docs/design.md, "Determinism and RL") come from
+the same controls launch, the first where several carry the samples.
 Triton and jax-triton are an optional extra
 (``pip install "flashsample-jax[triton]"``) imported only where a CUDA GPU is
 present: a machine without them never imports them.
@@ -110,7 +113,13 @@ class TritonBackend(SamplerBackend):
       raise ValueError(f"list_pairings={self.list_pairings!r} must be an int >= 0")
 
   def check(self, p, c):
-    del c  # every control is implemented
+    if getattr(c, "raw_top", False):
+      # top_logprobs of the raw logits need lists of them, which the
+      # controls kernel does not keep (getattr: an option newer than this
+      # check).
+      raise NotImplementedError(
+          "the triton backend does not yet list the raw logits "
+          "(top_logprobs_mode='raw'); the xla and dense backends do")
     major, minor = _cuda_capability()
     if major < 8:
       raise NotImplementedError(
@@ -150,23 +159,32 @@ class TritonBackend(SamplerBackend):
   def controls_state(self, p, c, *, vocab_offset=0):
     _, kernel = _kernels()
     ctr_hi, ctr_lo = p.counters(c.samples)
-    need_lse = c.return_logprobs or c.lists
+    # The entropy terms are relative to each tile's log-sum-exp max.
+    need_lse = c.return_logprobs or c.lists or c.return_entropy
+    given = c.given_ids is not None
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
+      # Only the first launch computes what does not depend on the samples:
+      # the log-sum-exp, the lists and the RL fields.
       first = g0 == 0
       spec = kernel.Controls(
           samples=g1 - g0, softcap=c.softcap is not None,
           bias=c.logit_bias is not None, mask=c.allowed_mask is not None,
           t_best=c.return_logprobs, lse=first and need_lse, noise=c.noise,
-          top_k=TILE_CANDIDATES if first and c.lists else 0)
+          top_k=TILE_CANDIDATES if first and c.lists else 0,
+          entropy=first and c.return_entropy,
+          raw=first and c.return_raw_logprobs,
+          finite=first and c.return_kept > 0, given=first and given)
       rows = pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
                        ctr_hi=ctr_hi[g0:g1], ctr_lo=ctr_lo[g0:g1],
                        softcap=c.softcap)
       parts.append(kernel.control_candidates(
           p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
           vocab_size=p.vocab_size, controls=spec, bias=c.logit_bias,
-          allowed_mask=c.allowed_mask, weight_scale=_weight_scale(p)))
+          allowed_mask=c.allowed_mask,
+          given_ids=c.given_ids.astype(jnp.int32) if spec.given else None,
+          weight_scale=_weight_scale(p)))
     first = parts[0]
     lists = (first.cand_vals, first.cand_ids, first.bound)
     if c.lists:
@@ -175,7 +193,12 @@ class TritonBackend(SamplerBackend):
     return stage2.state_from_parts(
         cat("best_score"), cat("best_index"),
         cat("best_t") if c.return_logprobs else None,
-        first.lse_max, first.lse_sum, *lists, m=stage2.candidate_count(p, c))
+        first.lse_max, first.lse_sum, *lists, m=stage2.candidate_count(p, c),
+        ent_sum=first.ent_sum, raw_max=first.raw_max, raw_sum=first.raw_sum,
+        finite_count=first.finite_count, given_t=first.given_t)
+
+  def rl_outputs(self):
+    return True
 
   def prefers(self, p, c):
     # As the mosaic backend's (docs/performance.md, "Routes on the GPU"):
