@@ -28,7 +28,7 @@ __all__ = ["sample", "sample_logits", "which_backend", "run", "BACKENDS", "Backe
 STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
                    "batch_axis", "num_samples", "return_logprobs", "top_logprobs",
                    "truncation_order", "return_entropy", "return_raw_logprobs",
-                   "return_kept")
+                   "return_kept", "top_logprobs_mode")
 
 # The keyword defaults of the controls (SamplingParams' fields): with
 # ``params``, every control keyword must still be its default.
@@ -91,7 +91,8 @@ def which_backend(hidden, weight, key, params=None, *, backend="auto", temperatu
                   presence_penalty=None, frequency_penalty=None, prompt_ids=None,
                   output_ids=None, num_samples=None, return_logprobs=False,
                   top_logprobs=0, truncation_order="hf", return_entropy=False,
-                  return_raw_logprobs=False, return_kept=0):
+                  return_raw_logprobs=False, return_kept=0,
+                  top_logprobs_mode="processed"):
   """The name of the backend :func:`sample` would run these arguments on.
 
   Args: as :func:`sample` (controls and mesh axes included).
@@ -164,7 +165,7 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
            presence_penalty=None, frequency_penalty=None, prompt_ids=None,
            output_ids=None, num_samples=None, return_logprobs=False,
            top_logprobs=0, truncation_order="hf", return_entropy=False,
-           return_raw_logprobs=False, return_kept=0):
+           return_raw_logprobs=False, return_kept=0, top_logprobs_mode="processed"):
   """Samples one token per row from ``softmax(hidden @ W.T / T)``.
 
   Never writes the ``[B, V]`` logits to device memory. Returns exactly the
@@ -254,6 +255,10 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
     return_raw_logprobs: also return ``logprob_raw``, each token's
       log-probability under the raw logits (soft-capped; before bias,
       penalties, the mask and the temperature).
+    top_logprobs_mode: ``"processed"`` (default: the top N of the
+      distribution sampled) or ``"raw"`` (of the raw logits, soft-capped,
+      before bias, penalties, the mask and the temperature; vLLM's
+      "raw_logprobs").
     return_kept: N (a Python int, 0 = off, at most 1024): also return each
       row's kept set, its N most likely ids (``kept_ids``) and its true size
       (``kept_count``), exactly the set the token was drawn from (README,
@@ -313,7 +318,8 @@ def sample_logits(logits, key, params=None, *, temperature=1.0, vocab_size=None,
                   presence_penalty=None, frequency_penalty=None, prompt_ids=None,
                   output_ids=None, num_samples=None, return_logprobs=False,
                   top_logprobs=0, truncation_order="hf", return_entropy=False,
-                  return_raw_logprobs=False, return_kept=0):
+                  return_raw_logprobs=False, return_kept=0,
+                  top_logprobs_mode="processed"):
   """:func:`sample` for logits that are already materialized.
 
   The same controls, the same exact semantics and the same outputs as

@@ -100,6 +100,8 @@ class Controls:
       likely ids and its size.
     given_ids: int32 ``[B]`` or None: ids whose tempered logit the pass
       reports (``ControlsState.given_t``; :func:`flashsample_jax.score_tokens`).
+    top_logprobs_mode: static, ``"processed"`` (the top N of ``t``, as
+      sampled) or ``"raw"`` (of the raw logits: :func:`raw_logits`).
   """
 
   top_k: Any = None
@@ -123,6 +125,7 @@ class Controls:
   return_entropy: bool = dataclasses.field(default=False, metadata=dict(static=True))
   return_raw_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   return_kept: int = dataclasses.field(default=0, metadata=dict(static=True))
+  top_logprobs_mode: str = dataclasses.field(default="processed", metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
@@ -143,7 +146,18 @@ class Controls:
   def rl_outputs(self) -> bool:
     """Entropies, raw log-probabilities or kept sets are asked for (the
     outputs for RL rollouts; docs/design.md, "Determinism and RL")."""
-    return self.return_entropy or self.return_raw_logprobs or self.return_kept > 0
+    return (self.return_entropy or self.return_raw_logprobs or self.return_kept > 0
+            or self.raw_top)
+
+  @property
+  def raw_top(self) -> bool:
+    """``top_logprobs`` of the raw logits: the pass keeps lists of them."""
+    return self.top_logprobs > 0 and self.top_logprobs_mode == "raw"
+
+  @property
+  def raw_lse(self) -> bool:
+    """The pass keeps an online log-sum-exp of the raw logits."""
+    return self.return_raw_logprobs or self.raw_top
 
   @property
   def needs_kept_set(self) -> bool:
@@ -156,7 +170,8 @@ class Controls:
   def lists(self) -> bool:
     """A pass must keep the top-M candidate lists (truncation, top-N, kept
     sets)."""
-    return self.truncates or self.top_logprobs > 0 or self.return_kept > 0
+    return (self.truncates or (self.top_logprobs > 0 and not self.raw_top)
+            or self.return_kept > 0)
 
   @property
   def transforms(self) -> bool:
@@ -288,6 +303,9 @@ TOP_LOGPROBS_MAX = 128
 # The largest ``return_kept``: kept sets are reported by their N most likely
 # ids (RL trainers renormalize over them; past N the count flags overflow).
 RETURN_KEPT_MAX = 1024
+# What top_logprobs lists (vLLM's logprobs_mode, its "processed_logprobs" and
+# "raw_logprobs"): the distribution sampled, or the model's raw logits.
+TOP_LOGPROBS_MODES = ("processed", "raw")
 _F32_MAX = float(np.finfo(np.float32).max)
 # What top-p's mass is measured over (the module docstring).
 TRUNCATION_ORDERS = ("hf", "vllm")
@@ -323,7 +341,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      frequency_penalty=None, prompt_ids=None, output_ids=None,
                      num_samples=None, return_logprobs=False,
                      top_logprobs=0, truncation_order="hf", return_entropy=False,
-                     return_raw_logprobs=False, return_kept=0) -> Controls:
+                     return_raw_logprobs=False, return_kept=0,
+                     top_logprobs_mode="processed") -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
   if not isinstance(truncation_order, str) or truncation_order not in TRUNCATION_ORDERS:
     if isinstance(truncation_order, jax.core.Tracer):
@@ -397,6 +416,12 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     raise ValueError(f"return_kept={return_kept} must be in [0, {kept_max}] "
                      f"(at most {RETURN_KEPT_MAX} and the vocabulary size)")
   return_kept = int(return_kept)
+  if not isinstance(top_logprobs_mode, str) or top_logprobs_mode not in TOP_LOGPROBS_MODES:
+    if isinstance(top_logprobs_mode, jax.core.Tracer):
+      raise problem.static_arg_error("top_logprobs_mode", top_logprobs_mode,
+                                     f"one of {TOP_LOGPROBS_MODES}")
+    raise ValueError(f"top_logprobs_mode={top_logprobs_mode!r} must be one of "
+                     f"{TOP_LOGPROBS_MODES}")
   repetition_penalty = _per_row("repetition_penalty", repetition_penalty, batch,
                                 integer=False, lo=None, hi=None,
                                 off="1 turns it off", check=problem.check_normal)
@@ -425,7 +450,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   top_logprobs=top_logprobs,
                   every_row_truncates=every_row_truncates,
                   truncation_order=truncation_order, return_entropy=return_entropy,
-                  return_raw_logprobs=return_raw_logprobs, return_kept=return_kept)
+                  return_raw_logprobs=return_raw_logprobs, return_kept=return_kept,
+                  top_logprobs_mode=top_logprobs_mode)
 
 
 def allowed_bits(allowed_mask, gid):

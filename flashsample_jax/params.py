@@ -47,6 +47,7 @@ class SamplingParams:
     truncation_order: ``"hf"`` or ``"vllm"``.
     return_entropy, return_raw_logprobs: bool.
     return_kept: int N (0 = off).
+    top_logprobs_mode: ``"processed"`` or ``"raw"``.
   """
 
   temperature: Any = 1.0
@@ -68,6 +69,7 @@ class SamplingParams:
   return_entropy: bool = dataclasses.field(default=False, metadata=dict(static=True))
   return_raw_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   return_kept: int = dataclasses.field(default=0, metadata=dict(static=True))
+  top_logprobs_mode: str = dataclasses.field(default="processed", metadata=dict(static=True))
 
   def as_kwargs(self) -> dict[str, Any]:
     """The keyword arguments of :func:`flashsample_jax.sample` these are."""
@@ -135,7 +137,7 @@ class SamplingParams:
 # The fields of SamplingParams, by kind (api.sample checks that keywords
 # and params are not mixed).
 STATIC_NAMES = ("num_samples", "return_logprobs", "top_logprobs", "truncation_order",
-                "return_entropy", "return_raw_logprobs", "return_kept")
+                "return_entropy", "return_raw_logprobs", "return_kept", "top_logprobs_mode")
 CONTROL_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 # What from_generation_config reads; the penalties other than repetition's

@@ -118,7 +118,12 @@ def _sample(p: problem.Problem, c: _controls.Controls):
   if return_logprobs:
     lp = lp._replace(logprob=t_tok - lse, logprob_truncated=t_tok - lse_kept,
                      logsumexp=jnp.broadcast_to(lse, tokens.shape))
-  if c.top_logprobs:
+  if c.raw_top:
+    raw = raw_logits(p, c)
+    top_r, top_ids = _controls.top_n(raw, c.top_logprobs)
+    lp = lp._replace(top_ids=jnp.where(top_r == -jnp.inf, -1, top_ids).astype(jnp.int32),
+                     top_logprobs=top_r - jax.nn.logsumexp(raw, axis=-1)[:, None])
+  elif c.top_logprobs:
     top_t, top_ids = _controls.top_n(t, c.top_logprobs)
     top_ids = jnp.where(top_t == -jnp.inf, -1, top_ids)
     top_lp = top_t - lse[:, None]
@@ -150,7 +155,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
            prompt_ids=None, output_ids=None, num_samples=None,
            return_logprobs=False, top_logprobs=0, truncation_order="hf",
-           return_entropy=False, return_raw_logprobs=False, return_kept=0):
+           return_entropy=False, return_raw_logprobs=False, return_kept=0,
+           top_logprobs_mode="processed"):
   """Reference sampler: :func:`flashsample_jax.sample`'s arguments, on one device.
 
   (The mesh arguments ``vocab_axis``/``batch_axis`` are not taken: compare a
@@ -181,7 +187,8 @@ def sample(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
       prompt_ids=prompt_ids, output_ids=output_ids, top_logprobs=top_logprobs,
       truncation_order=truncation_order, return_entropy=return_entropy,
-      return_raw_logprobs=return_raw_logprobs, return_kept=return_kept)
+      return_raw_logprobs=return_raw_logprobs, return_kept=return_kept,
+      top_logprobs_mode=top_logprobs_mode)
   return _sample(p, c)
 
 

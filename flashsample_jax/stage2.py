@@ -63,11 +63,17 @@ def candidate_count(p: Problem, c: controls.Controls) -> int:
   Lists are padded to M entries when a shard has fewer rows, so that
   shards' lists merge with one shape."""
   m = CANDIDATES if c.truncates else 0
-  if c.top_logprobs:
+  if c.top_logprobs and not c.raw_top:
     m = max(m, c.top_logprobs + _TOP_SLACK)
   if c.return_kept:
     m = max(m, c.return_kept + _TOP_SLACK)
   return min(m, p.total_rows)
+
+
+def raw_count(p: Problem, c: controls.Controls) -> int:
+  """The length of the raw logits' lists (``top_logprobs_mode="raw"``):
+  N and the same slack as :func:`candidate_count`'s."""
+  return min(c.top_logprobs + _TOP_SLACK, p.total_rows)
 
 
 def tempered(p: Problem, x):
@@ -153,9 +159,13 @@ def state_combine(c: controls.Controls, m: int):
     if c.return_entropy:
       out = out._replace(ent_sum=_entropy_merge((a.lse_max, a.lse_sum, a.ent_sum),
                                                 (b.lse_max, b.lse_sum, b.ent_sum), lse[0]))
-    if c.return_raw_logprobs:
+    if c.raw_lse:
       raw = _lse_merge((a.raw_max, a.raw_sum), (b.raw_max, b.raw_sum))
       out = out._replace(raw_max=raw[0], raw_sum=raw[1])
+    if c.raw_top:
+      vals, ids, bound = topm_merge((a.raw_vals, a.raw_ids, a.raw_bound),
+                                    (b.raw_vals, b.raw_ids, b.raw_bound), a.raw_vals.shape[1])
+      out = out._replace(raw_vals=vals, raw_ids=ids, raw_bound=bound)
     if c.return_kept:
       out = out._replace(finite_count=a.finite_count + b.finite_count)
     if c.given_ids is not None:   # one part holds each given id
@@ -169,13 +179,14 @@ def state_combine(c: controls.Controls, m: int):
 
 
 def rl_state(c: controls.Controls, st: ControlsState, t, raw=None,
-             gid=None) -> ControlsState:
+             gid=None, raw_m: int | None = None) -> ControlsState:
   """``st`` (a block's state, ``lse_max`` its max of ``t``) with the fields
   the RL outputs need (:attr:`controls.Controls.rl_outputs`): the entropy
   terms of ``t [B, W]``, the raw logits' log-sum-exp (``raw [B, W]``;
   None: a block whose raw logits another block covers), the count of
-  finite ``t`` and, for ``c.given_ids``, the ``t`` of each row's given id
-  (``gid``: the block's ids, ``[W]`` or ``[B, W]``)."""
+  finite ``t``, for ``c.given_ids`` the ``t`` of each row's given id
+  (``gid``: the block's ids, ``[W]`` or ``[B, W]``) and, for top_logprobs
+  of the raw logits, the ``raw_m`` largest raw logits (:func:`raw_count`)."""
   b = t.shape[0]
   if c.given_ids is not None:
     ids = gid if gid.ndim == 2 else gid[None, :]
@@ -183,13 +194,22 @@ def rl_state(c: controls.Controls, st: ControlsState, t, raw=None,
                                      axis=1))
   if c.return_entropy:
     st = st._replace(ent_sum=controls.entropy_terms(t, st.lse_max))
-  if c.return_raw_logprobs:
+  if c.raw_lse:
     if raw is None:
       st = st._replace(raw_max=jnp.full((b,), -jnp.inf), raw_sum=jnp.zeros((b,)))
     else:
       rm = jnp.max(raw, axis=1)
       st = st._replace(raw_max=rm, raw_sum=jnp.sum(
           jnp.where(rm[:, None] == -jnp.inf, 0.0, jnp.exp(raw - rm[:, None])), axis=1))
+  if c.raw_top:
+    m = c.top_logprobs + _TOP_SLACK if raw_m is None else raw_m
+    if raw is None:
+      vals = jnp.full((b, m), -jnp.inf)
+      ids = jnp.full((b, m), rules.INT_MAX, jnp.int32)
+    else:
+      ids_b = jnp.broadcast_to(gid, raw.shape)
+      vals, ids = top_m(raw, ids_b, jnp.full((b,), -jnp.inf), m)
+    st = st._replace(raw_vals=vals, raw_ids=ids, raw_bound=jnp.full((b,), -jnp.inf))
   if c.return_kept:
     st = st._replace(finite_count=jnp.sum(t > -jnp.inf, axis=1, dtype=jnp.int32))
   return st
@@ -397,7 +417,7 @@ def history_state(p: Problem, c: controls.Controls, hist: History, *,
                                 jnp.exp(t - mx[:, None])), axis=1))
   # The pass scores every id's raw logit (the history ids are excluded from
   # it by the mask only, which raw logits ignore).
-  st = rl_state(c, st, t, gid=gid)
+  st = rl_state(c, st, t, gid=gid, raw_m=raw_count(p, c))
   if c.lists:
     m = candidate_count(p, c)
     vals, ids = top_m(t, gid, jnp.full((p.batch,), -jnp.inf), m)
@@ -624,10 +644,12 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   if c.return_kept:
     rows = _kept_sets(c, st, lists, rows, decision)
   own_exact_top = (exact_top is not None and c.top_logprobs and not c.truncates
-                   and not c.return_kept)
-  if c.top_logprobs:
+                   and not c.return_kept and not c.raw_top)
+  if c.raw_top:
+    rows = _raw_top_n(p, c, st, rows)
+  elif c.top_logprobs:
     rows = _top_n(c, st, lists, rows, exact_top if own_exact_top else None)
-  if c.lists and not own_exact_top:
+  if (c.lists or c.raw_top) and not own_exact_top:
     rows = _exact_path(p, c, rows, axis)
   out = _output(c, rows) if c.returns_output else None
   if out is not None and c.return_raw_logprobs:
@@ -795,6 +817,27 @@ def _kept_sets(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Ro
   return rows._replace(kept=(ids, count), fallback=rows.fallback | fallback)
 
 
+def _raw_lse(st: ControlsState):
+  """The raw logits' log-sum-exp ``[B]`` (``jax.nn.logsumexp``'s value for
+  rows with non-finite values)."""
+  return jnp.where(jnp.isfinite(st.raw_max), st.raw_max + jnp.log(st.raw_sum), st.raw_max)
+
+
+def _raw_top_n(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows) -> _Rows:
+  """``top_logprobs_mode="raw"``: the N largest raw logits in
+  :func:`controls.top_n`'s order off the raw lists, as log-probabilities
+  (``rows.top`` then holds those, not logits). Certified as :func:`_top_n`
+  certifies; the others take the exact path."""
+  n = c.top_logprobs
+  last = jnp.maximum(st.raw_bound, st.raw_vals[:, -1])
+  complete = (st.raw_bound == -jnp.inf) & ((raw_count(p, c) >= p.total_rows)
+                                            | (last == -jnp.inf))
+  vals, ids = controls.top_n(st.raw_vals, n, ids=st.raw_ids)
+  certain = (complete | (vals[:, n - 1] > last)) & jnp.isfinite(st.raw_max)
+  return rows._replace(top=(vals - _raw_lse(st)[:, None], ids),
+                       fallback=rows.fallback | ~certain)
+
+
 def _top_n(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
            exact_top) -> _Rows:
   """The N largest t by (t descending, id ascending), controls.top_n's
@@ -921,9 +964,9 @@ def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
                        logprob_truncated=rows.t_tok - rows.lse_kept,
                        logsumexp=jnp.broadcast_to(rows.lse_all, rows.tokens.shape))
   if rows.top is not None:
-    vals, ids = rows.top
+    vals, ids = rows.top       # raw_top: already log-probabilities (_raw_top_n)
     out = out._replace(top_ids=jnp.where(vals == -jnp.inf, -1, ids),
-                       top_logprobs=vals - rows.lse_all[:, None])
+                       top_logprobs=vals if c.raw_top else vals - rows.lse_all[:, None])
   if c.return_entropy:
     out = out._replace(entropy=rows.ent_all, entropy_truncated=rows.ent_kept)
   if c.return_kept:
@@ -936,7 +979,7 @@ def _raw_logprob(p: Problem, c: controls.Controls, st: ControlsState, tokens, ax
   own weight row as :func:`history_state` scores ids; under ``axis`` from
   the shard that holds it) minus the raw logits' log-sum-exp; NaN for
   ``-1``."""
-  lse = jnp.where(jnp.isfinite(st.raw_max), st.raw_max + jnp.log(st.raw_sum), st.raw_max)
+  lse = _raw_lse(st)
   tok = tokens.T                                                     # [B, S]
   offset = mesh.MeshAxes(vocab=axis).vocab_offset(p.weight_rows) if axis else 0
   local = tok - offset
@@ -971,7 +1014,7 @@ def _nothing_to_sample(p: Problem, c: controls.Controls, st: ControlsState,
     if out.kept_ids is not None:
       out = out._replace(kept_ids=jnp.where(empty[:, None], -1, out.kept_ids),
                          kept_count=jnp.where(empty, 0, out.kept_count))
-    if out.top_logprobs is not None and masked is not None:
+    if out.top_logprobs is not None and masked is not None and not c.raw_top:
       out = out._replace(top_logprobs=nan(out.top_logprobs, masked[:, None]))
   return rows._replace(tokens=tokens), out
 
@@ -996,6 +1039,19 @@ def materialized_rows(p: Problem, c: controls.Controls, axis=None):
   return x, t, kept, gid
 
 
+def materialized_raw_top(p: Problem, c: controls.Controls, axis=None):
+  """``top_logprobs_mode="raw"``'s exact path: the N largest raw logits of
+  every row from materialized logits (gathered over ``axis``), as
+  log-probabilities, and their ids."""
+  l = problem.logits(p.hidden, p.weight, p.layout, p.weight_scale)
+  if axis:
+    l = jnp.moveaxis(mesh.all_gather_invariant(l, axis), 0, 1).reshape(p.batch, -1)
+  raw = controls.raw_logits(l, lax.iota(jnp.int32, l.shape[1]), c, p.vocab_size)
+  raw = raw[:, :p.vocab_size]
+  vals, ids = controls.top_n(raw, c.top_logprobs)
+  return vals - jax.nn.logsumexp(raw, axis=1)[:, None], ids
+
+
 def draw_kept(p: Problem, x, t, kept, gid, perturbed):
   """Each sample's token among the kept ids (``[B, S]``) and its t: ``-1``
   for a sampled row that keeps no id (its t is then id 0's; finish's rule),
@@ -1016,7 +1072,10 @@ def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis
   if top is not None:
     # controls.top_n sorts (no lax.top_k, which could take the conditional
     # around this branch to the host on every call).
-    top_t, top_i = controls.top_n(t, top[0].shape[1])
+    if c.raw_top:
+      top_t, top_i = materialized_raw_top(p, c, axis)
+    else:
+      top_t, top_i = controls.top_n(t, top[0].shape[1])
     top = (jnp.where(r[:, None], top_t, top[0]), jnp.where(r[:, None], top_i, top[1]))
   if rows.ent_all is not None:
     rows = rows._replace(ent_all=jnp.where(r, controls.entropy(t), rows.ent_all),

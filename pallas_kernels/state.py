@@ -42,6 +42,9 @@ class ControlsState(NamedTuple):
       sets; else None).
     given_t: f32 ``[B]``: the ``t`` of each row's given id (``-inf`` where
       the part does not hold it; for scoring given tokens; else None).
+    raw_vals, raw_ids, raw_bound: the largest raw logits seen, as
+      ``cand_vals``/``cand_ids``/``cand_bound`` (for ``top_logprobs`` of the
+      raw logits; else None).
   """
 
   best_score: Any
@@ -57,6 +60,9 @@ class ControlsState(NamedTuple):
   raw_sum: Any = None
   finite_count: Any = None
   given_t: Any = None
+  raw_vals: Any = None
+  raw_ids: Any = None
+  raw_bound: Any = None
 
 
 def top_m(vals, ids, bound, m: int, *, by_id: bool = False):

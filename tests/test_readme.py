@@ -95,7 +95,7 @@ def test_documented_static_argnames_are_every_non_array_option():
   assert set(names) == {"weight_layout", "vocab_size", "backend", "vocab_axis",
                         "batch_axis", "num_samples", "return_logprobs",
                         "top_logprobs", "truncation_order", "return_entropy",
-                        "return_raw_logprobs", "return_kept"}
+                        "return_raw_logprobs", "return_kept", "top_logprobs_mode"}
   if hasattr(fs, "STATIC_ARGNAMES"):  # once the package exports the list
     assert set(names) == set(fs.STATIC_ARGNAMES)
 

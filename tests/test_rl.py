@@ -170,7 +170,7 @@ def test_bad_arguments_name_them():
 
 @pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
 def test_sharded_rl_outputs_on_1_2_4_8_shards():
-  kw = dict(top_k=40, top_p=0.9, softcap=8.0, **RL)
+  kw = dict(top_k=40, top_p=0.9, softcap=8.0, top_logprobs=6, top_logprobs_mode="raw", **RL)
   h, w = cases.H, cases.W[:3000]                       # 3000: divisible by 8
   want = fs.reference.sample(h, w, cases.KEYS["scalar"], temperature=cases.T, **kw)
   for n in (1, 2, 4, 8):
@@ -179,6 +179,8 @@ def test_sharded_rl_outputs_on_1_2_4_8_shards():
     got = fs.sample_sharded(h, w, cases.KEYS["scalar"], mesh=mesh, vocab_axis="tp",
                             temperature=cases.T, **kw)
     _check(got, want)
+    np.testing.assert_array_equal(got.top_ids, want.top_ids)
+    np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-5)
 
 
 # -- score_tokens: the log-probabilities of given tokens ----------------------
@@ -304,3 +306,44 @@ def test_state_from_parts_merges_the_rl_fields_of_kernel_parts():
   np.testing.assert_array_equal(merged.given_t, whole.given_t)
   ent = jnp.log(merged.lse_sum) - merged.ent_sum / merged.lse_sum
   np.testing.assert_allclose(ent[1:], controls.entropy(t)[1:], rtol=1e-5, atol=1e-5)
+
+
+# -- top_logprobs_mode="raw" ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_raw_top_logprobs(backend):
+  for case in ("all", "penalties_all", "mask"):
+    kw = {k: v for k, v in cases.CASES[case].items() if k != "top_logprobs"}
+    args = (cases.H, cases.W, cases.KEYS["scalar"])
+    got = fs.sample(*args, temperature=cases.T, backend=backend, top_logprobs=12,
+                    top_logprobs_mode="raw", **kw)
+    want = fs.reference.sample(*args, temperature=cases.T, top_logprobs=12,
+                               top_logprobs_mode="raw", **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.top_ids, want.top_ids)
+    np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-5)
+    # Against the raw logits written out, and unlike the processed top N.
+    raw = np.asarray(reference._logits(problem.prepare(*args)), np.float64)
+    if "softcap" in kw:
+      raw = float(kw["softcap"]) * np.tanh(raw / float(kw["softcap"]))
+    lse = np.log(np.exp(raw - raw.max(1, keepdims=True)).sum(1)) + raw.max(1)
+    ids = np.asarray(got.top_ids)
+    np.testing.assert_allclose(got.top_logprobs,
+                               np.take_along_axis(raw, ids, 1) - lse[:, None], atol=1e-5)
+    proc = fs.sample(*args, temperature=cases.T, backend=backend, top_logprobs=12, **kw)
+    assert not np.array_equal(proc.top_ids, got.top_ids)
+  # Ties at the N-th raw logit: uncertified on the lists, decided on the
+  # exact path (every raw logit of these rows is one of three values).
+  h = jnp.ones((4, 64), jnp.bfloat16)
+  w = jnp.asarray(np.repeat([[1.0], [0.0], [-1.0]], 100, axis=0) * np.ones((1, 64)),
+                  jnp.bfloat16)
+  got = fs.sample(h, w, jax.random.key(0), backend=backend, top_logprobs=5,
+                  top_logprobs_mode="raw", temperature=0.5)
+  want = fs.reference.sample(h, w, jax.random.key(0), top_logprobs=5,
+                             top_logprobs_mode="raw", temperature=0.5)
+  np.testing.assert_array_equal(got.top_ids, want.top_ids)
+  np.testing.assert_array_equal(got.top_ids[0], np.arange(5))
+  np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"top_logprobs_mode='logits' must be one of"):
+    fs.sample(h, w, jax.random.key(0), top_logprobs=5, top_logprobs_mode="logits")

@@ -166,7 +166,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
         lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
                                   jnp.exp(t - mx[:, None])), axis=1))
     st = stage2.rl_state(c, st, t, controls.raw_logits(l, gid, c, p.vocab_size)
-                         if c.return_raw_logprobs else None, gid=gid)
+                         if c.raw_lse else None, gid=gid, raw_m=stage2.raw_count(p, c))
     if c.lists:
       vals, j = lax.top_k(t, min(m, width))
       if width < m:
