@@ -111,6 +111,11 @@ class SamplerBackend(abc.ABC):
     does)."""
     return False
 
+  def raw_top_lists(self) -> bool:
+    """Whether :meth:`controls_state` keeps lists of the raw logits
+    (``raw_vals``/``raw_ids``/``raw_bound``: ``top_logprobs_mode="raw"``)."""
+    return False
+
   def samples_as_rows(self, p: Problem, c: Controls) -> bool:
     """Whether to draw ``c.samples`` samples as rows of one plain pass
     (:func:`flashsample_jax.stage2.samples_as_rows`); asked only when
@@ -134,6 +139,10 @@ def _check(impl: SamplerBackend, p: Problem, c: Controls) -> None:
         f"the {impl.name} backend does not yet compute entropies, raw "
         "log-probabilities or kept sets (return_entropy, return_raw_logprobs, "
         "return_kept); the xla and dense backends do")
+  if c.raw_top and not impl.raw_top_lists():
+    raise NotImplementedError(
+        f"the {impl.name} backend does not yet list the raw logits "
+        "(top_logprobs_mode='raw'); the xla and dense backends do")
 
 
 def _load(name: str) -> type[SamplerBackend]:

@@ -203,6 +203,9 @@ class XlaBackend(SamplerBackend):
   def rl_outputs(self):
     return True
 
+  def raw_top_lists(self):
+    return True
+
 
 
 
