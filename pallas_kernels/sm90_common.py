@@ -11,6 +11,9 @@ The public pieces here are the building blocks of both Mosaic GPU kernels
   (:func:`stream_steps`), and each compute warpgroup's loop over its tiles
   (:func:`pingpong_tile`, :func:`consume_tile`). A kernel supplies only its
   epilogue.
+* :func:`dequantized`, :func:`stage_weight`, :func:`permute_k`: 8-bit
+  weight tiles (FP8 e4m3/e5m2, int8) converted to bf16/f16 on chip, and
+  :func:`scaled`, the weight scale applied to the accumulator.
 * :func:`col_reduce`, :func:`store_column`, :func:`store_tile`,
   :func:`approx_exp`: epilogue ops
   that need inline Mosaic GPU code on the GPU and plain ``jnp`` in interpret
@@ -34,11 +37,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import memref
+from jaxlib.mlir.dialects import llvm, memref
 
 from pallas_kernels import threefry
-from pallas_kernels.sm90_config import TuningConfig, round_up
+from pallas_kernels.sm90_config import (
+    TuningConfig, WeightPath, quantized_dtype, round_up, weight_path)
 
 # 128-byte swizzle: 64 bf16/f16 elements per swizzled row.
 SWIZZLE = 128
@@ -148,6 +154,14 @@ def pad_vocab(weight, layout: str, align: int = 1):
     weight = jnp.pad(weight, [(0, rows_k - rows), (0, 0)] if layout == "vd"
                      else [(0, 0), (0, rows_k - rows)])
   return weight, rows_k
+
+
+def vocab_align(dtype, layout: str) -> int:
+  """The vocabulary alignment :func:`pad_vocab` needs beyond its own for a
+  weight of ``dtype``: an 8-bit "dv" weight's tiles have ``Vt`` (64 or
+  128) bytes per row, swizzled as wide, so its vocabulary is a multiple of
+  128 (real heads are: 151936, 128256, 201088)."""
+  return 128 if layout == "dv" and jnp.dtype(dtype).itemsize == 1 else 1
 
 
 # ----------------------------------------------------------------------------
@@ -303,9 +317,255 @@ def tempered(x, t_safe, inv_t, zero, *, interpret: bool):
   return divided(x, t_safe, inv_t, zero, interpret=interpret)
 
 
-def tma_transforms(dtype):
-  elems = SWIZZLE // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
+def swizzle_bytes(minor_bytes: int) -> int:
+  """The widest swizzle (128, 64 or 32 bytes) that divides an SMEM tile's
+  minor dimension of ``minor_bytes``: 128 for every bf16/f16 tile (their
+  minor dimension is a multiple of 64 elements); an 8-bit tile of 64
+  elements takes 64."""
+  for swizzle in (SWIZZLE, 64, 32):
+    if minor_bytes % swizzle == 0:
+      return swizzle
+  raise ValueError(f"an SMEM tile's minor dimension of {minor_bytes} bytes "
+                   "is not a multiple of 32 bytes")
+
+
+def tma_transforms(dtype, minor: int | None = None):
+  """Tiling and swizzle of an SMEM tile of ``dtype`` whose minor dimension
+  holds ``minor`` elements (None: a multiple of the 128-byte swizzle)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = SWIZZLE if minor is None else swizzle_bytes(minor * itemsize)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+# ----------------------------------------------------------------------------
+# Quantized weights: 8-bit tiles converted on chip
+# ----------------------------------------------------------------------------
+
+# Per 32-bit register of four 8-bit weights [b3 b2 b1 b0], PTX that writes
+# the two 32-bit registers $0 = (b0, b1) and $1 = (b2, b3) of the
+# bf16/f16 values, exactly (docs/design.md, "Quantized heads"). Hopper has
+# no e4m3/e5m2 -> bf16 conversion (only -> f16, in ptxas >= 12.8 for bf16
+# with a newer ISA), so the FP8 ones are bit moves: a byte placed in the
+# high byte of a 16-bit lane, its magnitude bits shifted right by 8 - 1 -
+# exponent bits, is the same number times 2^-(127 - bias) in bf16, for
+# normal and subnormal codes alike; one bf16x2 fma by 2^(127 - bias) (and
+# -0.0, which keeps the sign of zeros) rescales it exactly. int8 is
+# CUTLASS's trick that Mosaic GPU uses too: 128 + low 7 bits in the
+# mantissa, minus 128 or 256 by the sign bit. FP8 NaN (and e5m2 inf) codes
+# decode as finite numbers on the bf16 route; the f16 route keeps them.
+_FP8_BF16 = """{{
+  .reg .b32 w<2>, t<2>, m, z;
+  prmt.b32 w0, $2, 0, 0x1404;
+  prmt.b32 w1, $2, 0, 0x3424;
+  and.b32 t0, w0, 0x7F007F00;
+  and.b32 t1, w1, 0x7F007F00;
+  shr.u32 t0, t0, {shift};
+  shr.u32 t1, t1, {shift};
+  lop3.b32 w0, w0, t0, 0x80008000, 0xEC;
+  lop3.b32 w1, w1, t1, 0x80008000, 0xEC;
+  mov.b32 m, {bias};
+  mov.b32 z, 0x80008000;
+  fma.rn.bf16x2 $0, w0, m, z;
+  fma.rn.bf16x2 $1, w1, m, z;
+}}"""
+_INT8 = """{{
+  .reg .b32 w<2>, a<2>, b<2>, c;
+  prmt.b32 w0, $2, {magic}, 0x4140;
+  prmt.b32 w1, $2, {magic}, 0x4342;
+  {body}
+}}"""
+_CONVERSIONS = {
+    # e4m3: 4 exponent bits (bias 7): shift 4, times 2^120 (bf16 0x7B80).
+    ("float8_e4m3fn", "bfloat16"): _FP8_BF16.format(shift=4, bias="0x7B807B80"),
+    # e5m2: 5 exponent bits (bias 15): shift 3, times 2^112 (bf16 0x7780).
+    ("float8_e5m2", "bfloat16"): _FP8_BF16.format(shift=3, bias="0x77807780"),
+    ("int8", "bfloat16"): _INT8.format(magic="0x43", body="""
+  and.b32 a0, w0, 0xff7fff7f;
+  and.b32 b0, w0, 0xff80ff80;
+  and.b32 a1, w1, 0xff7fff7f;
+  and.b32 b1, w1, 0xff80ff80;
+  sub.bf16x2 $0, a0, b0;
+  sub.bf16x2 $1, a1, b1;"""),
+    # f16 holds every e4m3 value: the hardware conversion (sm_89+).
+    ("float8_e4m3fn", "float16"): """{
+  .reg .b16 l, h;
+  mov.b32 {l, h}, $2;
+  cvt.rn.f16x2.e4m3x2 $0, l;
+  cvt.rn.f16x2.e4m3x2 $1, h;
+}""",
+    # e5m2 is the high byte of an f16.
+    ("float8_e5m2", "float16"): """{
+  prmt.b32 $0, $2, 0, 0x1404;
+  prmt.b32 $1, $2, 0, 0x3424;
+}""",
+    # 1024 + (b ^ 0x80) in the mantissa of an f16, minus 1152 (0x6480).
+    ("int8", "float16"): _INT8.format(magic="0x64", body="""
+  mov.b32 c, 0x64806480;
+  xor.b32 a0, w0, 0x00800080;
+  xor.b32 a1, w1, 0x00800080;
+  sub.f16x2 $0, a0, c;
+  sub.f16x2 $1, a1, c;"""),
+}
+
+
+def permute_k(x, axis: int = -1):
+  """``x`` with each group of 16 along ``axis`` reordered by the
+  involution that swaps bits 3 and 1 of the index: element ``k`` of a
+  group comes from ``8c + 4b + 2a + d`` where ``k = 8a + 4b + 2c + d``.
+
+  A converted 8-bit tile lies in registers in Mosaic GPU's
+  ``WGMMA_UPCAST_2X`` layout (each thread holds 4 consecutive columns,
+  loaded with one 32-bit shared load); read as the wgmma's A layout (2 + 2
+  columns 8 apart) its columns are in this order. Instead of a shuffle per
+  register, the launcher gives H's columns the same order: ``sum_k
+  W[v, s(k)] H[b, s(k)]`` is the dot product (docs/design.md, "Quantized
+  heads")."""
+  axis = axis % x.ndim
+  shape = x.shape
+  if shape[axis] % 16:
+    raise ValueError(f"axis {axis} of {shape} must be a multiple of 16")
+  g = x.reshape(shape[:axis] + (shape[axis] // 16, 2, 2, 2, 2) + shape[axis + 1:])
+  a = axis + 1
+  perm = list(range(g.ndim))
+  perm[a], perm[a + 2] = perm[a + 2], perm[a]
+  return g.transpose(perm).reshape(shape)
+
+
+def dequantized(w_ref, dtype, *, interpret: bool, operand: bool):
+  """The 8-bit tile ``w_ref`` (SMEM ``[R, C]``, R a multiple of 64, C of
+  16) as ``dtype`` (bf16/f16) in registers, exactly.
+
+  ``operand``: in the wgmma's A layout (``WGMMA``) with each group of 16
+  columns in :func:`permute_k`'s order (the H operand must be permuted
+  alike); else in ``WGMMA_UPCAST_2X`` in the tile's order (for a store).
+  Interpret mode converts with ``astype`` (and permutes the operand's
+  columns, so that the CPU tests see the launcher's permutation of H).
+  """
+  out = jnp.dtype(dtype)
+  if interpret:
+    x = w_ref[...].astype(out)
+    return permute_k(x, 1) if operand else x
+  key = (jnp.dtype(w_ref.dtype).name, out.name)
+  if key not in _CONVERSIONS:
+    raise NotImplementedError(f"no conversion of {key[0]} weights to {key[1]}")
+  ptx = _CONVERSIONS[key]
+  src = plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+  shape = src.shape
+  out_layout = plgpu.Layout.WGMMA if operand else plgpu.Layout.WGMMA_UPCAST_2X
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_2X,),
+                     return_type=plgpu.ShapeDtypeStruct(shape, out, layout=out_layout))
+  def convert(_, x):
+    i8 = ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
+    el = ir.BF16Type.get() if out == jnp.bfloat16 else ir.F16Type.get()
+    pair = ir.VectorType.get((2,), el)
+    layout = mgpu_fa.WGMMA_LAYOUT if operand else mgpu_fa.WGMMA_LAYOUT_UPCAST_2X
+    regs = np.empty(layout.registers_shape(shape), dtype=object)
+    for idx, reg in np.ndenumerate(x.registers):
+      word = mgpu_utils.bitcast(
+          mgpu_utils.bitcast(reg, ir.VectorType.get((4,), i8)), i32)
+      res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [word],
+                            ptx, "=r,=r,r")
+      lo, hi = (mgpu_utils.bitcast(llvm.extractvalue(i32, res, [j]), pair)
+                for j in (0, 1))
+      if operand:
+        # The two halves of a thread's 4 columns are its two 8-column
+        # tiles of the A layout (WGMMA_UPCAST_2X -> WGMMA without the
+        # shuffle): the columns come in permute_k's order.
+        regs[(idx[0], idx[1] * 2, *idx[2:-1])] = lo
+        regs[(idx[0], idx[1] * 2 + 1, *idx[2:-1])] = hi
+      else:
+        regs[idx] = mgpu_utils.vector_concat([lo, hi])
+    return mgpu_fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return convert(src)
+
+
+# Rows of an 8-bit tile converted at once into a staging tile: the
+# converted rows occupy registers next to the epilogue state that the
+# controls kernel carries across tiles.
+_STAGE_ROWS = 64
+
+
+def stage_weight(w_ref, stage_ref, *, interpret: bool):
+  """Converts the 8-bit tile ``w_ref`` into ``stage_ref`` (SMEM, same
+  shape, bf16/f16, wgmma transforms) and makes it visible to the wgmma
+  (``WeightPath.STAGED``)."""
+  for r in range(0, w_ref.shape[0], _STAGE_ROWS):
+    rows = pl.ds(r, min(_STAGE_ROWS, w_ref.shape[0] - r))
+    stage_ref[rows] = dequantized(w_ref.at[rows], stage_ref.dtype,
+                                  interpret=interpret, operand=False)
+  plgpu.commit_smem()
+
+
+def scale_mode(scale) -> str | None:
+  """How a launch reads the weight scale ``scale`` (None, an f32 scalar or
+  an f32 ``[rows]``): None, ``"tensor"`` (a ``[1]`` GMEM array read once
+  per tile) or ``"row"`` (each tile's ``[Vt]`` copied to SMEM)."""
+  if scale is None:
+    return None
+  return "tensor" if jnp.ndim(scale) == 0 else "row"
+
+
+def scale_operand(scale, rows_k: int):
+  """``(operand, mode)``: the kernels' scale argument (None; ``[1]`` for a
+  scalar: no ``[V]`` broadcast; ``[rows_k]`` per row, the padding rows'
+  scale 0: they are masked anyway) and its :func:`scale_mode`."""
+  mode = scale_mode(scale)
+  if mode is None:
+    return None, None
+  scale = jnp.asarray(scale, jnp.float32)
+  if mode == "tensor":
+    return scale.reshape((1,)), mode
+  return jnp.pad(scale, (0, rows_k - scale.shape[0])), mode
+
+
+def scale_scratch(mode: str | None, vt: int) -> dict:
+  """SMEM of a per-row scale: one ``[Vt]`` tile per compute warpgroup."""
+  if mode != "row":
+    return {}
+  return dict(scale_smem=plgpu.SMEM((2, vt), jnp.float32),
+              scale_bar=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+
+
+def copy_scale_tile(scale_ref, start, vt: int, wg, *, scale_smem, scale_bar):
+  """A compute warpgroup's prologue of a tile: copies the scale of its
+  rows ``[start, start + Vt)`` to SMEM (the latency hides under the
+  tile's wgmma)."""
+  plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(start, vt)], scale_smem.at[wg],
+                          scale_bar.at[wg])
+
+
+def tile_scale(mode: str | None, scale_ref, wg, axis: int, *, scale_smem=None,
+               scale_bar=None):
+  """The scale of this warpgroup's tile for :func:`scaled`: None, a scalar,
+  or the rows' ``[Vt]`` in ``WGMMA.reduce(1 - axis)`` (``axis``: the
+  vocabulary axis of the accumulator). A per-row tile is waited for and
+  read, then the warpgroup meets at a barrier, so that no warp's copy of
+  its next tile overwrites the buffer before every warp has read it."""
+  if mode is None:
+    return None
+  if mode == "tensor":
+    return scale_ref[0]
+  plgpu.barrier_wait(scale_bar.at[wg])
+  s = plgpu.load(scale_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+  plgpu.commit_smem()  # the warpgroup's barrier (and a fence)
+  return s
+
+
+def scaled(acc, scale, axis: int):
+  """The accumulator ``acc`` times the weight scale: ``scale`` a scalar
+  (per tensor) or a vector along ``axis`` (per vocabulary row), in
+  ``WGMMA.reduce(1 - axis)``. One f32 multiply before the accumulator goes
+  to SMEM, so no later op can fuse with it (docs/design.md, "Quantized
+  heads")."""
+  if scale is None:
+    return acc
+  if jnp.ndim(scale) == 0:
+    return acc * scale
+  return acc * lax.broadcast_in_dim(scale, acc.shape, (axis,))
 
 
 # ----------------------------------------------------------------------------
@@ -336,7 +596,8 @@ def batch_block(nb: int, n: int, h_ref, *per_block):
 def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
                    dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref,
                    h_ref, rowdata_ref, rowdata_smem, acc_smem,
-                   shared_acc: bool = True, cta=None, active=None, **scratch):
+                   shared_acc: bool = True, cta=None, active=None,
+                   interpret: bool = False, **scratch):
   """What the ping-pong kernels share: the SMEM ring and its barriers, the
   memory warpgroup, and each compute warpgroup's loop over its tiles.
 
@@ -357,19 +618,35 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   grid index; a kernel whose CTAs split into groups passes its own).
   ``active``: a traced bool; where false the CTA does nothing at all, so a
   launch whose work is not needed costs little more than its start.
+  ``interpret``: Pallas' GPU interpret mode (the 8-bit conversion then
+  runs as ``astype``).
+
+  An 8-bit ``w_ref`` streams through the ring as it is and is converted by
+  each compute warpgroup before its wgmma (:class:`~pallas_kernels.
+  sm90_config.WeightPath`): into registers as the A operand (vocabulary on
+  M, "vd": the caller passes H with :func:`permute_k`'s column order), or
+  into a staging tile of the warpgroup's own.
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
   k_steps = dim // dt
-  transforms = tma_transforms(w_ref.dtype)
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
+  h_transforms = tma_transforms(h_ref.dtype)
+  path = weight_path(cfg.schedule, layout, jnp.dtype(w_ref.dtype).itemsize)
   batch_major = cfg.schedule.batch_major
   acc_shape = (n, vt) if batch_major else (vt, n)
+  if path is WeightPath.STAGED or (path is WeightPath.REGISTERS and interpret):
+    # One converted tile per compute warpgroup (WeightPath). Interpret mode
+    # runs no wgmma with a register operand: the register path's tile, in
+    # its permuted column order, goes through this tile there.
+    scratch = dict(scratch, stage_smem=plgpu.SMEM(
+        (2, *w_block), h_ref.dtype, transforms=h_transforms))
 
   def frame():
     @functools.partial(
         pl.run_scoped,
-        w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype, transforms=transforms),
-        h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=transforms),
+        w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype,
+                          transforms=tma_transforms(w_ref.dtype, w_block[1])),
+        h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=h_transforms),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
         empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
         rowdata_smem=rowdata_smem,
@@ -396,8 +673,19 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
                        k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
                        total=n_local * k_steps)
 
+      stage_smem = scratch.pop("stage_smem", None)
+
       def operands(slot):
         w_slot = w_smem.at[slot]
+        if path is WeightPath.REGISTERS:  # vocabulary on M, "vd"
+          a = dequantized(w_slot, h_ref.dtype, interpret=interpret, operand=True)
+          if interpret:
+            stage_smem[wg] = a
+            a = stage_smem.at[wg]
+          return a, h_smem.at[slot].T
+        if path is WeightPath.STAGED:
+          w_slot = stage_smem.at[wg]
+          stage_weight(w_smem.at[slot], w_slot, interpret=interpret)
         if batch_major:  # acc[N, Vt] = H @ W_tile.T
           return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
         return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
@@ -406,9 +694,12 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       def _compute_wg():
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(rowdata_barrier)
+        # A converted tile (staged or in registers) is rewritten every
+        # step: its wgmma must be done first (WeightPath).
+        in_flight = cfg.mma_in_flight if path is WeightPath.DIRECT else 0
         consume = functools.partial(consume_tile, wg=wg, k_steps=k_steps, S=S,
                                     full=full, empty=empty, operands=operands,
-                                    in_flight=cfg.mma_in_flight)
+                                    in_flight=in_flight)
 
         def tile_loop(epilogue, carry, prologue=None):
           return lax.fori_loop(

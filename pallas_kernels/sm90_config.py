@@ -32,6 +32,10 @@ __all__ = [
     "BLOCK_ROWS",
     "MAX_BLOCKS",
     "ROWDATA_ROWS",
+    "WeightPath",
+    "weight_path",
+    "supported_dtype",
+    "quantized_dtype",
 ]
 
 # wgmma's N (the batch side when the vocabulary is on M) is a multiple of 8
@@ -78,6 +82,45 @@ class Schedule(enum.Enum):
   @property
   def batch_major(self) -> bool:
     return self is Schedule.PINGPONG_BATCH_M
+
+
+class WeightPath(enum.Enum):
+  """How a launch's compute warpgroups feed the weight tile to the wgmma.
+
+  8-bit weights (FP8 e4m3/e5m2, int8) travel through TMA and the SMEM ring
+  as they are (half the bytes of bf16) and become bf16/f16 on chip, exactly
+  (docs/design.md, "Quantized heads"). The wgmma has no mixed bf16 x 8-bit
+  form, so the tile is converted before the MMA, in one of two ways.
+  """
+
+  #: bf16/f16 weights: the wgmma reads the ring's slot.
+  DIRECT = "direct"
+  #: Vocabulary on M with a ``[V, D]`` weight: the weight tile is the A
+  #: operand, which wgmma takes from registers. Each compute warpgroup loads
+  #: its slot into registers, converts, and issues the wgmma with the
+  #: converted tile as A: no second SMEM copy. The wgmma reads those
+  #: registers asynchronously and nothing keeps the compiler from reusing
+  #: them for the next step's conversion, so every step waits for its wgmma
+  #: (no wgmma in flight; on an H200 the N = 192 launch with one in flight
+  #: returned wrong tokens).
+  REGISTERS = "registers"
+  #: Batch on M (the weight is the B operand, which wgmma reads only from
+  #: SMEM), or a ``[D, V]`` weight (its tile would need a transposed 8-bit
+  #: load into the A layout): each compute warpgroup converts the slot into
+  #: a bf16/f16 staging tile of its own in SMEM, which the wgmma reads. The
+  #: staging tile is rewritten every step, so its wgmma is waited for
+  #: before the next conversion (no wgmma in flight across steps).
+  STAGED = "staged"
+
+
+def weight_path(schedule: Schedule, layout: str, w_itemsize: int) -> WeightPath:
+  """The :class:`WeightPath` of a launch (``w_itemsize``: the weight's bytes
+  per element; 1 for the quantized dtypes)."""
+  if w_itemsize != 1:
+    return WeightPath.DIRECT
+  if schedule.batch_major or layout != "vd":
+    return WeightPath.STAGED
+  return WeightPath.REGISTERS
 
 
 def round_up(x: int, m: int) -> int:
@@ -233,10 +276,21 @@ class TuningConfig:
     bounds = [iters * i // p * self.epi_unroll for i in range(p + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
-  def smem_bytes(self, n: int, itemsize: int = 2) -> int:
+  def smem_bytes(self, n: int, itemsize: int = 2, w_itemsize: int | None = None,
+                 staged: bool = False) -> int:
     """SMEM of this config for a batch side of ``n`` rows: pipeline slots,
-    the f32 accumulator copies the epilogues loop over, the per-row data."""
-    pipeline = self.max_concurrent_steps * (self.tile_v + n) * self.tile_d * itemsize
+    the f32 accumulator copies the epilogues loop over, the per-row data.
+    ``itemsize``: H's bytes per element; ``w_itemsize``: W's (default
+    ``itemsize``; 1: a quantized weight, whose per-row scale tiles take
+    ``2 * tile_v`` f32); ``staged``: each compute warpgroup also holds a
+    converted ``[tile_v, tile_d]`` staging tile (``WeightPath.STAGED``)."""
+    w_itemsize = itemsize if w_itemsize is None else w_itemsize
+    pipeline = self.max_concurrent_steps * (
+        self.tile_v * w_itemsize + n * itemsize) * self.tile_d
+    if w_itemsize == 1:
+      pipeline += 2 * self.tile_v * 4
+    if staged:
+      pipeline += 2 * self.tile_v * self.tile_d * itemsize
     rowdata = ROWDATA_ROWS * n * 4
     if self.schedule.batch_major:  # one pass's columns, shared
       return pipeline + self.tile_v * n * 4 // self.epi_passes + rowdata
@@ -253,8 +307,14 @@ class TuningConfig:
     """Columns of the largest epilogue pass (see :meth:`passes`)."""
     return max(b - a for a, b in self.passes(n)) * self.epi_cols
 
-  def check_problem(self, *, n: int, dim: int, rows: int, itemsize: int = 2):
-    """Raises ValueError if this config cannot run the given shapes."""
+  def check_problem(self, *, n: int, dim: int, rows: int, itemsize: int = 2,
+                    w_itemsize: int | None = None, staged: bool = False):
+    """Raises ValueError if this config cannot run the given shapes (byte
+    sizes as in :meth:`smem_bytes`)."""
+    if w_itemsize == 1 and not self.schedule.pingpong:
+      raise ValueError(
+          f"{self.schedule.name} takes bf16/f16 weights only; 8-bit weights "
+          "run on the ping-pong schedules")
     if n % N_ALIGN or not 0 < n <= MAX_N:
       raise ValueError(f"batch side {n=} must be a multiple of 8 in [8, {MAX_N}]")
     if dim % self.tile_d:
@@ -289,7 +349,7 @@ class TuningConfig:
             f"tile_v={self.tile_v} (rows per warpgroup {self.wg_rows}) x N={n} "
             f"needs {regs} accumulator registers per thread; at most 128 leave "
             "room for the epilogue")
-    smem = self.smem_bytes(n, itemsize)
+    smem = self.smem_bytes(n, itemsize, w_itemsize, staged)
     if smem > SMEM_BUDGET:
       raise ValueError(
           f"{self} needs {smem} bytes of SMEM for N={n}, more than {SMEM_BUDGET}")
@@ -378,13 +438,16 @@ def _one_warpgroup(n: int) -> tuple[TuningConfig, int]:
   return cfg, n
 
 
-def pick_config(n: int, dim: int, rows: int, itemsize: int = 2) -> TuningConfig:
+def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
+                w_itemsize: int | None = None, layout: str = "vd") -> TuningConfig:
   """The config for batch side ``n`` (a multiple of 8), hidden ``D`` and
   ``rows`` weight rows: a row of the measured table (by N), then the
   largest ``Dt`` and the most pipeline slots that fit the SMEM budget:
   ``Dt = 128`` when D allows and 3 slots fit (fewer steps and barrier
   waits), else 64; 2 to 8 slots. :meth:`TuningConfig.batch_pad` gives the
-  padded batch side."""
+  padded batch side. ``itemsize``: H's bytes; ``w_itemsize``: W's (1 for
+  an 8-bit weight, whose slots take half the bytes, so the ring is deeper;
+  its steps each wait for their wgmma, see :class:`WeightPath`)."""
   if rows < 128:
     base, n = _one_warpgroup(n)
   else:
@@ -395,16 +458,31 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2) -> TuningConfig:
                         epi_cols=row.epi_cols, mma_in_flight=row.mma_in_flight,
                         epi_passes=passes, max_concurrent_steps=2)
   n = base.batch_pad(n)
-  tile_v = base.tile_v
-  fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(n, itemsize)
-           - 2 * (tile_v + n) * 64 * itemsize)
+  w_itemsize = itemsize if w_itemsize is None else w_itemsize
+  path = weight_path(base.schedule, layout, w_itemsize)
+  staged = path is WeightPath.STAGED
+  if path is not WeightPath.DIRECT:  # no wgmma in flight (WeightPath)
+    base = dataclasses.replace(base, mma_in_flight=0)
   options = (128, 64) if dim % 128 == 0 else (64,)
   for tile_d in options:
-    per_step = (tile_v + n) * tile_d * itemsize
-    steps = min(8, (SMEM_BUDGET - fixed) // per_step)
+    cfg = dataclasses.replace(base, tile_d=tile_d)
+    steps = most_steps(cfg, n, itemsize, w_itemsize, staged)
     if steps >= 3 or (steps >= 2 and tile_d == options[-1]):
       break
-  return dataclasses.replace(base, tile_d=tile_d, max_concurrent_steps=max(2, steps))
+  return dataclasses.replace(cfg, max_concurrent_steps=max(2, steps))
+
+
+def most_steps(cfg: TuningConfig, n: int, itemsize: int = 2,
+               w_itemsize: int | None = None, staged: bool = False,
+               extra: int = 0, limit: int = 8) -> int:
+  """The most pipeline slots (at most ``limit``) with which ``cfg`` fits
+  the SMEM budget beside ``extra`` bytes of the kernel's own (0 if not
+  even one fits)."""
+  two = dataclasses.replace(cfg, max_concurrent_steps=2)
+  w_itemsize = itemsize if w_itemsize is None else w_itemsize
+  per_step = (cfg.tile_v * w_itemsize + n * itemsize) * cfg.tile_d
+  fixed = two.smem_bytes(n, itemsize, w_itemsize, staged) - 2 * per_step
+  return int(max(0, min(limit, (SMEM_BUDGET - extra - fixed) // per_step)))
 
 
 # Plain sampling of more rows than BLOCKED_MIN_ROWS - 1 runs in batch blocks
@@ -419,29 +497,32 @@ MAX_BLOCKS = 16
 
 
 def pick_blocked_config(batch: int, dim: int, rows: int,
-                        itemsize: int = 2, kind: str | None = None) -> TuningConfig:
+                        itemsize: int = 2, kind: str | None = None,
+                        w_itemsize: int | None = None,
+                        layout: str = "vd") -> TuningConfig:
   """The config of one launch of ``batch <= BLOCK_ROWS * MAX_BLOCKS`` rows in
   ``ceil(batch / 128)`` blocks: the N = 128 settings of the table, with
   ``Dt = 128`` in 2 slots where D allows from :func:`wide_d_min_blocks`
   blocks on (the device kind ``kind``: default the first GPU's). From
   :data:`DEEP_D` on, the epilogue runs in :data:`DEEP_D_PASSES` passes with
-  one wgmma in flight, in the most slots that fit."""
+  one wgmma in flight, in the most slots that fit. An 8-bit weight
+  (``w_itemsize=1``) is staged (:class:`WeightPath`): no wgmma in flight."""
   blocks = max(1, -(-batch // BLOCK_ROWS))
   if blocks > MAX_BLOCKS:
     raise ValueError(f"{batch=} rows need {blocks} blocks, more than {MAX_BLOCKS}")
-  base = pick_config(BLOCK_ROWS, dim, rows, itemsize)
+  base = pick_config(BLOCK_ROWS, dim, rows, itemsize, w_itemsize, layout)
+  w_itemsize = itemsize if w_itemsize is None else w_itemsize
+  staged = weight_path(base.schedule, layout, w_itemsize) is WeightPath.STAGED
   if blocks >= wide_d_min_blocks(kind) and dim % 128 == 0:
-    fixed = (dataclasses.replace(base, max_concurrent_steps=2).smem_bytes(BLOCK_ROWS, itemsize)
-             - 2 * (base.tile_v + BLOCK_ROWS) * base.tile_d * itemsize)
-    steps = (SMEM_BUDGET - fixed) // ((base.tile_v + BLOCK_ROWS) * 128 * itemsize)
+    steps = most_steps(dataclasses.replace(base, tile_d=128), BLOCK_ROWS,
+                       itemsize, w_itemsize, staged)
     if steps >= 2:
-      base = dataclasses.replace(base, tile_d=128, max_concurrent_steps=int(min(8, steps)))
+      base = dataclasses.replace(base, tile_d=128, max_concurrent_steps=steps)
   if dim >= DEEP_D:
-    base = dataclasses.replace(base, epi_passes=DEEP_D_PASSES, mma_in_flight=1)
-    base = dataclasses.replace(base, max_concurrent_steps=max(
-        s for s in range(2, 9)
-        if dataclasses.replace(base, max_concurrent_steps=s).smem_bytes(
-            BLOCK_ROWS, itemsize) <= SMEM_BUDGET))
+    base = dataclasses.replace(base, epi_passes=DEEP_D_PASSES,
+                               mma_in_flight=0 if staged else 1)
+    base = dataclasses.replace(base, max_concurrent_steps=max(2, most_steps(
+        base, BLOCK_ROWS, itemsize, w_itemsize, staged)))
   return dataclasses.replace(base, batch_blocks=blocks)
 
 
@@ -481,5 +562,17 @@ def wide_d_min_blocks(kind: str | None = None) -> int:
 
 
 def supported_dtype(dtype) -> bool:
-  """Whether the kernels take weights of ``dtype`` (bf16 and f16 wgmma)."""
-  return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  """Whether the kernels take weights of ``dtype``: bf16 and f16 (the
+  wgmma's operands), and the 8-bit dtypes they convert on chip."""
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          or quantized_dtype(dtype))
+
+
+# 8-bit weights converted to the hidden state's bf16/f16 on chip, exactly
+# (docs/design.md, "Quantized heads").
+QUANTIZED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+
+
+def quantized_dtype(dtype) -> bool:
+  """Whether ``dtype`` is one of :data:`QUANTIZED_DTYPES`."""
+  return any(jnp.dtype(dtype) == jnp.dtype(q) for q in QUANTIZED_DTYPES)

@@ -61,7 +61,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import rules, sm90_common as common, sm90_top, threefry
 from pallas_kernels.rowdata import Penalties, RowLayout
 from pallas_kernels.state import ControlsState, pair_lists, top_m
-from pallas_kernels.sm90_config import ROWDATA_ROWS, SMEM_BUDGET, Schedule, TuningConfig
+from pallas_kernels.sm90_config import (
+    ROWDATA_ROWS, Schedule, TuningConfig, WeightPath, most_steps, weight_path)
 
 __all__ = ["controls_state", "config", "BATCH", "BATCH_WIDE",
            "MAX_KERNEL_SAMPLES"]
@@ -129,6 +130,8 @@ class Spec:
   # Write every element's t to GMEM; nothing runs unless the launch's flag
   # is set (exact_top: the rows of the exact top N, rarely needed).
   materialize: bool = False
+  # An 8-bit weight's scale (sm90_common.scale_mode): None, "tensor", "row".
+  scale: str | None = None
 
   @property
   def f_rows(self) -> int:
@@ -151,24 +154,28 @@ class Spec:
 
 
 def config(dim: int, rows: int, itemsize: int = 2, n: int = BATCH,
-           planes: int = 1, row_rows: int = 16) -> TuningConfig:
+           planes: int = 1, row_rows: int = 16,
+           w_itemsize: int | None = None) -> TuningConfig:
   """The launch config for ``n`` rows per launch: batch-major ping-pong,
   tiles of 128 (64 when the weight has fewer rows). N = 64: chunks of
   [64, 16], Dt = 128 when D allows, one wgmma in flight. N = 128: chunks of
   [128, 8], Dt = 64, each slot released at once (the plain kernel's N = 128
   settings). As many slots as fit next to the bias tiles, ``planes``
-  bit-plane tiles and a per-row block of ``row_rows`` rows (>= 2)."""
+  bit-plane tiles and a per-row block of ``row_rows`` rows (>= 2).
+  ``itemsize``/``w_itemsize``: H's and W's bytes per element; an 8-bit
+  weight is staged (``WeightPath.STAGED``: no wgmma in flight)."""
   tile_v = 128 if rows >= 128 else 64
   wide = n > BATCH
   tile_d = 128 if dim % 128 == 0 and not wide else 64
+  staged = w_itemsize == 1
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=tile_v,
                      tile_d=tile_d, max_concurrent_steps=2,
-                     epi_cols=8 if wide else _EPI, mma_in_flight=0 if wide else 1)
+                     epi_cols=8 if wide else _EPI,
+                     mma_in_flight=0 if wide or staged else 1)
   aux = (2 * tile_v * 4 + 2 * (tile_v // 32) * planes * n * 4
          + (row_rows - ROWDATA_ROWS) * n * 4)
-  fixed = cfg.smem_bytes(n, itemsize) - 2 * (tile_v + n) * tile_d * itemsize
-  steps = (SMEM_BUDGET - fixed - aux) // ((tile_v + n) * tile_d * itemsize)
-  return dataclasses.replace(cfg, max_concurrent_steps=int(max(2, min(8, steps))))
+  steps = most_steps(cfg, n, itemsize, w_itemsize, staged, extra=aux)
+  return dataclasses.replace(cfg, max_concurrent_steps=max(2, steps))
 
 
 def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
@@ -176,15 +183,18 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
             vocab_size: int, n_tiles: int, num_ctas: int, interpret: bool):
   """One CTA of the controls kernel (see the module docstring).
 
-  Refs: ``rowdata_ref`` uint32 ``[spec.rows.rows, N]`` (``RowLayout``); optional
-  ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and ``planes_ref`` uint32
-  ``[rows / 32, spec.planes, N]``; with ``spec.materialize`` ``active_ref``
+  Refs: ``rowdata_ref`` uint32 ``[spec.rows.rows, N]`` (``RowLayout``);
+  with ``spec.scale`` ``scale_ref`` f32 (an 8-bit weight's scale, by which
+  the accumulator is multiplied first; the weight is ``WeightPath.STAGED``);
+  optional ``bias_ref`` f32 ``[rows / C, C]`` (``C = cfg.epi_cols``) and
+  ``planes_ref`` uint32 ``[rows / 32, spec.planes, N]``; with ``spec.materialize`` ``active_ref``
   int32 ``[1]`` (0: the CTA does nothing); outputs ``f_ref`` f32 ``[N,
   spec.f_rows, 2 * num_ctas]`` and ``i_ref`` int32 ``[N, spec.i_rows, 2 *
   num_ctas]``, one column per compute warpgroup, and with
   ``spec.materialize`` ``t_ref`` f32 ``[N, >= rows]``: every element's t.
   """
   refs = list(refs)
+  scale_ref = refs.pop(0) if spec.scale else None
   bias_ref = refs.pop(0) if spec.bias else None
   planes_ref = refs.pop(0) if spec.planes else None
   active_ref = refs.pop(0) if spec.materialize else None
@@ -214,9 +224,10 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     aux["planes_smem"] = plgpu.SMEM((2, words, spec.planes, n), jnp.uint32)
   if n_aux:
     aux["aux_bar"] = plgpu.Barrier(num_arrivals=n_aux, num_barriers=2)
+  aux.update(common.scale_scratch(spec.scale, vt))
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, bias_smem=None,
-              planes_smem=None, aux_bar=None):
+              planes_smem=None, aux_bar=None, **scale_refs):
     rl = spec.rows
     bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
     row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
@@ -240,6 +251,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
     def prologue(tile, start):
       del tile
+      if spec.scale == "row":
+        common.copy_scale_tile(scale_ref, start, vt, wg, **scale_refs)
       if spec.bias:
         plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(start // epi, n_chunks)],
                                 bias_smem.at[wg], aux_bar.at[wg])
@@ -326,6 +339,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
 
     def epilogue(acc, tile, start, first_new, state):
       del tile
+      s = common.tile_scale(spec.scale, scale_ref, wg, 1, **scale_refs)
+      acc = common.scaled(acc, s, 1)
       for c in range(n_chunks):
         acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
       if n_aux:
@@ -346,7 +361,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     lists0 = (tuple(neg() for _ in range(_SLOT_DEPTH))
               + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.lists else ()
     best, lse, lists = tile_loop(epilogue, (best0, lse0, lists0),
-                                 prologue if n_aux else None)
+                                 prologue if n_aux or spec.scale == "row" else None)
 
     # Reduce the column slots inside each warp (no shared scratch).
     out = cta * 2 + wg
@@ -391,7 +406,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref, cta=cta,
+      rowdata_ref=rowdata_ref, cta=cta, interpret=interpret,
       active=(active_ref[0] != 0) if spec.materialize else None,
       rowdata_smem=plgpu.SMEM((spec.rows.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
@@ -419,15 +434,20 @@ def _penalized(x, bit, first: int, pen: Penalties, r, inv_r, pres, freq, *,
 
 def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str,
             rows_valid: int, vocab_size: int, n: int, target: common.Target,
-            active=None, t_width: int = 0):
+            active=None, t_width: int = 0, scale=None):
   """One launch: ``(fo, io)`` ``[nb * n, *, 2 * CTAs]``, and with
   ``spec.materialize`` the rows' t ``[nb * n, t_width]`` (streamed only
-  where ``active``, an int32 ``[1]``, is nonzero)."""
+  where ``active``, an int32 ``[1]``, is nonzero). ``scale``: an 8-bit
+  weight's :func:`~pallas_kernels.sm90_common.scale_operand` (the mode in
+  ``spec.scale``)."""
   dim = h.shape[1]
   nb = cfg.batch_blocks
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
-  cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
+  w_itemsize = jnp.dtype(w.dtype).itemsize
+  cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize,
+                    w_itemsize=w_itemsize, staged=weight_path(
+                        cfg.schedule, layout, w_itemsize) is WeightPath.STAGED)
   # With batch blocks, num_ctas counts the CTAs of one block.
   num_ctas = max(1, min((cfg.num_ctas or target.sms()) // nb, n_tiles))
   body = functools.partial(_kernel, cfg=cfg, spec=spec, layout=layout, n=n,
@@ -448,7 +468,7 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
                    else "flashsample_sm90_controls"),
       compiler_params=target.compiler_params(),
       interpret=target.interpret)
-  extra = [a for a in (bias, planes, active) if a is not None]
+  extra = [a for a in (scale, bias, planes, active) if a is not None]
   fo, io, *t = f(offset, rowdata, h, w, *extra)
   out = (fo.reshape(nb * n, spec.f_rows, 2 * num_ctas),
          io.reshape(nb * n, spec.i_rows, 2 * num_ctas))
@@ -584,15 +604,17 @@ def _prepare(hidden, weight, offset, *, layout: str, samples: int, lists: bool,
   rows per launch (up to MAX_BLOCKS blocks of ``n`` rows, MAX_LIST_BLOCKS
   with candidate lists: one pass over W)."""
   batch, dim = hidden.shape
-  w, rows_k = common.pad_vocab(weight, layout, _ROW_ALIGN)
+  w, rows_k = common.pad_vocab(
+      weight, layout, max(_ROW_ALIGN, common.vocab_align(weight.dtype, layout)))
   if penalties is not None and not penalties.planes:   # they change nothing
     penalties = None
   planes = _planes(allowed_mask, history if penalties else None, offset, rows_k,
                    total_rows, n)                             # [blocks, words, P, n]
   n_planes = 0 if planes is None else planes.shape[2]
-  cfg = config(dim, rows_k, jnp.dtype(weight.dtype).itemsize, n, planes=n_planes,
+  cfg = config(dim, rows_k, jnp.dtype(hidden.dtype).itemsize, n, planes=n_planes,
                row_rows=max(16, RowLayout(min(samples, MAX_KERNEL_SAMPLES),
-                                          penalties is not None).rows))
+                                          penalties is not None).rows),
+               w_itemsize=jnp.dtype(weight.dtype).itemsize)
   step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
   bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
           if logit_bias is not None else None)
@@ -641,7 +663,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    noise: bool = True, logit_bias=None, allowed_mask=None,
                    penalties: Penalties | None = None, history=None,
                    lists_by_id: bool = False,
-                   target: common.Target = common.Target()) -> ControlsState:
+                   target: common.Target = common.Target(),
+                   scale=None) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
@@ -651,7 +674,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   group re-reads W.
 
   Args:
-    hidden: ``[B, D]`` in the weight's dtype (bf16/f16).
+    hidden: ``[B, D]`` in the weight's dtype (bf16/f16; for an 8-bit
+      weight, the MMA's, see ``scale``).
     weight: ``[V, D]`` ("vd") or ``[D, V]`` ("dv"): this shard's rows.
     rows: uint32 ``[RowLayout(S).rows, B]`` from
       :func:`~pallas_kernels.rowdata.pack_rows` (S samples).
@@ -680,15 +704,20 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       ``by_id``: a sort with two keys, dearer than a ``top_k``'s; what
       ``top_logprobs`` without truncation reads).
     target: where the kernels run.
+    scale: with an 8-bit weight (``float8_e4m3fn``, ``float8_e5m2``,
+      ``int8``; ``hidden`` then holds the MMA's bf16/f16), None, an f32
+      scalar or f32 ``[V]`` per row of this weight: ``l`` is the f32 dot
+      product times it (one f32 multiply, before the soft-cap).
   """
   batch = hidden.shape[0]
   offset = jnp.asarray(vocab_offset, jnp.int32)
   n_rows = weight.shape[0 if layout == "vd" else 1]
   n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
-  w, _, cfg, bias, planes, penalties, step = _prepare(
+  w, rows_k, cfg, bias, planes, penalties, step = _prepare(
       hidden, weight, offset, layout=layout, samples=samples, lists=lists, n=n,
       total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
       penalties=penalties, history=history)
+  scale, mode = common.scale_operand(scale, rows_k)
   call_rows = RowLayout(samples, penalties is not None)
   # The log-sum-exp feeds log-probabilities and the truncation rules.
   need_lse = return_logprobs or lists
@@ -706,13 +735,13 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                   penalties=penalties,
                   lse=first and need_lse, lists=first and lists,
                   t_best=return_logprobs, noise=noise,
-                  candidates=_wg_candidates(blocks))
+                  candidates=_wg_candidates(blocks), scale=mode)
       rowdata, h_chunk, planes_t = _launch_operands(
           hidden, rows, planes, b0, b1, n, g0, g1, call_rows, spec)
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
                        planes_t, cfg=launch_cfg, spec=spec, layout=layout,
                        rows_valid=n_rows, vocab_size=vocab_size, n=n,
-                       target=target)
+                       target=target, scale=scale)
       # Padding rows leave the merge (and the top-M sort) before it starts.
       parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, candidates,
                                   by_id=lists_by_id, target=target))
@@ -739,7 +768,7 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
               layout: str, vocab_size: int, total_rows: int, softcap: bool,
               logit_bias=None, allowed_mask=None,
               penalties: Penalties | None = None, history=None,
-              target: common.Target = common.Target()):
+              target: common.Target = common.Target(), scale=None):
   """The exact ``n_top`` largest tempered logits of the flagged rows, in
   ``controls.top_n``'s order, by work that is skipped when no row is
   flagged: no XLA conditional (:mod:`pallas_kernels.sm90_top`).
@@ -752,7 +781,7 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
   (``B x V x 4`` bytes: 39 MB at B = 64, V = 152k).
 
   Args as :func:`controls_state` (``rows`` with one sample's counters,
-  which it does not read), and ``flags`` bool ``[B]``; at most
+  which it does not read; ``scale`` as there), and ``flags`` bool ``[B]``; at most
   :data:`EXACT_TOP_MAX_ROWS` rows, and the weight must hold the whole
   vocabulary (``vocab_offset`` 0).
 
@@ -773,7 +802,8 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
   blocks = -(-batch // n)
   spec = Spec(samples=1, softcap=softcap, bias=bias is not None,
               mask=allowed_mask is not None, penalties=penalties, noise=False,
-              materialize=True)
+              materialize=True, scale=common.scale_mode(scale))
+  scale, _ = common.scale_operand(scale, rows_k)
   rowdata, h_chunk, planes_t = _launch_operands(
       hidden, rows, planes, 0, batch, n, 0, 1,
       RowLayout(1, penalties is not None), spec)
@@ -784,7 +814,8 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
     _, _, t = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias, planes_t,
                       cfg=dataclasses.replace(cfg, batch_blocks=blocks), spec=spec,
                       layout=layout, rows_valid=n_rows, vocab_size=vocab_size,
-                      n=n, target=target, active=active, t_width=width)
+                      n=n, target=target, active=active, t_width=width,
+                      scale=scale)
     # Padding rows are never flagged; the buffer keeps them (no copy of it).
     pad = jnp.zeros((t.shape[0] - batch,), bool)
     vals, ids = sm90_top.exact_top(t, jnp.concatenate([flags, pad]), n_top,

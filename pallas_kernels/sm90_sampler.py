@@ -43,8 +43,8 @@ from pallas_kernels import rules, sm90_common as common, threefry
 from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.sm90_config import (
     BLOCK_ROWS, BLOCKED_MIN_ROWS, MAX_BLOCKS, ROWDATA_ROWS, Schedule,
-    TuningConfig, batch_chunks, batch_side, pick_blocked_config, pick_config,
-    wg_scratch_elems)
+    TuningConfig, WeightPath, batch_chunks, batch_side, pick_blocked_config,
+    pick_config, weight_path, wg_scratch_elems)
 
 __all__ = ["candidates"]
 
@@ -241,17 +241,21 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
                                                allocations=allocs)
 
 
-def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
-                     *, cfg: TuningConfig, layout: str, n: int, dim: int,
+def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
+                     cfg: TuningConfig, layout: str, n: int, dim: int,
                      rows: int, rows_valid: int, vocab_size: int, n_tiles: int,
-                     num_ctas: int, interpret: bool):
+                     num_ctas: int, interpret: bool, scale: str | None = None):
   """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
 
   Same refs as :func:`_kernel`, but one candidate column per tile
-  (``[nc, C, n_tiles]``). The CTA owns tiles ``cta + i * num_ctas``; its
-  memory warpgroup streams their ``(tile, k)`` steps in order through one
-  ring of ``S`` SMEM slots, and local tile ``i`` belongs to compute
-  warpgroup ``i % 2``. While one warpgroup runs its epilogue, the other
+  (``[nc, C, n_tiles]``); with ``scale`` (an 8-bit weight's
+  :func:`~pallas_kernels.sm90_common.scale_mode`) ``scale_ref`` f32 after
+  ``w_ref``, by which the accumulator is multiplied first (8-bit weights:
+  ``WeightPath.REGISTERS`` for "vd", ``STAGED`` for "dv").
+
+  The CTA owns tiles ``cta + i * num_ctas``; its memory warpgroup streams
+  their ``(tile, k)`` steps in order through one ring of ``S`` SMEM slots,
+  and local tile ``i`` belongs to compute warpgroup ``i % 2``. While one warpgroup runs its epilogue, the other
   consumes the stream, so neither the weight stream nor the tensor cores
   wait for the noise (docs/performance.md, "Schedules by batch size").
 
@@ -272,6 +276,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   (N > 128, where that measured faster than taking turns:
   docs/performance.md, "Schedules by batch size").
   """
+  scale_ref = refs[0] if scale else None
+  score_ref, index_ref = refs[-2:]
   epi = cfg.epi_cols
   n_chunks = n // epi
   scratch_elems = wg_scratch_elems(epi)
@@ -279,8 +285,15 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
   passes = [(0, n_chunks)] if shared else cfg.passes(n)
   pass_chunks = max(b - a for a, b in passes)
 
-  def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i):
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i,
+              **scale_refs):
+    def prologue(tile, start):
+      del tile
+      common.copy_scale_tile(scale_ref, start, cfg.tile_v, wg, **scale_refs)
+
     def epilogue(acc, tile, start, first_new, carry):
+      s = common.tile_scale(scale, scale_ref, wg, 0, **scale_refs)
+      acc = common.scaled(acc, s, 0)
       _epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
                 first_new=first_new, off_ref=off_ref,
                 rowdata_smem=rowdata_smem,
@@ -291,12 +304,13 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
                 interpret=interpret)
       return carry
 
-    tile_loop(epilogue, ())
+    tile_loop(epilogue, (), prologue if scale == "row" else None)
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref, shared_acc=shared,
+      rowdata_ref=rowdata_ref, shared_acc=shared, interpret=interpret,
+      **common.scale_scratch(scale, cfg.tile_v),
       rowdata_smem=plgpu.SMEM((n_chunks, _ROWS.rows, epi), jnp.uint32),
       acc_smem=plgpu.SMEM(((pass_chunks,) if shared else (2, pass_chunks))
                           + (cfg.tile_v, epi), jnp.float32),
@@ -305,10 +319,11 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref,
 
 
 
-def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
-                        index_ref, *, cfg: TuningConfig, layout: str, n: int,
+def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
+                        cfg: TuningConfig, layout: str, n: int,
                         dim: int, rows: int, rows_valid: int, vocab_size: int,
-                        n_tiles: int, num_ctas: int, interpret: bool):
+                        n_tiles: int, num_ctas: int, interpret: bool,
+                        scale: str | None = None):
   """One CTA, ping-pong, batch on the wgmma M side (docs/performance.md,
   "Schedules by batch size").
 
@@ -330,7 +345,12 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   rows (:func:`~pallas_kernels.sm90_common.batch_block`): ``h_ref`` [nb *
   N, D], ``rowdata_ref`` [nb, 8, N], outputs [nb, N, 2 * num_ctas], and
   ``num_ctas`` is the CTAs of one block.
+
+  With ``scale``, ``scale_ref`` follows ``w_ref`` (as in
+  :func:`_kernel_pingpong`; an 8-bit weight is ``WeightPath.STAGED``).
   """
+  scale_ref = refs[0] if scale else None
+  score_ref, index_ref = refs[-2:]
   vt = cfg.tile_v
   epi = cfg.epi_cols
   n_chunks = vt // epi
@@ -340,7 +360,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   cta, h_ref, (rowdata_ref, score_ref, index_ref) = common.batch_block(
       cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref)
 
-  def compute(*, wg, tile_loop, rowdata_smem, acc_smem):
+  def compute(*, wg, tile_loop, rowdata_smem, acc_smem, **scale_refs):
     rl = _ROWS
     bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
     row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
@@ -371,8 +391,14 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
       sc = jnp.where(valid, t + g * noise_scale, -jnp.inf)
       return _slot_update(best, sc, gid)
 
+    def prologue(tile, start):
+      del tile
+      common.copy_scale_tile(scale_ref, start, vt, wg, **scale_refs)
+
     def epilogue(acc, tile, start, first_new, best):
       del tile
+      s = common.tile_scale(scale, scale_ref, wg, 1, **scale_refs)
+      acc = common.scaled(acc, s, 1)
       ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
       rd = row_data()
       # In passes, the columns of later passes wait in registers. Each
@@ -395,7 +421,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
                               wgmma_layout),
             plgpu.layout_cast(jnp.full((n, epi), rules.INT_MAX, jnp.int32),
                               wgmma_layout))
-    best_s, best_i = tile_loop(epilogue, init)
+    best_s, best_i = tile_loop(epilogue, init,
+                               prologue if scale == "row" else None)
     # Reduce the column slots inside each warp (axis 1: lanes of a quad
     # and registers, no shared scratch, so trap 1 does not apply).
     m, idx = rules.first_best(best_s, best_i, 1)
@@ -407,9 +434,10 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-      rowdata_ref=rowdata_ref, cta=cta,
+      rowdata_ref=rowdata_ref, cta=cta, interpret=interpret,
       rowdata_smem=plgpu.SMEM((_ROWS.rows, n), jnp.uint32),
-      acc_smem=plgpu.SMEM((per_pass, n, epi), jnp.float32))
+      acc_smem=plgpu.SMEM((per_pass, n, epi), jnp.float32),
+      **common.scale_scratch(scale, vt))
 
 
 # ----------------------------------------------------------------------------
@@ -417,10 +445,13 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, score_ref,
 # ----------------------------------------------------------------------------
 
 
-def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
-            rows_valid: int, vocab_size: int, target: common.Target):
+def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str,
+            rows_valid: int, vocab_size: int, target: common.Target,
+            scale_mode: str | None = None):
   """Runs the kernel on one batch chunk (``h`` [N * batch_blocks, D], N <=
-  256 padded; ``rowdata`` [batch_blocks, 8, N] when batch_blocks > 1).
+  256 padded; ``rowdata`` [batch_blocks, 8, N] when batch_blocks > 1;
+  ``scale``, ``scale_mode``: an 8-bit weight's :func:`~pallas_kernels.
+  sm90_common.scale_operand`, or None).
 
   Returns ``(score, index)``, both ``[N * batch_blocks, n_out]``: each
   row's candidates (one per tile or per compute warpgroup) along the minor
@@ -430,7 +461,14 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
   n, dim = h.shape[0] // nb, h.shape[1]
   rows = w.shape[0] if layout == "vd" else w.shape[1]
   n_tiles = -(-rows // cfg.tile_v)
-  cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize)
+  w_itemsize = jnp.dtype(w.dtype).itemsize
+  path = weight_path(cfg.schedule, layout, w_itemsize)
+  cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize,
+                    w_itemsize=w_itemsize, staged=path is WeightPath.STAGED)
+  if path is WeightPath.REGISTERS:
+    # The converted tile's columns come in permute_k's order: H's too.
+    h = common.permute_k(h, 1)
+  mode = scale_mode
   # With batch blocks, num_ctas counts the CTAs of one block.
   num_ctas = max(1, min((cfg.num_ctas or target.sms()) // nb, n_tiles))
   kernel = _KERNELS[cfg.schedule]
@@ -438,7 +476,8 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
                            rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,
                            num_ctas=num_ctas,
-                           interpret=target.interpret is not None)
+                           interpret=target.interpret is not None,
+                           **({"scale": mode} if mode else {}))
   # Candidates on the minor axis (each store is a strided column): stage 2
   # is then one row reduction, which XLA runs as one kernel; over the major
   # axis it took three (max, select, min; docs/performance.md, "The exact
@@ -457,7 +496,7 @@ def _launch(offset, rowdata, h, w, *, cfg: TuningConfig, layout: str,
       kernel_name="flashsample_sm90",  # the name profilers show
       compiler_params=target.compiler_params(),
       interpret=target.interpret)
-  s, i = f(offset, rowdata, h, w)
+  s, i = f(offset, rowdata, h, w, *(() if scale is None else (scale,)))
   return s.reshape(nb * n, n_out), i.reshape(nb * n, n_out)
 
 
@@ -469,7 +508,8 @@ _KERNELS = {
 
 
 def launches(batch: int, dim: int, rows: int, itemsize: int,
-             config: TuningConfig | None = None):
+             config: TuningConfig | None = None, w_itemsize: int | None = None,
+             layout: str = "vd"):
   """``[(b0, b1, cfg, n), ...]``: the launches for ``batch`` rows, each
   with its config and its (per-block) batch side ``n``.
 
@@ -479,7 +519,10 @@ def launches(batch: int, dim: int, rows: int, itemsize: int,
   A given ``config`` runs every launch; with ``batch_blocks = nb > 1`` one
   launch takes up to ``nb x 128`` rows in nb equal blocks (each a multiple
   of 64 rows), else launches cover :func:`batch_chunks` of up to 256 rows.
+  ``itemsize``/``w_itemsize``: H's and W's bytes per element (see
+  :func:`pick_config`).
   """
+  cfg_args = dict(w_itemsize=w_itemsize, layout=layout)
   if config is None and batch >= BLOCKED_MIN_ROWS and rows >= 128:
     out = []
     step = BLOCK_ROWS * MAX_BLOCKS
@@ -487,10 +530,10 @@ def launches(batch: int, dim: int, rows: int, itemsize: int,
       b1 = min(batch, b0 + step)
       if b1 - b0 < BLOCKED_MIN_ROWS:  # a short tail: one launch of its own
         out += [(b0 + a, b0 + b, c, k) for a, b, c, k in
-                launches(b1 - b0, dim, rows, itemsize)]
+                launches(b1 - b0, dim, rows, itemsize, None, **cfg_args)]
       else:
-        out.append((b0, b1, pick_blocked_config(b1 - b0, dim, rows, itemsize),
-                    BLOCK_ROWS))
+        out.append((b0, b1, pick_blocked_config(b1 - b0, dim, rows, itemsize,
+                                                **cfg_args), BLOCK_ROWS))
     return out
   if config is not None and config.batch_blocks > 1:
     nb = config.batch_blocks
@@ -501,21 +544,25 @@ def launches(batch: int, dim: int, rows: int, itemsize: int,
   out = []
   for b0, b1 in batch_chunks(batch):
     n = batch_side(b1 - b0)
-    cfg = config or pick_config(n, dim, rows, itemsize)
+    cfg = config or pick_config(n, dim, rows, itemsize, **cfg_args)
     out.append((b0, b1, cfg, cfg.batch_pad(n)))
   return out
 
 
 def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                vocab_size: int, config: TuningConfig | None = None,
-               target: common.Target = common.Target()):
+               target: common.Target = common.Target(), scale=None):
   """Best ``(score, global id)`` of each row over the weight's rows.
 
   Args:
-    hidden: ``[B, D]`` bf16/f16, the weight's dtype.
+    hidden: ``[B, D]`` bf16/f16: the weight's dtype, or for an 8-bit
+      weight the dtype of the MMA (the 8-bit values convert to it exactly).
     weight: ``[V, D]`` (``layout="vd"``) or ``[D, V]`` (``"dv"``); any V
       (padded here for TMA where needed, see
       :func:`~pallas_kernels.sm90_common.pad_vocab`), D a multiple of 64.
+      bf16/f16, or 8-bit (``float8_e4m3fn``, ``float8_e5m2``, ``int8``:
+      streamed as they are, converted on chip; the ping-pong schedules,
+      i.e. at least 128 rows).
     rows: uint32 ``[8, B]``, the per-row block of
       :func:`~pallas_kernels.rowdata.pack_rows` with one sample.
     vocab_offset: global id of the weight's first row (an int or a traced
@@ -525,6 +572,9 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     config: a config for every launch instead of the heuristic's (tests,
       benchmarks).
     target: where the kernels run (the GPU or interpret mode).
+    scale: with an 8-bit weight, None, an f32 scalar (per tensor) or f32
+      ``[V]`` (per row of this weight): the logits are the f32 dot product
+      times it (one f32 multiply, before everything else).
 
   Returns:
     ``(score f32 [B], id int32 [B])``: sampled rows ``l / T + gumbel``,
@@ -533,11 +583,14 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   """
   offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
   n_rows = weight.shape[0 if layout == "vd" else 1]
-  w, rows_k = common.pad_vocab(weight, layout)
+  w_itemsize = jnp.dtype(weight.dtype).itemsize
+  w, rows_k = common.pad_vocab(weight, layout, common.vocab_align(weight.dtype, layout))
+  scale, mode = common.scale_operand(scale, rows_k)
   batch, dim = hidden.shape
-  itemsize = jnp.dtype(weight.dtype).itemsize
+  itemsize = jnp.dtype(hidden.dtype).itemsize
   scores, tokens = [], []
-  for b0, b1, cfg, n in launches(batch, dim, rows_k, itemsize, config):
+  for b0, b1, cfg, n in launches(batch, dim, rows_k, itemsize, config,
+                                 w_itemsize=w_itemsize, layout=layout):
     nb = b1 - b0
     blocks = cfg.batch_blocks
     rowdata = jnp.pad(rows[:, b0:b1], [(0, 0), (0, n * blocks - nb)])
@@ -548,7 +601,8 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
       rowdata = rowdata.reshape(_ROWS.rows, n // cfg.epi_cols, cfg.epi_cols)
       rowdata = rowdata.transpose(1, 0, 2)
     h = jnp.pad(hidden[b0:b1], [(0, n * blocks - nb), (0, 0)])
-    s, i = _launch(offset, rowdata, h, w, cfg=cfg, layout=layout,
+    s, i = _launch(offset, rowdata, h, w, scale, scale_mode=mode, cfg=cfg,
+                   layout=layout,
                    rows_valid=n_rows, vocab_size=vocab_size, target=target)
     s, i = rules.argbest(s[:nb], i[:nb], axis=1)
     scores.append(s)

@@ -133,8 +133,22 @@ class MosaicBackend(SamplerBackend):
     dtype = jnp.dtype(p.weight.dtype)
     if not sm90_config.supported_dtype(dtype):
       raise NotImplementedError(
-          f"the mosaic backend supports bfloat16 and float16 weights, got "
-          f"weight.dtype={dtype}")
+          f"the mosaic backend supports bfloat16, float16, float8_e4m3fn, "
+          f"float8_e5m2 and int8 weights, got weight.dtype={dtype}")
+    if sm90_config.quantized_dtype(dtype):
+      # 8-bit tiles convert on chip in the ping-pong schedules, which need
+      # two compute warpgroups' tiles of 64+ rows (docs/design.md,
+      # "Quantized heads"); the hidden state is already the MMA's dtype.
+      if jnp.dtype(p.hidden.dtype) not in (jnp.dtype(jnp.bfloat16),
+                                           jnp.dtype(jnp.float16)):
+        raise NotImplementedError(
+            f"the mosaic backend multiplies 8-bit weights in bfloat16 or "
+            f"float16, got hidden.dtype={p.hidden.dtype}")
+      if p.weight_rows < 128:
+        raise NotImplementedError(
+            f"the mosaic backend converts {dtype} weights in its ping-pong "
+            f"kernels, which need at least 128 weight rows; this weight has "
+            f"{p.weight_rows}")
     if p.hidden_dim % 64:
       raise NotImplementedError(
           f"the mosaic backend needs D a multiple of 64, got D={p.hidden_dim}")
@@ -145,7 +159,8 @@ class MosaicBackend(SamplerBackend):
                             ctr_hi=p.ctr_hi[None], ctr_lo=p.ctr_lo[None])
     return sampler.candidates(p.hidden, p.weight, rows, vocab_offset,
                               layout=p.layout, vocab_size=p.vocab_size,
-                              config=self.config, target=self._target())
+                              config=self.config, target=self._target(),
+                              scale=p.weight_scale)
 
   def controls_state(self, p, c, *, vocab_offset=0):
     _, _, _, controls_kernel = _kernels()
@@ -157,7 +172,8 @@ class MosaicBackend(SamplerBackend):
         return_logprobs=c.return_logprobs, softcap=c.softcap is not None,
         noise=c.noise, logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
         penalties=penalties, history=history,
-        lists_by_id=self._offers_exact_top(p, c), target=self._target())
+        lists_by_id=self._offers_exact_top(p, c), target=self._target(),
+        scale=p.weight_scale)
 
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
@@ -178,7 +194,7 @@ class MosaicBackend(SamplerBackend):
           vocab_size=p.vocab_size, total_rows=p.total_rows,
           softcap=c.softcap is not None, logit_bias=c.logit_bias,
           allowed_mask=c.allowed_mask, penalties=penalties, history=history,
-          target=self._target())
+          target=self._target(), scale=p.weight_scale)
     return run
 
   def _offers_exact_top(self, p, c) -> bool:
