@@ -979,13 +979,18 @@ def _raw_logprob(p: Problem, c: controls.Controls, st: ControlsState, tokens, ax
   own weight row as :func:`history_state` scores ids; under ``axis`` from
   the shard that holds it) minus the raw logits' log-sum-exp; NaN for
   ``-1``."""
-  lse = _raw_lse(st)
-  tok = tokens.T                                                     # [B, S]
+  # sample and score_tokens compute this in two programs, and a token that
+  # sample drew must score with the same bits. The barriers fence the
+  # state's reductions and the row's gather-and-sum from what surrounds
+  # them, so XLA cannot fuse them differently in the two (on a GPU it did:
+  # a few ulp in a few percent of rows; docs/design.md, "Determinism and RL").
+  raw_max, raw_sum, tok = lax.optimization_barrier((st.raw_max, st.raw_sum, tokens.T))
+  lse = jnp.where(jnp.isfinite(raw_max), raw_max + jnp.log(raw_sum), raw_max)
   offset = mesh.MeshAxes(vocab=axis).vocab_offset(p.weight_rows) if axis else 0
   local = tok - offset
   ok = (tok >= 0) & (local >= 0) & (local < p.weight_rows)
-  raw = controls.softcapped(_history_logits(p, jnp.clip(local, 0, p.weight_rows - 1)), c)
-  raw = jnp.where(ok, raw, 0.0)
+  l = lax.optimization_barrier(_history_logits(p, jnp.clip(local, 0, p.weight_rows - 1)))
+  raw = jnp.where(ok, controls.softcapped(l, c), 0.0)
   if axis:   # one shard holds each token's row; the others add 0
     raw = jnp.sum(mesh.all_gather_invariant(raw, axis), axis=0)
   return jnp.where(tok >= 0, raw - lse[:, None], jnp.nan).T
