@@ -255,11 +255,14 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
     st = st._replace(finite_count=jnp.sum(finite_count, axis=1, dtype=jnp.int32))
   if given_t is not None:
     st = st._replace(given_t=jnp.max(given_t, axis=1))
-  if cand_vals is None:
-    return st
-  bound = jnp.max(cand_bound, axis=1)
-  vals, ids = top_m(cand_vals, cand_ids, bound, m)
-  return st._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
+  if cand_vals is not None:
+    bound = jnp.max(cand_bound, axis=1)
+    vals, ids = top_m(cand_vals, cand_ids, bound, m)
+    st = st._replace(cand_vals=vals, cand_ids=ids, cand_bound=bound)
+  # The merged state is what stage 2 reads: fenced, so that its reductions
+  # compile alike in every program that reads them (sample and score_tokens
+  # report the same bits; docs/design.md, "Determinism and RL").
+  return lax.optimization_barrier(st)
 
 
 def _lse_parts(mx, total):
@@ -704,6 +707,15 @@ def _lists(p: Problem, c: controls.Controls, st: ControlsState) -> _Lists:
   return _Lists(cand_t, st.cand_ids, last, complete)
 
 
+def _kept_entropy(keep, vals):
+  """The entropy ``[B]`` of the kept candidates (``keep`` over ``vals``
+  ``[B, M]``), fenced so that it compiles alike in :func:`finish` and
+  :func:`score` (their bits must agree; docs/design.md, "Determinism and
+  RL")."""
+  kept_t = lax.optimization_barrier(jnp.where(keep, vals, -jnp.inf))
+  return lax.optimization_barrier(controls.entropy(kept_t))
+
+
 class _Decision(NamedTuple):
   """How :func:`_truncate` decided: ``keep [B, M]`` over the candidates,
   ``use [B]`` (rows whose token it drew among them), ``active [B]`` (a rule
@@ -747,8 +759,7 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
                                           fallback)
   ent_kept = rows.ent_kept
   if c.return_entropy:
-    kept_t = jnp.where(keep, lists.vals, -jnp.inf)
-    ent_kept = jnp.where(active, controls.entropy(kept_t), rows.ent_kept)
+    ent_kept = jnp.where(active, _kept_entropy(keep, lists.vals), rows.ent_kept)
   return (rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
                         fallback=rows.fallback | fallback, ent_kept=ent_kept),
           _Decision(keep=keep, use=use, active=active, pick=pick))
@@ -1041,7 +1052,10 @@ def materialized_rows(p: Problem, c: controls.Controls, axis=None):
   # ulp, and a row could then keep nothing.
   t = lax.optimization_barrier(tempered(p, x))
   kept = jnp.where(controls.keep_mask(t, c), t, -jnp.inf)
-  return x, t, kept, gid
+  # Materialized once for all its readers: in each exact path (finish's,
+  # score's) they then read the same values (docs/design.md, "Determinism
+  # and RL").
+  return (x, t, lax.optimization_barrier(kept), gid)
 
 
 def materialized_raw_top(p: Problem, c: controls.Controls, axis=None):
@@ -1140,7 +1154,7 @@ def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> 
                    axis=1)
   sc = sc._replace(lse_kept=jnp.where(active, jax.nn.logsumexp(kept_t, axis=1), sc.lse_all),
                    in_kept=jnp.where(active, listed, in_kept),
-                   ent_kept=jnp.where(active, controls.entropy(kept_t), sc.ent_kept))
+                   ent_kept=jnp.where(active, _kept_entropy(keep, lists.vals), sc.ent_kept))
 
   def redo(ps, cs, sub, flags):
     x, t, kept, gid = materialized_rows(ps, cs, axis)
