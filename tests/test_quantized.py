@@ -221,3 +221,19 @@ def test_quantize_weight_errors():
     fs.quantize_weight(w.astype(jnp.int8), "int8")
   with pytest.raises(ValueError, match=r"weight_layout='x'"):
     fs.quantize_weight(w, "int8", weight_layout="x")
+
+
+def test_quantized_plain_sampling_prefers_xla_gemm_and_controls_the_kernels():
+  # Measured on an H200 (docs/performance.md, "Quantized heads"): XLA's GEMM
+  # reading the 8-bit weight beats the fused kernels for plain sampling,
+  # while with truncation the kernels' pass beats the dense route's sort.
+  from flashsample_jax import backends, controls, problem
+  h, w, s = inputs.quantized_inputs(16, 64, 256, seed=13)
+  p = problem.prepare(h, w, jax.random.key(0), weight_scale=s)
+  plain = controls.prepare_controls(batch=16, vocab_size=256, rows=256)
+  trunc = controls.prepare_controls(batch=16, vocab_size=256, rows=256, top_k=5, top_p=0.9)
+  for impl in (backends.get("mosaic"), backends.get("triton")):
+    assert impl.prefers(p, plain) is False
+    assert impl.prefers(p, trunc) is True
+  pb = problem.prepare(h, w.astype(jnp.bfloat16), jax.random.key(0))
+  assert backends.get("mosaic").prefers(pb, plain) is True

@@ -213,6 +213,12 @@ class MosaicBackend(SamplerBackend):
     # sorts [B, V]); other controls up to ROUTE_MAX_ROWS rows per pass over
     # W (not measured in blocks). docs/performance.md, "Routes on the GPU".
     if not c.active:
+      # Quantized heads: XLA's GEMM reads the 8-bit weight and converts it
+      # in its own kernel; plain sampling through it measured faster than
+      # these kernels at every batch but S at B = 1 (docs/performance.md,
+      # "Quantized heads").
+      if p.quantized:
+        return False
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
                      for d, lo, hi in plain_dense(devices.device_kind()))
     return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS

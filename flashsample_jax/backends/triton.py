@@ -202,7 +202,11 @@ class TritonBackend(SamplerBackend):
 
   def prefers(self, p, c):
     # As the mosaic backend's (docs/performance.md, "Routes on the GPU"):
-    # with truncation always, otherwise up to ROUTE_MAX_ROWS rows per pass over W.
+    # with truncation always, otherwise up to ROUTE_MAX_ROWS rows per pass
+    # over W; plain sampling of a quantized head through XLA's GEMM
+    # ("Quantized heads").
+    if p.quantized and not c.active:
+      return False
     return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def samples_as_rows(self, p, c):
