@@ -335,6 +335,18 @@ def _history(name, ids, batch, vocab_size):
   return jnp.asarray(ids, jnp.int32)
 
 
+def _static_count(name: str, value, limit: int, vocab_size: int) -> int:
+  """A static count of ids per row (0 = off), at most ``limit`` and the
+  vocabulary size."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise problem.static_arg_error(name, value, "a Python int (0 = off)")
+  top = min(limit, vocab_size)
+  if not 0 <= value <= top:
+    raise ValueError(f"{name}={value} must be in [0, {top}] "
+                     f"(at most {limit} and the vocabulary size)")
+  return int(value)
+
+
 def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      top_p=None, min_p=None, logit_bias=None, allowed_mask=None,
                      softcap=None, repetition_penalty=None, presence_penalty=None,
@@ -398,24 +410,12 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     num_samples = int(num_samples)
   if not isinstance(return_logprobs, bool):
     raise problem.static_arg_error("return_logprobs", return_logprobs, "a bool")
-  if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)):
-    raise problem.static_arg_error("top_logprobs", top_logprobs, "a Python int (0 = off)")
-  top_max = min(TOP_LOGPROBS_MAX, vocab_size)
-  if not 0 <= top_logprobs <= top_max:
-    raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {top_max}] "
-                     f"(at most {TOP_LOGPROBS_MAX} and the vocabulary size)")
-  top_logprobs = int(top_logprobs)
+  top_logprobs = _static_count("top_logprobs", top_logprobs, TOP_LOGPROBS_MAX, vocab_size)
   for name, flag in (("return_entropy", return_entropy),
                      ("return_raw_logprobs", return_raw_logprobs)):
     if not isinstance(flag, bool):
       raise problem.static_arg_error(name, flag, "a bool")
-  if isinstance(return_kept, bool) or not isinstance(return_kept, (int, np.integer)):
-    raise problem.static_arg_error("return_kept", return_kept, "a Python int (0 = off)")
-  kept_max = min(RETURN_KEPT_MAX, vocab_size)
-  if not 0 <= return_kept <= kept_max:
-    raise ValueError(f"return_kept={return_kept} must be in [0, {kept_max}] "
-                     f"(at most {RETURN_KEPT_MAX} and the vocabulary size)")
-  return_kept = int(return_kept)
+  return_kept = _static_count("return_kept", return_kept, RETURN_KEPT_MAX, vocab_size)
   if not isinstance(top_logprobs_mode, str) or top_logprobs_mode not in TOP_LOGPROBS_MODES:
     if isinstance(top_logprobs_mode, jax.core.Tracer):
       raise problem.static_arg_error("top_logprobs_mode", top_logprobs_mode,

@@ -204,6 +204,24 @@ def tile_best(s, valid, block_v, offset):
   return m.astype(np.float32), idx.astype(np.int32)
 
 
+def _rowdata_and_categorical(b, v, t, lt, per_row_keys):
+  """The packed rows of key 3 (``[B]`` split keys or one scalar key) and
+  ``jax.random.categorical``'s tokens for the tempered logits ``lt``."""
+  if per_row_keys:
+    keys = jax.random.split(jax.random.key(3), b)
+    kd = jax.random.key_data(keys)
+    ctr = jnp.zeros((b,), jnp.uint32)
+    return (ts.pack_rowdata(kd[:, 0], kd[:, 1], ctr, ctr, t),
+            jax.vmap(jax.random.categorical)(keys, lt))
+  key = jax.random.key(3)
+  kd = jax.random.key_data(key)
+  base = np.arange(b, dtype=np.uint64) * np.uint64(v)
+  rowdata = ts.pack_rowdata(
+      jnp.full((b,), kd[0]), jnp.full((b,), kd[1]),
+      (base >> np.uint64(32)).astype(np.uint32), base.astype(np.uint32), t)
+  return rowdata, jax.random.categorical(key, lt)
+
+
 def reduce_tiles(score, index):
   """The combine rule over the tile axis (what stage 2 does)."""
   nan = np.isnan(score)
@@ -1441,20 +1459,7 @@ class TestGPU:
     h, w, logits = exact_problem(b, d, v, seed=1)
     t = jnp.asarray(np.random.default_rng(0).choice([0.5, 0.7, 1.0], b), jnp.float32)
     lt = jnp.asarray(logits) / t[:, None]
-    if per_row_keys:
-      keys = jax.random.split(jax.random.key(3), b)
-      kd = jax.random.key_data(keys)
-      ctr = jnp.zeros((b,), jnp.uint32)
-      rowdata = ts.pack_rowdata(kd[:, 0], kd[:, 1], ctr, ctr, t)
-      want = jax.vmap(jax.random.categorical)(keys, lt)
-    else:
-      key = jax.random.key(3)
-      kd = jax.random.key_data(key)
-      base = np.arange(b, dtype=np.uint64) * np.uint64(v)
-      rowdata = ts.pack_rowdata(
-          jnp.full((b,), kd[0]), jnp.full((b,), kd[1]),
-          (base >> np.uint64(32)).astype(np.uint32), base.astype(np.uint32), t)
-      want = jax.random.categorical(key, lt)
+    rowdata, want = _rowdata_and_categorical(b, v, t, lt, per_row_keys)
     score, index = jax.jit(lambda h, w, rd: ts.candidates(
         h, w, rd, layout="vd", vocab_size=v))(h, w, rowdata)
     _, tokens = reduce_tiles(np.asarray(score), np.asarray(index))
@@ -1639,20 +1644,7 @@ class TestGPU:
     logits = xla_logits(h, w, layout, jnp.asarray(sc))
     t = jnp.asarray(r.choice([0.5, 1.0, 2.0], b), jnp.float32)
     lt = logits / t[:, None]
-    if per_row_keys:
-      keys = jax.random.split(jax.random.key(3), b)
-      kd = jax.random.key_data(keys)
-      ctr = jnp.zeros((b,), jnp.uint32)
-      rowdata = ts.pack_rowdata(kd[:, 0], kd[:, 1], ctr, ctr, t)
-      want = jax.vmap(jax.random.categorical)(keys, lt)
-    else:
-      key = jax.random.key(3)
-      kd = jax.random.key_data(key)
-      base = np.arange(b, dtype=np.uint64) * np.uint64(v)
-      rowdata = ts.pack_rowdata(
-          jnp.full((b,), kd[0]), jnp.full((b,), kd[1]),
-          (base >> np.uint64(32)).astype(np.uint32), base.astype(np.uint32), t)
-      want = jax.random.categorical(key, lt)
+    rowdata, want = _rowdata_and_categorical(b, v, t, lt, per_row_keys)
     score, index = jax.jit(lambda h, w, sc, rd: ts.candidates(
         h, w, rd, layout=layout, vocab_size=v, weight_scale=sc))(
             h, w, jnp.asarray(sc), rowdata)
