@@ -198,6 +198,10 @@ def rl_state(c: controls.Controls, st: ControlsState, t, raw=None,
     if raw is None:
       st = st._replace(raw_max=jnp.full((b,), -jnp.inf), raw_sum=jnp.zeros((b,)))
     else:
+      # Fenced: the reductions then compile alike in every program that
+      # asks for them (sample, score_tokens; docs/design.md, "Determinism
+      # and RL"), whatever else reads the block's logits there.
+      raw = lax.optimization_barrier(raw)
       rm = jnp.max(raw, axis=1)
       st = st._replace(raw_max=rm, raw_sum=jnp.sum(
           jnp.where(rm[:, None] == -jnp.inf, 0.0, jnp.exp(raw - rm[:, None])), axis=1))

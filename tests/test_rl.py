@@ -186,9 +186,6 @@ def test_sharded_rl_outputs_on_1_2_4_8_shards():
 # -- score_tokens: the log-probabilities of given tokens ----------------------
 
 
-@pytest.mark.skipif(has_gpu(), reason="on a GPU XLA picks each program's GEMM algorithm "
-                    "itself, so two programs' logits may differ in the last bit "
-                    "(tests/test_triton_gpu.py checks the kernels' route)")
 @pytest.mark.parametrize("backend", ["xla", "dense"])
 def test_score_tokens_is_bit_for_bit_what_sample_returned(backend):
   # Random inputs, so that any other summation order would show in the bits.
