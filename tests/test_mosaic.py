@@ -57,6 +57,10 @@ class TestMosaicInterpret(BackendSuite):
   # The greedy top 128 of test_top_logprobs_edges on 8 rows (every row
   # flagged to the early-exit top-N kernel, one CTA per row; CI time).
   greedy_top_rows = 8
+  # The suite's quantized heads on e4m3 here (CI time): every 8-bit dtype
+  # runs through every path and schedule in tests/test_quantized_mosaic.py
+  # (interpret mode, scores against the xla backend); on the GPU all three.
+  quantized_dtypes = (jnp.float8_e4m3fn,)
 
 
 SUITE = TestMosaicInterpret()
