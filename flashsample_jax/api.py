@@ -69,8 +69,8 @@ def _is_default(value, default) -> bool:
           and value == default)
 
 
-def _prepare(hidden, weight, key, *, weight_layout, vocab_size, weight_scale,
-             axes: mesh.MeshAxes, controls: dict):
+def prepare_call(hidden, weight, key, *, weight_layout, vocab_size, weight_scale,
+                 axes: mesh.MeshAxes, controls: dict):
   """The checked ``(Problem, Controls)`` of this call (this shard's part
   inside ``shard_map``); ``controls``: :func:`settings`."""
   controls = dict(controls)
@@ -104,9 +104,9 @@ def which_backend(hidden, weight, key, params=None, *, backend="auto", temperatu
     What :func:`sample` raises for these arguments.
   """
   ctl = settings(params, _given(locals()))
-  p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
-                  vocab_size=vocab_size, weight_scale=weight_scale,
-                  axes=mesh.MeshAxes.of(vocab_axis, batch_axis), controls=ctl)
+  p, c = prepare_call(hidden, weight, key, weight_layout=weight_layout,
+                      vocab_size=vocab_size, weight_scale=weight_scale,
+                      axes=mesh.MeshAxes.of(vocab_axis, batch_axis), controls=ctl)
   return backends.resolve(backend, p, c).name
 
 
@@ -303,9 +303,9 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
   """
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   ctl = settings(params, _given(locals()))
-  p, c = _prepare(hidden, weight, key, weight_layout=weight_layout,
-                  vocab_size=vocab_size, weight_scale=weight_scale, axes=axes,
-                  controls=ctl)
+  p, c = prepare_call(hidden, weight, key, weight_layout=weight_layout,
+                      vocab_size=vocab_size, weight_scale=weight_scale, axes=axes,
+                      controls=ctl)
   impl = backends.resolve(backend, p, c)
   if p.batch == 0:
     return empty_result(c)

@@ -335,6 +335,15 @@ def _history(name, ids, batch, vocab_size):
   return jnp.asarray(ids, jnp.int32)
 
 
+def _static_choice(name: str, value, choices: tuple[str, ...]) -> None:
+  """A static option that names one of ``choices``."""
+  if isinstance(value, str) and value in choices:
+    return
+  if isinstance(value, jax.core.Tracer):
+    raise problem.static_arg_error(name, value, f"one of {choices}")
+  raise ValueError(f"{name}={value!r} must be one of {choices}")
+
+
 def _static_count(name: str, value, limit: int, vocab_size: int) -> int:
   """A static count of ids per row (0 = off), at most ``limit`` and the
   vocabulary size."""
@@ -356,12 +365,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      return_raw_logprobs=False, return_kept=0,
                      top_logprobs_mode="processed") -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
-  if not isinstance(truncation_order, str) or truncation_order not in TRUNCATION_ORDERS:
-    if isinstance(truncation_order, jax.core.Tracer):
-      raise problem.static_arg_error("truncation_order", truncation_order,
-                                     f"one of {TRUNCATION_ORDERS}")
-    raise ValueError(f"truncation_order={truncation_order!r} must be one of "
-                     f"{TRUNCATION_ORDERS}")
+  _static_choice("truncation_order", truncation_order, TRUNCATION_ORDERS)
   every_row_truncates = (_on_everywhere(top_k, lambda k: k > 0)
                          or _on_everywhere(top_p, lambda p: p < 1)
                          or _on_everywhere(min_p, lambda m: m > 0))
@@ -416,12 +420,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     if not isinstance(flag, bool):
       raise problem.static_arg_error(name, flag, "a bool")
   return_kept = _static_count("return_kept", return_kept, RETURN_KEPT_MAX, vocab_size)
-  if not isinstance(top_logprobs_mode, str) or top_logprobs_mode not in TOP_LOGPROBS_MODES:
-    if isinstance(top_logprobs_mode, jax.core.Tracer):
-      raise problem.static_arg_error("top_logprobs_mode", top_logprobs_mode,
-                                     f"one of {TOP_LOGPROBS_MODES}")
-    raise ValueError(f"top_logprobs_mode={top_logprobs_mode!r} must be one of "
-                     f"{TOP_LOGPROBS_MODES}")
+  _static_choice("top_logprobs_mode", top_logprobs_mode, TOP_LOGPROBS_MODES)
   repetition_penalty = _per_row("repetition_penalty", repetition_penalty, batch,
                                 integer=False, lo=None, hi=None,
                                 off="1 turns it off", check=problem.check_normal)

@@ -121,9 +121,9 @@ def score_tokens(hidden, weight, token_ids, params=None, *, temperature=1.0,
   given = {k: v for k, v in locals().items() if k in _controls_names()}
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   ctl = _settings(params, given)
-  p, c = api._prepare(hidden, weight, jax.random.key(0), weight_layout=weight_layout,
-                      vocab_size=vocab_size, weight_scale=weight_scale, axes=axes,
-                      controls=ctl)
+  p, c = api.prepare_call(hidden, weight, jax.random.key(0),
+                          weight_layout=weight_layout, vocab_size=vocab_size,
+                          weight_scale=weight_scale, axes=axes, controls=ctl)
   tokens = _token_ids(token_ids, p.batch, p.vocab_size)
   c = dataclasses.replace(c, given_ids=tokens, noise=False)
   impl = backends.resolve(backend, p, c)

@@ -222,6 +222,28 @@ def _rowdata_and_categorical(b, v, t, lt, per_row_keys):
   return rowdata, jax.random.categorical(key, lt)
 
 
+def assert_controls_outputs(got, want, ctl):
+  """The controls kernel's outputs against the mirror's: the RL fields,
+  each sample's best (and its t), the log-sum-exp, the lists."""
+  assert_rl_fields(got, want, ctl, rtol=1e-6)
+  eq = np.testing.assert_array_equal
+  for s_ in range(ctl.samples):
+    eq(got.best_index[:, s_], want["best_index"][s_])
+    eq(got.best_score[:, s_], want["best_score"][s_])
+    if ctl.t_best:
+      eq(got.best_t[:, s_], want["best_t"][s_])
+  if ctl.lse:
+    eq(got.lse_max, want["lse_max"])
+    np.testing.assert_allclose(got.lse_sum, want["lse_sum"], rtol=1e-6)
+  else:
+    assert got.lse_max is None
+  if ctl.top_k:
+    for j in range(ctl.top_k):
+      eq(got.cand_ids[:, j], want["cand_ids"][j])
+      eq(got.cand_vals[:, j], want["cand_vals"][j])
+    eq(got.bound, want["bound"])
+
+
 def reduce_tiles(score, index):
   """The combine rule over the tile axis (what stage 2 does)."""
   nan = np.isnan(score)
@@ -861,23 +883,7 @@ def test_interpreter_controls(interp, layout, b, d, rows, rows_valid, vocab,
   want = mirror_controls(logits, parts, ctl, offset=offset, rows_valid=rows_valid,
                          vocab_size=vocab, bias=bias, mask=mask,
                          block_v=cfg.block_v, given=given)
-  assert_rl_fields(got, want, ctl, rtol=1e-6)
-  eq = np.testing.assert_array_equal
-  for s_ in range(ctl.samples):
-    eq(got.best_index[:, s_], want["best_index"][s_])
-    eq(got.best_score[:, s_], want["best_score"][s_])
-    if ctl.t_best:
-      eq(got.best_t[:, s_], want["best_t"][s_])
-  if ctl.lse:
-    eq(got.lse_max, want["lse_max"])
-    np.testing.assert_allclose(got.lse_sum, want["lse_sum"], rtol=1e-6)
-  else:
-    assert got.lse_max is None
-  if ctl.top_k:
-    for j in range(ctl.top_k):
-      eq(got.cand_ids[:, j], want["cand_ids"][j])
-      eq(got.cand_vals[:, j], want["cand_vals"][j])
-    eq(got.bound, want["bound"])
+  assert_controls_outputs(got, want, ctl)
 
 
 @triton.jit
@@ -1001,18 +1007,7 @@ def test_interpreter_quantized_controls(interp, layout, dtype, wdtype, scale, co
                          vocab_size=vocab, bias=bias, mask=mask,
                          block_v=cfg.block_v, given=given)
   # The raw logits are the scaled ones.
-  assert_rl_fields(got, want, ctl, rtol=1e-6)
-  eq = np.testing.assert_array_equal
-  for s_ in range(ctl.samples):
-    eq(got.best_index[:, s_], want["best_index"][s_])
-    eq(got.best_score[:, s_], want["best_score"][s_])
-    eq(got.best_t[:, s_], want["best_t"][s_])
-  eq(got.lse_max, want["lse_max"])
-  np.testing.assert_allclose(got.lse_sum, want["lse_sum"], rtol=1e-6)
-  for j in range(ctl.top_k):
-    eq(got.cand_ids[:, j], want["cand_ids"][j])
-    eq(got.cand_vals[:, j], want["cand_vals"][j])
-  eq(got.bound, want["bound"])
+  assert_controls_outputs(got, want, ctl)
 
 
 # ----------------------------------------------------------------------------
