@@ -15,6 +15,9 @@ kernel on an sm90 GPU) and as an XLA baseline that materializes the
 * ``topk_topp`` (k=50, p=0.9): fused, and fused on the xla backend
   (``topk_topp_xlabackend``) | ``lax.top_k(50)``, top-p on the 50,
   categorical (``xla_topk_topp``); full sort + cumsum (``xla_sort_topp``);
+* ``topk_topp_<output>``: the same with an RL output (``logprobs``,
+  ``entropy``, ``kept64``: ``return_kept=64``, ``rl_all``: all of them and
+  the raw log-probability), fused only: their cost over ``topk_topp``;
 * ``logprobs``: ``return_logprobs=True`` | categorical + ``log_softmax``;
 * ``bias_mask``: ``logit_bias`` + ``allowed_mask`` | add, mask, categorical;
 * ``softcap`` (c=30): | ``c * tanh(l / c)``, categorical;
@@ -27,7 +30,8 @@ kernel on an sm90 GPU) and as an XLA baseline that materializes the
 
 Each B also times the cuBLAS dot alone (``dot``: the f32 logits written).
 Also reports how many rows took the exact materialized fallback for top-k +
-top-p on these logits (``fallback_rows``). Writes ``controls_<gpu>.json`` /
+top-p on these logits (``fallback_rows``; with an RL output asked for,
+also with ``return_logprobs``, where top-p's edge shortcut is off). Writes ``controls_<gpu>.json`` /
 ``.md`` under ``--out``.
 """
 
@@ -106,6 +110,21 @@ def _xla_bias_mask(k, h, w, bias, mask, **_):
   return jax.random.categorical(k, jnp.where(bits == 1, l, -jnp.inf))
 
 
+# The RL outputs timed beside plain top-k + top-p (``topk_topp_<name>``).
+RL_OUTPUTS = {
+    "logprobs": dict(return_logprobs=True),
+    "entropy": dict(return_entropy=True),
+    "kept64": dict(return_kept=64),
+    "rl_all": dict(return_logprobs=True, return_raw_logprobs=True, return_entropy=True,
+                   return_kept=64),
+}
+
+
+def _topk_topp_with(**outputs):
+  return lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], top_k=TOP_K,
+                                        top_p=TOP_P, **outputs)
+
+
 # name -> (fused sampler, XLA baseline or None)
 PROVIDERS = {
     "plain": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0]),
@@ -115,6 +134,9 @@ PROVIDERS = {
     "topk_topp_xlabackend": (
         lambda k, h, w, **_: fs.sample(h, w, k, top_k=TOP_K, top_p=TOP_P, backend="xla"),
         _xla_sort_topp),
+    # The RL outputs (issue #39) on top of top-k + top-p: fused only (their
+    # cost is read against ``topk_topp`` of the same run).
+    **{f"topk_topp_{name}": (_topk_topp_with(**kw), None) for name, kw in RL_OUTPUTS.items()},
     "logprobs": (lambda k, h, w, **_: fs.sample(h, w, k, backend=_BACKEND[0], return_logprobs=True),
                  _xla_logprobs),
     "bias_mask": (lambda k, h, w, bias, mask, **_: fs.sample(h, w, k, backend=_BACKEND[0], logit_bias=bias,
@@ -135,9 +157,10 @@ PROVIDERS = {
 }
 
 
-def _fallback_rows(key, h, w):
+def _fallback_rows(key, h, w, **outputs):
   """Rows of a top-k + top-p call that take the materialized path."""
-  return exact_path_rows(h, w, key, backend=_BACKEND[0], top_k=TOP_K, top_p=TOP_P)
+  return exact_path_rows(h, w, key, backend=_BACKEND[0], top_k=TOP_K, top_p=TOP_P,
+                         **outputs)
 
 
 def main(argv=None):
@@ -201,6 +224,13 @@ def main(argv=None):
     for name in ("topk_topp", "top_logprobs20", "penalties256"):
       if name + "_us" in row:
         row[name + "_over_plain"] = row[name + "_us"] / row["plain_us"]
+    for name in RL_OUTPUTS:
+      if f"topk_topp_{name}_us" in row:
+        row[f"topk_topp_{name}_over_topk_topp"] = (row[f"topk_topp_{name}_us"]
+                                                   / row["topk_topp_us"])
+    if any(f"topk_topp_{name}" in providers for name in RL_OUTPUTS):
+      # With the kept set asked for, top-p's edge shortcut is off.
+      row["fallback_rows_logprobs"] = _fallback_rows(key, h, w, return_logprobs=True)
     row["speedup_vs_xla_topk"] = row["xla_topk_topp_us"] / row["topk_topp_us"]
     rows.append(row)
     print(json.dumps(row), flush=True)
@@ -232,18 +262,24 @@ def _report(stem, meta, rows):
              "(runs before 2026-11-27's thirteenth session lack it).\n\n")
     ratios = [n for n in ("topk_topp", "top_logprobs20", "penalties256")
               if n + "_over_plain" in r0]
+    rl = [n for n in RL_OUTPUTS if f"topk_topp_{n}_over_topk_topp" in r0]
     fh.write("| B | backend | fallback rows | " + " | ".join(names) + " | "
-             + " | ".join(f"{n} / plain" for n in ratios) + " |\n")
-    fh.write("|---" * (len(names) + len(ratios) + 3) + "|\n")
+             + " | ".join(f"{n} / plain" for n in ratios)
+             + "".join(f" | topk_topp_{n} / topk_topp" for n in rl) + " |\n")
+    fh.write("|---" * (len(names) + len(ratios) + len(rl) + 3) + "|\n")
     for r in rows:
       cells = []
       for name in names:
         x = r.get("xla_" + name + "_us")
         cells.append(f"{r[name + '_us']:.0f}" if x is None else
                      f"{r[name + '_us']:.0f} / {x:.0f} ({x / r[name + '_us']:.2f}x)")
-      fh.write(f"| {r['B']} | {r['backend_controls']} | {r['fallback_rows']} | "
+      fb = r["fallback_rows"]
+      if "fallback_rows_logprobs" in r:        # "<token only> / <with logprobs>"
+        fb = f"{fb} / {r['fallback_rows_logprobs']}"
+      fh.write(f"| {r['B']} | {r['backend_controls']} | {fb} | "
                + " | ".join(cells) + " | "
-               + " | ".join(f"{r[n + '_over_plain']:.3f}" for n in ratios) + " |\n")
+               + " | ".join(f"{r[n + '_over_plain']:.3f}" for n in ratios)
+               + "".join(f" | {r[f'topk_topp_{n}_over_topk_topp']:.3f}" for n in rl) + " |\n")
   print(open(stem + ".md").read())
   try:
     import matplotlib

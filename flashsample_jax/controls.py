@@ -22,7 +22,9 @@ Truncation of sampled rows, on the tempered ``t``:
   mass ranked strictly before it is ``< p`` (so the most probable id is
   always kept), and also every id whose ``t`` equals the last kept one's.
   In f32: ``e = exp(t - max t)`` in that order, ``q = e / Z`` with ``Z`` the
-  last prefix sum of ``e``, the mass before an id ``cumsum(q) - q``.
+  prefix sum of ``e`` at the set's last id, the mass before an id
+  ``prefix_sums(q) - q`` (:func:`nucleus_mass_before`; prefix sums whose
+  order of additions depends on the index alone).
 * ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
   least ``m`` times the row's top probability. For finite logits the top id
   is never removed by any rule, so min-p's kept set does not depend on its
@@ -600,6 +602,53 @@ def top_n(t, n: int, ids=None):
   return -neg[..., :n], ids[..., :n]
 
 
+def prefix_sums(x):
+  """Inclusive prefix sums of ``x [B, N]`` along axis 1, each entry's
+  additions in an order fixed by its index alone.
+
+  A doubling scan (step ``s`` adds the entry ``2**s`` places before, or
+  ``+0.0`` where there is none, which changes nothing): entry ``j`` is the
+  same sum of the same terms in the same order whatever ``N > j`` is. So
+  the prefix sums of a row's first ``M`` sorted values computed on a
+  candidate list of ``M`` equal those of the whole sorted row, bit for bit
+  (docs/design.md, "The nucleus edge, bit for bit"). Neither XLA's
+  reductions nor its cumsum promise that: their order follows the tiling
+  and the scan XLA picks for the length.
+  """
+  n = x.shape[1]
+  # Each step reads the last one twice; fused into one loop, XLA would
+  # recompute the earlier steps per read (XLA's CPU compiler does: 40x
+  # the time of fenced steps on a 152k row). Fenced on the CPU and for
+  # long rows (the reference, the exact path); the candidate lists of a
+  # GPU's stage 2 stay one fusion, which measured no slower there.
+  fence = jax.default_backend() == "cpu" or n > 2048
+  step = 1
+  while step < n:
+    x = x + jnp.pad(x[:, :n - step], ((0, 0), (step, 0)))
+    if fence:
+      x = lax.optimization_barrier(x)
+    step *= 2
+  return x
+
+
+def nucleus_mass_before(ts):
+  """The probability mass ranked strictly before each entry of ``ts [B,
+  N]`` (descending, ``-inf`` after the finite prefix the mass is measured
+  over): ``e = exp(ts - ts[0])``, ``q = e / Z`` with ``Z`` the prefix sum
+  at the last finite entry, the mass ``prefix_sums(q) - q``. Every step
+  reads entries at or before the finite prefix's end only, so a list
+  holding that prefix gives the same bits as the whole sorted row (a NaN
+  in the row makes every mass NaN)."""
+  e = jnp.exp(ts - ts[:, :1])
+  finite = jnp.sum(ts > -jnp.inf, axis=1)
+  z = jnp.take_along_axis(prefix_sums(e), jnp.maximum(finite - 1, 0)[:, None], axis=1)
+  # A NaN anywhere in the row (sorted after the -inf) makes every mass NaN,
+  # as a sum over the row would: nothing is then below p.
+  z = jnp.where(jnp.any(jnp.isnan(e), axis=1, keepdims=True), jnp.nan, z)
+  q = e / z
+  return prefix_sums(q) - q
+
+
 def keep_mask(t, c: Controls):
   """The truncation rules of the module docstring on materialized rows.
 
@@ -634,15 +683,8 @@ def keep_mask(t, c: Controls):
       ts = jnp.where((c.min_p[:, None] <= 0) | (jnp.exp(desc - m) >= c.min_p[:, None]),
                      ts, -jnp.inf)
     tk = jnp.where(keep, t, -jnp.inf)
-    e = jnp.exp(ts - ts[:, :1])
-    # The normalizer is the last prefix sum, not jnp.sum: on a GPU a
-    # reduction adds in the order of the tiling XLA picks for its fusion,
-    # which may differ between two programs (the reference and a backend's
-    # exact fallback), and a row whose mass sits at p within one ulp would
-    # then keep different ids. A cumsum (a reduce-window) adds in one order.
-    q = e / jnp.cumsum(e, axis=1)[:, -1:]
-    before = jnp.cumsum(q, axis=1) - q                    # mass ranked before
-    n = jnp.maximum(jnp.sum(before < c.top_p[:, None], axis=1), 1)
+    before = nucleus_mass_before(ts)
+    n = jnp.maximum(jnp.sum((before < c.top_p[:, None]) & (ts > -jnp.inf), axis=1), 1)
     thr = jnp.take_along_axis(ts, (n - 1)[:, None], axis=1)
     keep &= (c.top_p[:, None] >= 1) | (tk >= thr)
   if c.min_p is not None:

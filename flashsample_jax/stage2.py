@@ -528,38 +528,39 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
   if c.top_p is not None:
     pp = c.top_p
     on = ~(pp >= 1)
-    # The normalizer: over the set top-p's mass is measured over (top-k's,
-    # and with "vllm" also min-p's) when it lies in the candidates (the
-    # last prefix sum), else (no such rule on) over the whole row, from the
-    # online log-sum-exp. The prefix sums are of exp(t - top), normalized
-    # after: the sum and the cumsum are then one pass, not two in a row
-    # (the rounding differs from keep_mask's by far less than the margin).
+    # The mass before each listed id. Where the list holds the whole set
+    # top-p's mass is measured over (top-k's, and with "vllm" min-p's, when
+    # it lies in the candidates; the whole row when the lists are
+    # complete), it is keep_mask's own expression on the same values, so
+    # the same bits (controls.nucleus_mass_before): the edge is decided
+    # exactly, however close to p. Elsewhere (top-p over a row the lists
+    # do not hold) the normalizer is the online log-sum-exp's, whose
+    # rounding differs from keep_mask's sum: rows with an id's mass within
+    # ``margin`` of p take the exact path (docs/design.md, "The nucleus
+    # edge, bit for bit").
     k_on = (c.top_k > 0) if c.top_k is not None else jnp.zeros((b,), bool)
     restrict_on, restrict_in = k_on, k_on & in_k
     if c.min_p is not None and c.truncation_order == "vllm":
       keep &= keep_min
       restrict_on, restrict_in = k_on | mp_on, restrict_in | in_mp
     tk = jnp.where(keep, cand_t, -jnp.inf)
-    e = jnp.exp(tk - top)
-    cs = jnp.cumsum(e, axis=1)
+    listed_set = restrict_in | complete
     z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
-    z = jnp.where(restrict_on, cs[:, -1], z_all)
-    before = (cs - e) / z[:, None]
-    # The mass before an id grows down the list, so the ids with mass < p
-    # before them are a prefix (at least the first): its smallest t is the
-    # threshold (one reduction, not a count and then a gather).
-    first = lax.broadcasted_iota(jnp.int32, (b, m), 1) == 0
-    thr = jnp.min(jnp.where((before < pp[:, None]) | first, tk, jnp.inf), axis=1)
+    e = jnp.exp(tk - top)
+    before_row = (jnp.cumsum(e, axis=1) - e) / z_all[:, None]
+    before = jnp.where(listed_set[:, None], controls.nucleus_mass_before(tk), before_row)
+    # keep_mask's threshold: the t of the n-th id, n the count of ids with
+    # mass < p before them (at least 1). A count, not the smallest such t:
+    # rounding may leave the mass before an id a little below the one
+    # before its predecessor, and keep_mask counts.
+    n_before = jnp.maximum(jnp.sum((before < pp[:, None]) & (tk > -jnp.inf), axis=1), 1)
+    thr = jnp.take_along_axis(tk, (n_before - 1)[:, None], axis=1)[:, 0]
     keep &= ~on[:, None] | (tk >= thr[:, None])
     # The nucleus edge lies in the list if a listed id already has mass
     # >= p ranked before it (the mass before an id only grows down the list).
     edge_inside = jnp.any((tk > -jnp.inf) & (before >= pp[:, None]), axis=1)
-    # The mass before an id is a sum whose rounding depends on the order
-    # and the normalizer's path (chunks, shards); keep_mask sums otherwise.
-    # Where it lies within rounding of p the two could disagree on the
-    # edge: such rows take the exact path.
-    near = jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
-                                      <= margin * pp[:, None]), axis=1)
+    near = ~listed_set & jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
+                                                    <= margin * pp[:, None]), axis=1)
     known &= ~on | ((restrict_in | (~restrict_on & edge_inside) | complete) & ~near)
     inside |= on & (complete | (last < thr))
     active |= on

@@ -284,6 +284,69 @@ def test_top_p_near_one_on_the_dense_route(top_p):
   _Dense().test_top_p_near_one_with_a_nucleus_past_the_candidates(top_p)
 
 
+def test_prefix_sums_of_a_prefix_are_those_of_the_whole_row():
+  # controls.prefix_sums: entry j's additions depend on j alone, so a list
+  # of a row's first m sorted values gets the whole row's bits.
+  r = np.random.default_rng(5)
+  x = jnp.asarray(r.exponential(size=(3, 1000)) ** 3, jnp.float32)
+  full = np.asarray(controls.prefix_sums(x))
+  for m in (1, 2, 3, 7, 50, 128, 999):
+    np.testing.assert_array_equal(np.asarray(controls.prefix_sums(x[:, :m])), full[:, :m],
+                                  err_msg=f"m={m}")
+  # It is a prefix sum (to rounding), and the jitted program agrees.
+  np.testing.assert_allclose(full, np.cumsum(np.asarray(x, np.float64), axis=1), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(jax.jit(controls.prefix_sums)(x)), full)
+
+
+def _edge_row_and_p(k: int, seed: int):
+  """A row of exact logits (V 1000) and three top-p values: the f32 mass
+  keep_mask measures before the row's first id (past the 4th, under top-k =
+  k) whose t is below its predecessor's, and that mass's two f32
+  neighbours, so that the nucleus edge falls on either side of that id."""
+  h, w = inputs.exact_inputs(8, 4, 1000, scale=2, seed=seed)
+  h = h[3:4]
+  t = jnp.asarray(h, jnp.float32) @ jnp.asarray(w, jnp.float32).T
+  desc = -jnp.sort(-t, axis=1)
+  ts = jnp.where(desc >= desc[:, k - 1:k], desc, -jnp.inf)
+  d = np.asarray(desc[0])
+  m = next(i for i in range(4, k) if d[i] < d[i - 1])
+  mass = np.float32(controls.nucleus_mass_before(ts)[0, m])
+  ps = [np.nextafter(mass, np.float32(0)), mass, np.nextafter(mass, np.float32(1))]
+  return h, w, t, [float(x) for x in ps]
+
+
+@pytest.mark.parametrize("return_logprobs", [False, True])
+def test_nucleus_edge_inside_top_k_is_decided_on_the_candidates(return_logprobs):
+  # docs/design.md, "The nucleus edge, bit for bit": with top-k's kept set
+  # in the lists, stage 2 evaluates keep_mask's expression on the same
+  # values: p at the mass before an id, one ulp below and above, decides
+  # the edge exactly (no exact path), even where the kept log-sum-exp is
+  # asked for (no token-agreement shortcut then).
+  h, w, t, ps = _edge_row_and_p(k=40, seed=2)
+  sizes = []
+  for top_p in ps:
+    kw = dict(top_k=40, top_p=top_p)
+    c = controls.prepare_controls(batch=1, vocab_size=1000, rows=1000,
+                                  return_logprobs=return_logprobs, **kw)
+    sizes.append(int(controls.keep_mask(t, c).sum()))
+    finish = jax.jit(xla_finish)
+    for seed in range(6):
+      key = jax.random.key(seed)
+      p = problem.prepare(h, w, key, temperature=1.0)
+      tok, out, fallback = finish(p, c)
+      assert not bool(fallback[0]), (top_p, seed)
+      want = fs.reference.sample(h, w, key, temperature=1.0, return_logprobs=return_logprobs,
+                                 **kw)
+      if return_logprobs:
+        np.testing.assert_array_equal(tok[0], want.tokens)
+        np.testing.assert_allclose(np.ravel(out.logprob_truncated), want.logprob_truncated,
+                                   rtol=1e-6)
+      else:
+        np.testing.assert_array_equal(tok[0], want, err_msg=f"p={top_p} key {seed}")
+  # The premise: p and the f32 below it keep fewer ids than the f32 above.
+  assert sizes[0] == sizes[1] < sizes[2], sizes
+
+
 def test_a_kept_set_of_every_id_is_decided_only_on_complete_lists():
   # _certify's ``decided``: sampling among the kept candidates is sampling
   # the row. Top-p at p >= 1 is off and keeps every id, so that holds only
