@@ -251,8 +251,8 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
     # Each part's terms moved onto the merged max (_entropy_merge's rule).
     empty = (lse_max == -jnp.inf) | (mx[:, None] == -jnp.inf)
     shift = jnp.where(empty, 0.0, lse_max - mx[:, None])
-    st = st._replace(ent_sum=jnp.sum(
-        jnp.where(empty, 0.0, jnp.exp(shift) * (ent_sum + shift * lse_sum)), axis=1))
+    st = st._replace(ent_sum=parts_sum(
+        jnp.where(empty, 0.0, jnp.exp(shift) * (ent_sum + shift * lse_sum))))
   if raw_max is not None:
     st = st._replace(**dict(zip(("raw_max", "raw_sum"), _lse_parts(raw_max, raw_sum))))
   if finite_count is not None:
@@ -273,7 +273,21 @@ def _lse_parts(mx, total):
   """Online log-sum-exp pieces ``(max, sum)`` ``[B, P]`` merged over the parts."""
   m = jnp.max(mx, axis=1)
   scale = jnp.where(mx == -jnp.inf, 0.0, jnp.exp(mx - m[:, None]))
-  return m, jnp.sum(total * scale, axis=1)
+  return m, parts_sum(total * scale)
+
+
+def parts_sum(x):
+  """``x [B, P]`` summed over the parts in an order fixed by ``P`` alone: a
+  pairwise tree of elementwise additions (zeros pad ``P`` to a power of
+  two), so a row's sum is the same bits whatever the batch around it. A
+  ``jnp.sum`` adds in the order of the reduction kernel XLA picks for the
+  whole array's shape (docs/design.md, "Determinism and RL")."""
+  n = x.shape[1]
+  x = jnp.pad(x, ((0, 0), (0, (1 << max(n - 1, 0).bit_length()) - n)))
+  while x.shape[1] > 1:
+    half = x.shape[1] // 2
+    x = x[:, :half] + x[:, half:]
+  return x[:, 0]
 
 
 class History(NamedTuple):

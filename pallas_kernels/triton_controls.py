@@ -389,12 +389,63 @@ def _controls_kernel(
 # ----------------------------------------------------------------------------
 
 
+# Batch-invariant launches (docs/design.md, "Determinism and RL"): one
+# vocabulary tile (64 ids) on the MMA's M side for every batch size, so
+# that each (row, tile) reduces its log-sum-exp in one order, whatever the
+# batch block (the N side) and the number of warps along it. Measured on
+# an H200 (S head, return_logprobs, per-row keys, random inputs): 0 rows
+# whose log-probability bits differ between B = 1 / 16 / 64 / 128 / 256
+# and B = 512 (the float table's configs: 2 rows at B = 64); the call
+# took 317 / 326 / 443 / 1012 / 2013 us at B = 1 / 16 / 64 / 256 / 512
+# against the float table's 320 / 327 / 368 / - / 2596
+# (docs/performance.md, "Batch invariance").
+INVARIANT_BLOCK_V = 64
+INVARIANT_MAX_BLOCK_B = 128
+
+
+def invariant_config(batch: int, dim: int, rows: int,
+                     max_elements: int = 32) -> base.TritonConfig:
+  """The batch-invariant launch's config for ``batch`` rows: the vocabulary
+  on M in tiles of :data:`INVARIANT_BLOCK_V` ids (fewer for a vocabulary
+  that small: that depends on ``rows`` alone), batch blocks of 16 to 128
+  rows, at most ``max_elements`` per thread (:func:`_fit_elements`: the
+  warps and the batch block are on the N side, which the vocabulary's
+  reduction order does not see)."""
+  block_b = min(max(16, 1 << max(batch - 1, 0).bit_length()), INVARIANT_MAX_BLOCK_B)
+  block_v = INVARIANT_BLOCK_V
+  while block_v > 16 and block_v // 2 >= rows:
+    block_v //= 2
+  block_b, num_warps = _fit_elements(block_v, block_b, 4, max_elements)
+  return base.TritonConfig(block_v=block_v, block_b=block_b,
+                           block_d=base.fit_block_d(128, dim),
+                           num_warps=num_warps, num_stages=4, vocab_on_m=True)
+
+
+def _fit_elements(block_v: int, block_b: int, num_warps: int,
+                  limit: int) -> tuple[int, int]:
+  """``(block_b, num_warps)`` with at most ``limit`` tile elements per
+  thread: more warps first (up to 8), then smaller batch blocks (W's extra
+  reads then come from L2)."""
+  while block_v * block_b // (32 * num_warps) > limit:
+    if num_warps < 8:
+      num_warps *= 2
+    elif block_b > 16:
+      block_b //= 2
+    else:
+      break
+  return block_b, num_warps
+
+
 def pick_controls_config(batch: int, dim: int, rows: int,
                          capability: tuple[int, int],
                          controls: Controls,
                          w_itemsize: int | None = None,
-                         layout: str = "vd") -> base.TritonConfig:
-  """The plain sampler's config with fewer elements per thread.
+                         layout: str = "vd",
+                         batch_invariant: bool = False) -> base.TritonConfig:
+  """The plain sampler's config with fewer elements per thread, or with
+  ``batch_invariant`` :func:`invariant_config` (except for an 8-bit weight
+  stored ``[D, V]``, whose tiles on the M side would be transposed in
+  registers: its table's configs, not batch-invariant).
 
   The epilogue keeps every element of a thread live at once; each sample,
   the list passes and the log-sum-exp add to it. Compiled for sm90
@@ -407,14 +458,17 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   from L2). A list without the noise is light (B = 128, 32 elements: 99
   registers).
   """
+  # The RL fields that feed floats (entropy terms, raw log-sum-exp, given t)
+  # count as heavy: they add per-element work. The finite count alone is not.
+  rl = controls.entropy or controls.raw or controls.given
+  if batch_invariant and not (w_itemsize == 1 and layout == "dv"):
+    # Its tiles keep 128 registers at 32 elements with the log-sum-exp, the
+    # best's t and the lists (sm90); several samples or the RL fields
+    # spilled there and keep none at 16 (8 warps).
+    return invariant_config(batch, dim, rows,
+                            16 if rl or controls.samples > 1 else 32)
   cfg = base.pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize,
                          layout=layout)
-  # The RL fields that feed floats (entropy terms, raw log-sum-exp, given t)
-  # count as heavy: they add per-element work, and every call that reports
-  # log-probabilities or entropies then runs one config for its batch, so
-  # that fs.score_tokens sums each tile in the order fs.sample did
-  # (docs/design.md, "Determinism and RL"). The finite count alone is not.
-  rl = controls.entropy or controls.raw or controls.given
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
            or controls.t_best or rl)
   limit = 16 if heavy else 32
@@ -422,14 +476,7 @@ def pick_controls_config(batch: int, dim: int, rows: int,
     # 16 warps leave 128 registers a thread: several samples with the RL
     # fields spilled 8-24 bytes at 16 elements (sm90, B = 128).
     limit = 8
-  block_b, num_warps = cfg.block_b, cfg.num_warps
-  while cfg.block_v * block_b // (32 * num_warps) > limit:
-    if num_warps < 8:
-      num_warps *= 2
-    elif block_b > 16:
-      block_b //= 2
-    else:
-      break
+  block_b, num_warps = _fit_elements(cfg.block_v, cfg.block_b, cfg.num_warps, limit)
   return base.TritonConfig(block_v=cfg.block_v, block_b=block_b,
                            block_d=cfg.block_d, num_warps=num_warps,
                            num_stages=cfg.num_stages, vocab_on_m=cfg.vocab_on_m)
@@ -511,7 +558,8 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                        rows_valid: int | None = None,
                        weight_scale=None,
                        config: base.TritonConfig | None = None,
-                       capability: tuple[int, int] | None = None
+                       capability: tuple[int, int] | None = None,
+                       batch_invariant: bool = False
                        ) -> ControlsCandidates:
   """Per (row, tile) outputs of the controls kernel.
 
@@ -520,6 +568,9 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
       weight_scale, config, capability: as
       :func:`pallas_kernels.triton_sampler.candidates` (a quantized weight's
       scaled logits are the ``l`` every control acts on).
+    batch_invariant: without ``config``, the batch-invariant config
+      (:func:`pick_controls_config`): each row's outputs the same bits
+      whatever the batch size.
     rows: uint32 ``[RowLayout(S).rows, B]`` from :func:`pack_control_rows`.
     controls: the static :class:`Controls` (flags must match ``bias``,
       ``allowed_mask`` and the soft-cap row).
@@ -565,7 +616,8 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   w_itemsize = jnp.dtype(weight.dtype).itemsize
   if config is None:
     config = pick_controls_config(batch, dim, w_rows, capability, controls,
-                                  w_itemsize=w_itemsize, layout=layout)
+                                  w_itemsize=w_itemsize, layout=layout,
+                                  batch_invariant=batch_invariant)
   cfg = base.resolve_config(config, batch=batch, dim=dim, rows=w_rows,
                             itemsize=jnp.dtype(hidden.dtype).itemsize,
                             w_itemsize=w_itemsize, capability=capability)

@@ -334,7 +334,7 @@ def device_capability(device=None) -> tuple[int, int]:
   return int(major), int(minor)
 
 
-def _fit_block_d(block_d: int, dim: int) -> int:
+def fit_block_d(block_d: int, dim: int) -> int:
   """The largest power of two <= ``block_d`` (and >= 16) dividing ``dim``:
   whole steps need no mask on D. If none divides, ``block_d`` (masked)."""
   b = block_d
@@ -387,7 +387,7 @@ def pick_config(batch: int, dim: int, rows: int,
   while block_v > 16 and block_v // 2 >= rows:
     block_v //= 2
   return dataclasses.replace(cfg, block_v=block_v,
-                             block_d=_fit_block_d(cfg.block_d, dim))
+                             block_d=fit_block_d(cfg.block_d, dim))
 
 
 # ----------------------------------------------------------------------------

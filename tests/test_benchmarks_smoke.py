@@ -178,3 +178,27 @@ def test_e2e_suite_command_lines(mode, tmp_path):
   else:
     _check_sharded(tmp_path)
     _check_tp_e2e(tmp_path)
+
+
+def test_batch_invariance_counts_rows_that_differ(tmp_path):
+  # benchmarks/batch_invariance.py in process on a tiny head (xla backend,
+  # plain with logprobs): the counts are of rows, and a row whose bits
+  # differ in one field counts once.
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from benchmarks import batch_invariance as bi  # pylint: disable=import-outside-toplevel
+  from flashsample_jax.controls import SampleOutput  # pylint: disable=import-outside-toplevel
+  full = SampleOutput(tokens=np.arange(4), logprob=np.zeros(4, np.float32),
+                      logprob_truncated=np.zeros(4, np.float32),
+                      logsumexp=np.ones(4, np.float32))
+  part = full._replace(tokens=np.asarray([0, 9, 2]),
+                       logprob=np.asarray([0, 0, np.float32(1e-30)], np.float32),
+                       logprob_truncated=np.asarray([0, 0, np.float32(1e-30)], np.float32),
+                       logsumexp=np.ones(3, np.float32))
+  got = bi.differing_rows(part, full, 3)
+  assert got["token_rows"] == 1 and got["any_bit_rows"] == 1 and got["logprob_bit_rows"] == 1
+  assert got["logsumexp_bit_rows"] == 0
+  bi.main(["--smoke", "--backends", "xla", "--modes", "plain", "--batches", "1", "3",
+           "--full", "4", "--out", str(tmp_path)])
+  (res,) = tmp_path.glob("batch_invariance_*.json")
+  rows = json.loads(res.read_text())["rows"]
+  assert [(r["B"], r["token_rows"]) for r in rows] == [(1, 0), (3, 0)]

@@ -347,3 +347,28 @@ def test_raw_top_logprobs(backend):
   np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-6)
   with pytest.raises(ValueError, match=r"top_logprobs_mode='logits' must be one of"):
     fs.sample(h, w, jax.random.key(0), top_logprobs=5, top_logprobs_mode="logits")
+
+
+def test_parts_sum_adds_in_a_fixed_pairwise_order():
+  # stage2.parts_sum merges a kernel's per-tile sums in an order fixed by
+  # the number of tiles alone (docs/design.md, "Determinism and RL"): the
+  # same bits as this float32 pairwise tree, for any batch around a row.
+  from flashsample_jax import stage2  # pylint: disable=import-outside-toplevel
+  r = np.random.default_rng(3)
+  x = (r.exponential(size=(9, 1187)) ** 4).astype(np.float32)
+
+  def tree(row):
+    row = np.concatenate([row, np.zeros((1 << (len(row) - 1).bit_length()) - len(row),
+                                        np.float32)])
+    while len(row) > 1:
+      row = row[:len(row) // 2] + row[len(row) // 2:]
+    return row[0]
+
+  want = np.asarray([tree(row) for row in x]).view(np.uint32)
+  sums = jax.jit(stage2.parts_sum)
+  np.testing.assert_array_equal(np.asarray(sums(jnp.asarray(x))).view(np.uint32), want)
+  for b in (1, 2, 5):
+    np.testing.assert_array_equal(np.asarray(sums(jnp.asarray(x[:b]))).view(np.uint32),
+                                  want[:b])
+  # A sequential sum rounds differently on such rows: the order is pinned.
+  assert (np.cumsum(x, axis=1, dtype=np.float32)[:, -1].view(np.uint32) != want).any()

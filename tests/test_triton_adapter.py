@@ -58,8 +58,10 @@ class _Controls:
   @staticmethod
   def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout,
                          vocab_size, controls, bias=None, allowed_mask=None,
-                         given_ids=None, weight_scale=None):
+                         given_ids=None, weight_scale=None, config=None,
+                         batch_invariant=False):
     triton_controls.check_controls(controls)
+    assert config is None and isinstance(batch_invariant, bool)
     assert controls.given == (given_ids is not None)
     out = xla_controls_reference(
         hidden, weight, rows, vocab_offset, controls, layout=layout,
@@ -235,6 +237,50 @@ def test_rl_fields_come_from_the_first_launch_only(monkeypatch):
   for name in ("logprob", "logprob_raw", "entropy", "entropy_truncated"):
     np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
                                atol=1e-5, err_msg=name)
+
+
+def test_calls_reporting_floats_run_the_batch_invariant_configs(monkeypatch):
+  # docs/design.md, "Determinism and RL": log-probabilities, entropies and
+  # scores come from the batch-invariant launches; token-only calls keep
+  # the faster table.
+  seen = []
+  real = _Controls.control_candidates
+
+  def spy(*args, batch_invariant, **kw):
+    seen.append(batch_invariant)
+    return real(*args, batch_invariant=batch_invariant, **kw)
+
+  monkeypatch.setattr(_Controls, "control_candidates", staticmethod(spy))
+  from tests import cases  # pylint: disable=import-outside-toplevel
+  run = lambda **kw: fs.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=cases.T,
+                               backend=CpuTritonBackend(), **kw)
+  for kw, want in ((dict(top_k=20, top_p=0.9), False), (dict(return_logprobs=True), True),
+                   (dict(top_k=20, top_logprobs=3), True), (dict(return_entropy=True), True),
+                   (dict(top_p=0.9, return_kept=8), True)):
+    seen.clear()
+    run(**kw)
+    assert seen == [want], kw
+  seen.clear()
+  fs.score_tokens(cases.H, cases.W, jnp.zeros((cases.B,), jnp.int32), temperature=cases.T,
+                  backend=CpuTritonBackend())
+  assert seen == [True]
+
+
+def test_invariant_configs_share_the_vocabulary_tiles():
+  # One vocabulary tile on the M side for every batch size (what makes a
+  # row's log-sum-exp the same bits); the batch block grows with B.
+  cfgs = [triton_controls.invariant_config(b, 4096, 151936) for b in (1, 16, 17, 64, 65, 512)]
+  assert {(c.block_v, c.vocab_on_m, c.block_d) for c in cfgs} == {(64, True, 128)}
+  assert [c.block_b for c in cfgs] == [16, 16, 32, 64, 128, 128]
+  c = triton_controls.pick_controls_config(
+      3, 4096, 151936, (9, 0), triton_controls.Controls(samples=1, t_best=True, lse=True),
+      batch_invariant=True)
+  assert c == cfgs[0]
+  # An 8-bit [D, V] weight keeps its own table (no transposes in registers).
+  c = triton_controls.pick_controls_config(
+      3, 4096, 151936, (9, 0), triton_controls.Controls(samples=1, t_best=True, lse=True),
+      w_itemsize=1, layout="dv", batch_invariant=True)
+  assert not c.vocab_on_m
 
 
 def test_score_tokens_is_bit_for_bit_what_sample_returned():

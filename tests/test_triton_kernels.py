@@ -338,6 +338,24 @@ def test_controls_compile(capability, batch, tanh, samples, top_k, noise, rl, tm
   assert stack == 0, f"{cfg} spills: {stack} bytes of stack, {reg} registers"
 
 
+@compiled_only
+@pytest.mark.parametrize("batch,samples,top_k,rl", [
+    (512, 1, 0, False), (128, 1, 8, False), (512, 2, 8, True), (64, 1, 8, True)])
+def test_batch_invariant_controls_compile(batch, samples, top_k, rl, tmp_path):
+  """The batch-invariant configs (docs/design.md, "Determinism and RL") do
+  not spill on sm90: 32 elements a thread with the log-probabilities and
+  the lists, 16 with several samples or the RL fields."""
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  ctl = tc.Controls(samples=samples, softcap=rl, bias=rl, mask=rl, t_best=True, lse=True,
+                    top_k=top_k, tanh=int(rl), entropy=rl, raw=rl, finite=rl, given=rl)
+  cfg = tc.pick_controls_config(batch, 4096, 151936, (9, 0), ctl, batch_invariant=True)
+  assert cfg.vocab_on_m and cfg.block_v == tc.INVARIANT_BLOCK_V
+  k = tc.controls_for_inspection(cfg, ctl, layout="vd", dtype=jnp.bfloat16, batch=batch,
+                                 dim=4096, rows=151936, capability=(9, 0))
+  reg, stack = registers(k.asm["cubin"], tmp_path)
+  assert stack == 0, f"{cfg} spills: {stack} bytes of stack, {reg} registers"
+
+
 E4M3, E5M2, I8 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8
 
 _QUANT_COMPILE_CASES = [

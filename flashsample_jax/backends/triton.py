@@ -99,12 +99,15 @@ class TritonBackend(SamplerBackend):
   Attributes:
     config: a ``pallas_kernels.triton_sampler.TritonConfig`` for every plain
       launch instead of the per-GPU table's (tests, benchmarks).
+    controls_config: the same for the controls kernel's launches (whose
+      own choice is ``triton_controls.pick_controls_config``).
     list_pairings: rounds of pairing the tiles' candidate lists before
       stage 2 (:data:`LIST_PAIRINGS`; 0 sorts every tile's list).
   """
 
   name: ClassVar[str] = "triton"
   config: Any = None
+  controls_config: Any = None
   list_pairings: int = LIST_PAIRINGS
 
   def __post_init__(self):
@@ -162,6 +165,11 @@ class TritonBackend(SamplerBackend):
     # The entropy terms are relative to each tile's log-sum-exp max.
     need_lse = c.return_logprobs or c.lists or c.return_entropy
     given = c.given_ids is not None
+    # Calls that report floats (log-probabilities, entropies, scores) run
+    # the batch-invariant configs: a row's bits then never depend on the
+    # batch around it (docs/design.md, "Determinism and RL"). Tokens are
+    # invariant on every config.
+    invariant = c.returns_output or given
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
@@ -184,7 +192,8 @@ class TritonBackend(SamplerBackend):
           vocab_size=p.vocab_size, controls=spec, bias=c.logit_bias,
           allowed_mask=c.allowed_mask,
           given_ids=c.given_ids.astype(jnp.int32) if spec.given else None,
-          weight_scale=_weight_scale(p)))
+          weight_scale=_weight_scale(p), config=self.controls_config,
+          batch_invariant=invariant))
     first = parts[0]
     lists = (first.cand_vals, first.cand_ids, first.bound)
     if c.lists:
