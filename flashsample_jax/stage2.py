@@ -509,8 +509,10 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
   for such rows; a caller that samples from the candidates must not).
   Mirrors :func:`controls.keep_mask`.
   ``lse`` is the rows' online log-sum-exp ``(max, sum)``.
-  Rows where the mass before a listed id is within ``margin`` (relative) of
-  ``top_p`` are not certified (rounding could move the nucleus edge).
+  Top-p's edge is keep_mask's own, bit for bit, where the lists hold the
+  set its mass is measured over; elsewhere rows where the mass before a
+  listed id is within ``margin`` (relative) of ``top_p`` are not certified
+  (the normalizer's rounding could move the edge).
   """
   b, m = cand_t.shape
   top = cand_t[:, :1]

@@ -47,8 +47,11 @@ class TestMosaicInterpret(BackendSuite):
   # runs: its uncertified rows take the early-exit kernels, not lax.cond.
   # truncation_order="vllm" is stage 2's rule on the lists (the same for
   # every backend); the kernel's lists for top-p with min-p are k_p_minp's.
+  # The bias, the soft-cap and the mask reach the kernel as they do in
+  # "all" (CI time), a scalar top-k as "k_p_minp"'s.
   covered_cases = {"top_logprobs_truncated": "penalties_all", "penalties": "penalties_all",
-                   "p_minp_vllm": "k_p_minp"}
+                   "p_minp_vllm": "k_p_minp", "bias": "all", "softcap": "all",
+                   "mask": "all", "top_k_scalar": "k_p_minp"}
   # "all" runs top-k and top-p together with min-p (CI time).
   covered_sample_cases = {"top_k": "all", "top_p": "all"}
   # Per-row keys with a per-row truncation rule, with every control

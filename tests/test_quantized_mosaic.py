@@ -127,8 +127,14 @@ def test_small_vocabularies_are_refused_by_name():
 @pytest.mark.parametrize("cfg", _CONFIGS, ids=str)
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_configs_match_xla_scores(cfg, layout):
+  # Every 8-bit dtype on the first config's two paths (register A, staging
+  # tile); one dtype per other (config, layout), in turn (CI time: the
+  # conversions do not depend on the schedule).
   backend = MosaicBackend(interpret=True, config=cfg)
+  j = _CONFIGS.index(cfg)
   for i, dt in enumerate(DTYPES):
+    if j and i != (j + ("vd", "dv").index(layout)) % len(DTYPES):
+      continue
     p = _exact_problem(21, 128, 520, dt, layout, per_row=i != 1, seed=i)
     _same_candidates(backend, p)
 

@@ -100,7 +100,14 @@ class TestTritonAdapter(BackendSuite):
   dtypes = [jnp.bfloat16, jnp.float16]
   # truncation_order="vllm" is stage 2's rule on the lists (the same for
   # every backend); the adapter's lists for top-p with min-p are k_p_minp's.
-  covered_cases = {"p_minp_vllm": "k_p_minp"}
+  # The bias, the soft-cap and the mask reach the kernel's stand-in as in
+  # "all", a scalar top-k as in "k_p_minp"; per-row keys run with a per-row
+  # rule, every control and the penalties; several samples with "all" (CI
+  # time: the kernels themselves are tests/test_triton_kernels.py's).
+  covered_cases = {"p_minp_vllm": "k_p_minp", "bias": "all", "softcap": "all",
+                   "mask": "all", "top_k_scalar": "k_p_minp"}
+  row_key_cases = frozenset({"top_k", "top_p", "all", "penalties_all"})
+  covered_sample_cases = {"top_k": "all", "top_p": "all"}
 
 
 @functools.cache
@@ -207,18 +214,25 @@ def test_scale_reaches_the_kernels_unbroadcast(monkeypatch, per_row):
   assert all(x.dtype == jnp.float32 for x in seen)
 
 
+def _record_launches(monkeypatch, argument: str) -> list:
+  """The list that each launch of the controls kernel's stand-in appends
+  its keyword ``argument`` to."""
+  seen = []
+  real = _Controls.control_candidates
+
+  def spy(*args, **kw):
+    seen.append(kw[argument])
+    return real(*args, **kw)
+
+  monkeypatch.setattr(_Controls, "control_candidates", staticmethod(spy))
+  return seen
+
+
 def test_rl_fields_come_from_the_first_launch_only(monkeypatch):
   # Six samples take two launches (MAX_KERNEL_SAMPLES = 4): the log-sum-exp,
   # the lists and the RL fields do not depend on the samples, so only the
   # first computes them; the outputs are the reference's.
-  specs = []
-  real = _Controls.control_candidates
-
-  def spy(*args, controls, **kw):
-    specs.append(controls)
-    return real(*args, controls=controls, **kw)
-
-  monkeypatch.setattr(_Controls, "control_candidates", staticmethod(spy))
+  specs = _record_launches(monkeypatch, "controls")
   from tests import cases  # pylint: disable=import-outside-toplevel
   kw = dict(return_entropy=True, return_raw_logprobs=True, return_kept=16,
             return_logprobs=True, num_samples=6, top_k=jnp.asarray(
@@ -243,14 +257,7 @@ def test_calls_reporting_floats_run_the_batch_invariant_configs(monkeypatch):
   # docs/design.md, "Determinism and RL": log-probabilities, entropies and
   # scores come from the batch-invariant launches; token-only calls keep
   # the faster table.
-  seen = []
-  real = _Controls.control_candidates
-
-  def spy(*args, batch_invariant, **kw):
-    seen.append(batch_invariant)
-    return real(*args, batch_invariant=batch_invariant, **kw)
-
-  monkeypatch.setattr(_Controls, "control_candidates", staticmethod(spy))
+  seen = _record_launches(monkeypatch, "batch_invariant")
   from tests import cases  # pylint: disable=import-outside-toplevel
   run = lambda **kw: fs.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=cases.T,
                                backend=CpuTritonBackend(), **kw)

@@ -17,6 +17,13 @@ from tests.backend_suite import BackendSuite
 
 class TestXlaBackend(BackendSuite):
   backend = "xla"
+  # Per-row keys with a per-row truncation rule of each kind, every control
+  # together, vLLM's order, top_logprobs and the penalties (CI time: the
+  # key kind is independent of the rule; the scalar key runs every case).
+  row_key_cases = frozenset({"top_k", "top_p", "min_p", "p_minp_vllm", "all",
+                             "top_logprobs_truncated", "penalties_all"})
+  # Several samples with logprobs: every truncation rule together ("all").
+  covered_sample_cases = {"top_k": "all", "top_p": "all"}
 
 
 @pytest.mark.parametrize("chunk", [128, 384, 1000, 4096])
