@@ -50,6 +50,7 @@ on 38% of them (``benchmarks/experiments/triton_check.py``; docs/performance.md,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -403,22 +404,36 @@ INVARIANT_BLOCK_V = 64
 INVARIANT_MAX_BLOCK_B = 128
 
 
-def invariant_config(batch: int, dim: int, rows: int,
-                     max_elements: int = 32) -> base.TritonConfig:
+def invariant_config(batch: int, dim: int, rows: int, max_elements: int = 32, *,
+                     capability: tuple[int, int] = (9, 0), itemsize: int = 2,
+                     w_itemsize: int | None = None) -> base.TritonConfig:
   """The batch-invariant launch's config for ``batch`` rows: the vocabulary
   on M in tiles of :data:`INVARIANT_BLOCK_V` ids (fewer for a vocabulary
   that small: that depends on ``rows`` alone), batch blocks of 16 to 128
   rows, at most ``max_elements`` per thread (:func:`_fit_elements`: the
   warps and the batch block are on the N side, which the vocabulary's
-  reduction order does not see)."""
+  reduction order does not see), and fewer stages, then shorter steps
+  along D, where the family's shared memory (``capability``; ``itemsize``
+  and ``w_itemsize`` the hidden states' and weight's bytes) does not hold
+  four: neither changes any sum's order (each logit accumulates along D
+  in one order whatever the step)."""
   block_b = min(max(16, 1 << max(batch - 1, 0).bit_length()), INVARIANT_MAX_BLOCK_B)
   block_v = INVARIANT_BLOCK_V
   while block_v > 16 and block_v // 2 >= rows:
     block_v //= 2
   block_b, num_warps = _fit_elements(block_v, block_b, 4, max_elements)
-  return base.TritonConfig(block_v=block_v, block_b=block_b,
-                           block_d=base.fit_block_d(128, dim),
-                           num_warps=num_warps, num_stages=4, vocab_on_m=True)
+  cfg = base.TritonConfig(block_v=block_v, block_b=block_b,
+                          block_d=base.fit_block_d(128, dim),
+                          num_warps=num_warps, num_stages=4, vocab_on_m=True)
+  budget = base.SMEM_BYTES[base.gpu_family(capability)]
+  while cfg.smem_bytes(itemsize, w_itemsize) > budget:
+    if cfg.num_stages > 2:
+      cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    elif cfg.block_d > 32:
+      cfg = dataclasses.replace(cfg, block_d=cfg.block_d // 2)
+    else:
+      break
+  return cfg
 
 
 def _fit_elements(block_v: int, block_b: int, num_warps: int,
@@ -441,11 +456,13 @@ def pick_controls_config(batch: int, dim: int, rows: int,
                          controls: Controls,
                          w_itemsize: int | None = None,
                          layout: str = "vd",
-                         batch_invariant: bool = False) -> base.TritonConfig:
+                         batch_invariant: bool = False,
+                         itemsize: int = 2) -> base.TritonConfig:
   """The plain sampler's config with fewer elements per thread, or with
   ``batch_invariant`` :func:`invariant_config` (except for an 8-bit weight
   stored ``[D, V]``, whose tiles on the M side would be transposed in
-  registers: its table's configs, not batch-invariant).
+  registers: its table's configs, not batch-invariant; ``itemsize``: the
+  hidden states' bytes, for its shared memory).
 
   The epilogue keeps every element of a thread live at once; each sample,
   the list passes and the log-sum-exp add to it. Compiled for sm90
@@ -465,8 +482,9 @@ def pick_controls_config(batch: int, dim: int, rows: int,
     # Its tiles keep 128 registers at 32 elements with the log-sum-exp, the
     # best's t and the lists (sm90); several samples or the RL fields
     # spilled there and keep none at 16 (8 warps).
-    return invariant_config(batch, dim, rows,
-                            16 if rl or controls.samples > 1 else 32)
+    return invariant_config(batch, dim, rows, 16 if rl or controls.samples > 1 else 32,
+                            capability=capability, itemsize=itemsize,
+                            w_itemsize=w_itemsize)
   cfg = base.pick_config(batch, dim, rows, capability, w_itemsize=w_itemsize,
                          layout=layout)
   heavy = ((controls.top_k > 0 and controls.noise) or controls.samples > 1
@@ -617,7 +635,8 @@ def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
   if config is None:
     config = pick_controls_config(batch, dim, w_rows, capability, controls,
                                   w_itemsize=w_itemsize, layout=layout,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant,
+                                  itemsize=jnp.dtype(hidden.dtype).itemsize)
   cfg = base.resolve_config(config, batch=batch, dim=dim, rows=w_rows,
                             itemsize=jnp.dtype(hidden.dtype).itemsize,
                             w_itemsize=w_itemsize, capability=capability)

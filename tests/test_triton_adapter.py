@@ -283,6 +283,16 @@ def test_invariant_configs_share_the_vocabulary_tiles():
       3, 4096, 151936, (9, 0), triton_controls.Controls(samples=1, t_best=True, lse=True),
       batch_invariant=True)
   assert c == cfgs[0]
+  # Every family's shared memory holds them, f32 hidden states included:
+  # fewer stages first, the same vocabulary tiles.
+  from pallas_kernels import triton_sampler as ts  # pylint: disable=import-outside-toplevel
+  for cap in ((8, 0), (8, 9), (9, 0), (10, 0)):
+    for itemsize, w_itemsize in ((2, 2), (4, 4), (2, 1)):
+      c = triton_controls.invariant_config(512, 4096, 151936, capability=cap,
+                                           itemsize=itemsize, w_itemsize=w_itemsize)
+      assert c.smem_bytes(itemsize, w_itemsize) <= ts.SMEM_BYTES[ts.gpu_family(cap)], (cap, c)
+      assert (c.block_v, c.vocab_on_m) == (64, True)
+  assert triton_controls.invariant_config(512, 4096, 151936).num_stages == 4
   # An 8-bit [D, V] weight keeps its own table (no transposes in registers).
   c = triton_controls.pick_controls_config(
       3, 4096, 151936, (9, 0), triton_controls.Controls(samples=1, t_best=True, lse=True),
