@@ -255,15 +255,16 @@ def test_rl_fields_come_from_the_first_launch_only(monkeypatch):
 
 def test_calls_reporting_floats_run_the_batch_invariant_configs(monkeypatch):
   # docs/design.md, "Determinism and RL": log-probabilities, entropies and
-  # scores come from the batch-invariant launches; token-only calls keep
-  # the faster table.
+  # scores come from the batch-invariant launches; calls for tokens and
+  # kept sets (the same on every config) keep the faster table.
   seen = _record_launches(monkeypatch, "batch_invariant")
   from tests import cases  # pylint: disable=import-outside-toplevel
   run = lambda **kw: fs.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=cases.T,
                                backend=CpuTritonBackend(), **kw)
   for kw, want in ((dict(top_k=20, top_p=0.9), False), (dict(return_logprobs=True), True),
                    (dict(top_k=20, top_logprobs=3), True), (dict(return_entropy=True), True),
-                   (dict(top_p=0.9, return_kept=8), True)):
+                   (dict(return_raw_logprobs=True), True),
+                   (dict(top_p=0.9, return_kept=8), False)):
     seen.clear()
     run(**kw)
     assert seen == [want], kw

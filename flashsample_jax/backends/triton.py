@@ -167,9 +167,10 @@ class TritonBackend(SamplerBackend):
     given = c.given_ids is not None
     # Calls that report floats (log-probabilities, entropies, scores) run
     # the batch-invariant configs: a row's bits then never depend on the
-    # batch around it (docs/design.md, "Determinism and RL"). Tokens are
-    # invariant on every config.
-    invariant = c.returns_output or given
+    # batch around it (docs/design.md, "Determinism and RL"). Tokens and
+    # kept sets are the same on every config.
+    invariant = (c.return_logprobs or c.top_logprobs > 0 or c.return_entropy
+                 or c.return_raw_logprobs or given)
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
