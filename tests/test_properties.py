@@ -191,7 +191,7 @@ def _assert_matches_reference(got, want):
 
 
 @pytest.mark.parametrize("backend", PROPERTY_BACKENDS)
-@settings(max_examples=30, **PROPERTY_SETTINGS)
+@settings(max_examples=20, **PROPERTY_SETTINGS)
 @given(problem=problems(), jit=st.booleans())
 def test_sample_matches_reference(backend, problem, jit):
   got = _call(backend, jit, problem, {})
@@ -213,7 +213,7 @@ def problems_with_controls(draw):
 
 
 @pytest.mark.parametrize("backend", PROPERTY_BACKENDS)
-@settings(max_examples=14, **PROPERTY_SETTINGS)
+@settings(max_examples=10, **PROPERTY_SETTINGS)
 @given(case=problems_with_controls(), jit=st.booleans())
 def test_controls_match_reference(backend, case, jit):
   problem, options = case

@@ -551,7 +551,8 @@ def test_controls_same_on_1_2_4_8_shards(case, key_kind):
   key = keys_for(key_kind, _CB, seed=8)
   ctl = _CONTROLS[case]
   want = fs.reference.sample(h, w, key, temperature=t, **ctl)
-  for n in (1, 2, 4, 8):
+  # 1, 2 and 8 shards (CI time: the plain tests run 4 as well).
+  for n in (1, 2, 8):
     _check_controls(_controls_in_shard_map(h, w, key, t, make_mesh(1, n), ctl), want)
 
 

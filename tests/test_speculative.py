@@ -158,7 +158,9 @@ def test_probabilistic_emits_the_target_distribution():
     assert stats.binomtest(int(acc[sel].sum()), int(sel.sum()), accept[d]).pvalue > P_MIN
 
 
-@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+# 2 and 8 shards (CI time: 1 is the unsharded program's own, 4 lies between;
+# tests/test_sharding.py runs fs.sample on 1/2/4/8).
+@pytest.mark.parametrize("shards", [2, 8])
 def test_sharded_vocabulary_equals_unsharded(shards):
   if len(jax.devices()) < shards:
     pytest.skip(f"needs {shards} devices (tests/conftest.py gives a CPU 8)")
