@@ -617,10 +617,11 @@ def prefix_sums(x):
   """
   n = x.shape[1]
   # Each step reads the last one twice; fused into one loop, XLA would
-  # recompute the earlier steps per read (XLA's CPU compiler does: 40x
-  # the time of fenced steps on a 152k row). Fenced on the CPU and for
-  # long rows (the reference, the exact path); the candidate lists of a
-  # GPU's stage 2 stay one fusion, which measured no slower there.
+  # recompute the earlier steps per read (XLA's CPU compiler does, many
+  # times over on a 152k row). Fenced on the CPU and for long rows (the
+  # reference, the exact path); the candidate lists of a GPU's stage 2 stay
+  # one fusion, which measured no slower there (docs/performance.md, "RL
+  # outputs and batch invariance").
   fence = jax.default_backend() == "cpu" or n > 2048
   step = 1
   while step < n:

@@ -328,8 +328,8 @@ def history(c: controls.Controls) -> History:
 
 # Histories up to this many (row, id, id) pairs find their distinct ids by
 # comparing every pair (one fusion); longer ones sort (history(): a sort
-# and a few scans, ~15 us at B = 64 on an H100, docs/performance.md,
-# "Penalties in the kernel").
+# and a few scans; their cost: docs/performance.md, "Penalties in the
+# kernel").
 PAIRWISE_MAX = 2**25
 
 

@@ -393,13 +393,10 @@ def _controls_kernel(
 # Batch-invariant launches (docs/design.md, "Determinism and RL"): one
 # vocabulary tile (64 ids) on the MMA's M side for every batch size, so
 # that each (row, tile) reduces its log-sum-exp in one order, whatever the
-# batch block (the N side) and the number of warps along it. Measured on
-# an H200 (S head, return_logprobs, per-row keys, random inputs): 0 rows
-# whose log-probability bits differ between B = 1 / 16 / 64 / 128 / 256
-# and B = 512 (the float table's configs: 2 rows at B = 64); the call
-# took 317 / 326 / 443 / 1012 / 2013 us at B = 1 / 16 / 64 / 256 / 512
-# against the float table's 320 / 327 / 368 / - / 2596
-# (docs/performance.md, "Batch invariance").
+# batch block (the N side) and the number of warps along it. Measured
+# bit for bit against B = 512, and timed against the float table's
+# configs (slower at B = 33-64, faster from 128): docs/performance.md,
+# "RL outputs and batch invariance".
 INVARIANT_BLOCK_V = 64
 INVARIANT_MAX_BLOCK_B = 128
 
