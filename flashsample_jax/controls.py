@@ -23,7 +23,7 @@ Truncation of sampled rows, on the tempered ``t``:
   always kept), and also every id whose ``t`` equals the last kept one's.
   In f32: ``e = exp(t - max t)`` in that order, ``q = e / Z`` with ``Z`` the
   prefix sum of ``e`` at the set's last id, the mass before an id
-  ``prefix_sums(q) - q`` (:func:`nucleus_mass_before`; prefix sums whose
+  ``prefix_sums(q) - q`` (:func:`nucleus_terms`, :func:`mass_before`; prefix sums whose
   order of additions depends on the index alone).
 * ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
   least ``m`` times the row's top probability. For finite logits the top id
@@ -632,21 +632,24 @@ def prefix_sums(x):
   return x
 
 
-def nucleus_mass_before(ts):
-  """The probability mass ranked strictly before each entry of ``ts [B,
-  N]`` (descending, ``-inf`` after the finite prefix the mass is measured
-  over): ``e = exp(ts - ts[0])``, ``q = e / Z`` with ``Z`` the prefix sum
-  at the last finite entry, the mass ``prefix_sums(q) - q``. Every step
-  reads entries at or before the finite prefix's end only, so a list
-  holding that prefix gives the same bits as the whole sorted row (a NaN
-  in the row makes every mass NaN)."""
+def nucleus_terms(ts):
+  """``(e [B, N], Z [B])`` of top-p's mass over ``ts [B, N]`` (descending,
+  ``-inf`` after the finite prefix the mass is measured over): ``e =
+  exp(ts - ts[0])`` and ``Z`` its prefix sum at the last finite entry.
+  Every step reads entries at or before that prefix's end only, so a list
+  holding the prefix gives the same bits as the whole sorted row (a NaN in
+  the row makes ``Z`` NaN, as a sum over the row would: nothing is then
+  below p)."""
   e = jnp.exp(ts - ts[:, :1])
   finite = jnp.sum(ts > -jnp.inf, axis=1)
-  z = jnp.take_along_axis(prefix_sums(e), jnp.maximum(finite - 1, 0)[:, None], axis=1)
-  # A NaN anywhere in the row (sorted after the -inf) makes every mass NaN,
-  # as a sum over the row would: nothing is then below p.
-  z = jnp.where(jnp.any(jnp.isnan(e), axis=1, keepdims=True), jnp.nan, z)
-  q = e / z
+  z = jnp.take_along_axis(prefix_sums(e), jnp.maximum(finite - 1, 0)[:, None], axis=1)[:, 0]
+  return e, jnp.where(jnp.any(jnp.isnan(e), axis=1), jnp.nan, z)
+
+
+def mass_before(e, z):
+  """The probability mass ranked strictly before each entry: ``q = e / Z``
+  (``z [B]``), ``prefix_sums(q) - q``."""
+  q = e / z[:, None]
   return prefix_sums(q) - q
 
 
@@ -684,7 +687,7 @@ def keep_mask(t, c: Controls):
       ts = jnp.where((c.min_p[:, None] <= 0) | (jnp.exp(desc - m) >= c.min_p[:, None]),
                      ts, -jnp.inf)
     tk = jnp.where(keep, t, -jnp.inf)
-    before = nucleus_mass_before(ts)
+    before = mass_before(*nucleus_terms(ts))
     n = jnp.maximum(jnp.sum((before < c.top_p[:, None]) & (ts > -jnp.inf), axis=1), 1)
     thr = jnp.take_along_axis(ts, (n - 1)[:, None], axis=1)
     keep &= (c.top_p[:, None] >= 1) | (tk >= thr)

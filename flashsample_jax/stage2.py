@@ -548,7 +548,7 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     # top-p's mass is measured over (top-k's, and with "vllm" min-p's, when
     # it lies in the candidates; the whole row when the lists are
     # complete), it is keep_mask's own expression on the same values, so
-    # the same bits (controls.nucleus_mass_before): the edge is decided
+    # the same bits (controls.nucleus_terms): the edge is decided
     # exactly, however close to p. Elsewhere (top-p over a row the lists
     # do not hold) the normalizer is the online log-sum-exp's, whose
     # rounding differs from keep_mask's sum: rows with an id's mass within
@@ -562,9 +562,8 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     tk = jnp.where(keep, cand_t, -jnp.inf)
     listed_set = restrict_in | complete
     z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
-    e = jnp.exp(tk - top)
-    before_row = (jnp.cumsum(e, axis=1) - e) / z_all[:, None]
-    before = jnp.where(listed_set[:, None], controls.nucleus_mass_before(tk), before_row)
+    e, z_set = controls.nucleus_terms(tk)
+    before = controls.mass_before(e, jnp.where(listed_set, z_set, z_all))
     # keep_mask's threshold: the t of the n-th id, n the count of ids with
     # mass < p before them (at least 1). A count, not the smallest such t:
     # rounding may leave the mass before an id a little below the one

@@ -415,9 +415,7 @@ def invariant_config(batch: int, dim: int, rows: int, max_elements: int = 32, *,
   four: neither changes any sum's order (each logit accumulates along D
   in one order whatever the step)."""
   block_b = min(max(16, 1 << max(batch - 1, 0).bit_length()), INVARIANT_MAX_BLOCK_B)
-  block_v = INVARIANT_BLOCK_V
-  while block_v > 16 and block_v // 2 >= rows:
-    block_v //= 2
+  block_v = base.fit_block_v(INVARIANT_BLOCK_V, rows)
   block_b, num_warps = _fit_elements(block_v, block_b, 4, max_elements)
   cfg = base.TritonConfig(block_v=block_v, block_b=block_b,
                           block_d=base.fit_block_d(128, dim),

@@ -334,6 +334,14 @@ def device_capability(device=None) -> tuple[int, int]:
   return int(major), int(minor)
 
 
+def fit_block_v(block_v: int, rows: int) -> int:
+  """``block_v`` halved (down to 16) while half of it still covers the
+  ``rows`` weight rows of a tiny vocabulary."""
+  while block_v > 16 and block_v // 2 >= rows:
+    block_v //= 2
+  return block_v
+
+
 def fit_block_d(block_d: int, dim: int) -> int:
   """The largest power of two <= ``block_d`` (and >= 16) dividing ``dim``:
   whole steps need no mask on D. If none divides, ``block_d`` (masked)."""
@@ -383,10 +391,7 @@ def pick_config(batch: int, dim: int, rows: int,
     cfg = c
     if batch <= max_batch:
       break
-  block_v = cfg.block_v
-  while block_v > 16 and block_v // 2 >= rows:
-    block_v //= 2
-  return dataclasses.replace(cfg, block_v=block_v,
+  return dataclasses.replace(cfg, block_v=fit_block_v(cfg.block_v, rows),
                              block_d=fit_block_d(cfg.block_d, dim))
 
 

@@ -310,7 +310,7 @@ def _edge_row_and_p(k: int, seed: int):
   ts = jnp.where(desc >= desc[:, k - 1:k], desc, -jnp.inf)
   d = np.asarray(desc[0])
   m = next(i for i in range(4, k) if d[i] < d[i - 1])
-  mass = np.float32(controls.nucleus_mass_before(ts)[0, m])
+  mass = np.float32(controls.mass_before(*controls.nucleus_terms(ts))[0, m])
   ps = [np.nextafter(mass, np.float32(0)), mass, np.nextafter(mass, np.float32(1))]
   return h, w, t, [float(x) for x in ps]
 
