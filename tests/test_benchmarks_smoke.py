@@ -202,3 +202,29 @@ def test_batch_invariance_counts_rows_that_differ(tmp_path):
   (res,) = tmp_path.glob("batch_invariance_*.json")
   rows = json.loads(res.read_text())["rows"]
   assert [(r["B"], r["token_rows"]) for r in rows] == [(1, 0), (3, 0)]
+
+
+def test_score_benchmark_baseline_matches_score_tokens(tmp_path):
+  # benchmarks/bench_score.py: its XLA baseline computes the quantity the
+  # fused call is timed against (the log-probability over the kept set, and
+  # the kept set's entropy), and the run writes the fields the docs read.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import flashsample_jax as fs  # pylint: disable=import-outside-toplevel
+  from benchmarks import bench_score as bs  # pylint: disable=import-outside-toplevel
+  h = jax.random.normal(jax.random.key(0), (6, 64), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (512, 64), jnp.float32) * 0.4).astype(jnp.bfloat16)
+  for cfg in bs.CONFIGS.values():
+    trunc = {k: cfg[k] for k in ("top_k", "top_p") if k in cfg}
+    tok = fs.sample(h, w, jax.random.key(2), **cfg)
+    got = fs.score_tokens(h, w, tok, **cfg)
+    lp, ent = bs.xla_score(h, w, tok, temperature=cfg["temperature"], entropy=True, **trunc)
+    np.testing.assert_allclose(lp, got.logprob_truncated, atol=2e-5)
+    np.testing.assert_allclose(ent, got.entropy_truncated, atol=2e-5)
+  bs.main(["--smoke", "--rows", "4", "--reps", "1", "--configs", "topk_topp", "--no-plot",
+           "--out", str(tmp_path)])
+  (point,) = json.loads((tmp_path / "score_cpu.json").read_text())["points"]
+  assert point["N"] == 4 and point["config"] == "topk_topp"
+  assert {"fused_us", "xla_us", "dot_us", "fused_temp_mib", "xla_over_fused"} <= set(point)
+  assert "| topk_topp | 4 |" in (tmp_path / "score_cpu.md").read_text()
