@@ -6,6 +6,7 @@ writing the ``[B, V]`` logits to device memory.
 """
 
 from flashsample_jax import backends, controls, mesh, noise, problem, reference, sharding
+from flashsample_jax.checks import traced_checks
 from flashsample_jax.api import STATIC_ARGNAMES, sample, sample_logits, which_backend
 from flashsample_jax.backends import BACKENDS, Backend
 from flashsample_jax.controls import SampleOutput
@@ -16,7 +17,7 @@ from flashsample_jax.sharding import sample_sharded
 from flashsample_jax.speculative import VerifyOutput, verify_drafts
 
 __all__ = ["sample", "sample_logits", "sample_sharded", "verify_drafts", "VerifyOutput",
-           "SamplingParams", "quantize_weight", "score_tokens", "ScoreOutput",
+           "SamplingParams", "quantize_weight", "score_tokens", "ScoreOutput", "traced_checks",
            "SampleOutput", "Backend", "BACKENDS",
            "STATIC_ARGNAMES", "which_backend", "reference", "noise", "sharding",
            "controls", "backends", "mesh", "problem"]

@@ -297,9 +297,10 @@ def sample(hidden, weight, key, params=None, *, temperature=1.0, weight_layout="
     NotImplementedError: the named backend cannot run these arguments on this
       device (``"auto"`` then picks another).
 
-  Traced controls cannot be range-checked when the call is traced; each
-  carries a ``jax.experimental.checkify`` check instead, a no-op unless the
-  call is wrapped in ``checkify.checkify`` (README, "Invalid values").
+  Traced controls cannot be range-checked when the call is traced; while
+  traced checks are on (:func:`flashsample_jax.traced_checks`) each carries
+  a ``jax.experimental.checkify`` check instead, a no-op unless the call is
+  wrapped in ``checkify.checkify`` (README, "Invalid values").
   """
   axes = mesh.MeshAxes.of(vocab_axis, batch_axis)
   ctl = settings(params, _given(locals()))

@@ -57,12 +57,11 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
-from jax.experimental import checkify
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from flashsample_jax import problem
+from flashsample_jax import checks, problem
 
 
 @jax.tree_util.register_dataclass
@@ -265,9 +264,10 @@ def _range_text(lo, hi, lo_open: bool) -> str:
 
 
 def _debug_check(name: str, value, ok, want: str) -> None:
-  """A :func:`jax.experimental.checkify.debug_check` that every entry of a
-  traced ``value`` is ``ok`` (bool, ``value``'s shape): a no-op unless the
-  caller wraps the call in ``checkify.checkify`` (README, "Invalid values"),
+  """A :func:`flashsample_jax.checks.debug_check` that every entry of a
+  traced ``value`` is ``ok`` (bool, ``value``'s shape): while traced checks
+  are on, a no-op unless the caller wraps the call in ``checkify.checkify``
+  (README, "Invalid values"),
   then an error naming the first bad entry."""
   flat_ok = jnp.ravel(ok)
   i = jnp.argmin(flat_ok)
@@ -276,8 +276,8 @@ def _debug_check(name: str, value, ok, want: str) -> None:
   else:
     shape = tuple(jnp.shape(value))
     where = f"{name}[{{i}}]" if len(shape) == 1 else f"{name} entry {{i}} (flat, shape {shape})"
-  checkify.debug_check(jnp.all(flat_ok), f"{where}={{v}} must be {want}",
-                       i=i, v=jnp.ravel(value)[i])
+  checks.debug_check(jnp.all(flat_ok), f"{where}={{v}} must be {want}",
+                     i=i, v=jnp.ravel(value)[i])
 
 
 def _debug_check_range(name: str, value, *, lo, hi, lo_open: bool, off: str) -> None:

@@ -4,10 +4,11 @@
 canonical per-row form every backend consumes. Checks on shapes, dtypes and
 static values raise ``TypeError``/``ValueError`` naming the argument; checks
 on *values* raise only when the value is concrete. A traced temperature
-cannot be inspected when the call is traced: it gets a
-``checkify.debug_check`` instead (:func:`check_normal`), which reports an
-invalid value only where the caller wraps the call in ``checkify.checkify``;
-unchecked, it behaves as the README's "Invalid values" say. A ``Problem``
+cannot be inspected when the call is traced: while traced checks are on
+(:mod:`flashsample_jax.checks`) it gets a ``checkify.debug_check`` instead
+(:func:`check_normal`), which reports an invalid value only where the caller
+wraps the call in ``checkify.checkify``; unchecked, it behaves as the
+README's "Invalid values" say. A ``Problem``
 is a pytree (arrays as leaves, the static facts as its structure), so a
 checked problem passes into ``jax.jit`` and ``shard_map`` without being
 checked again.
@@ -22,9 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import checkify
-
-from flashsample_jax import noise
+from flashsample_jax import checks, noise
 
 WeightLayout = Literal["vd", "dv"]
 WEIGHT_LAYOUTS: tuple[str, ...] = ("vd", "dv")
@@ -280,9 +279,10 @@ def check_normal(name: str, value, *, zero: str | None = None) -> None:
   A concrete ``value`` (a number or an array, any shape) raises
   ``ValueError`` naming the first bad entry; a Python or float64 value that
   is not 0 but rounds to a float32 0 is refused too. A traced one gets a
-  :func:`jax.experimental.checkify.debug_check`: a no-op unless the caller
-  wraps the call in ``checkify.checkify`` (the README's "Invalid values"
-  say what unchecked traced values do).
+  :func:`flashsample_jax.checks.debug_check`: nothing unless traced checks
+  are on, then a no-op unless the caller wraps the call in
+  ``checkify.checkify`` (the README's "Invalid values" say what unchecked
+  traced values do).
 
   Raises:
     ValueError: a concrete value out of range.
@@ -307,8 +307,8 @@ def check_normal(name: str, value, *, zero: str | None = None) -> None:
   ok = _normal_bits_ok(lax.bitcast_convert_type(x, jnp.uint32), zero is not None)
   i = jnp.argmin(ok)
   where = name if jnp.ndim(value) == 0 else f"{name}[{{i}}]"
-  checkify.debug_check(jnp.all(ok), f"{where}={{v}} must be {accepted}: {_NORMAL_WHY}",
-                       i=i, v=x[i])
+  checks.debug_check(jnp.all(ok), f"{where}={{v}} must be {accepted}: {_NORMAL_WHY}",
+                     i=i, v=x[i])
 
 
 def _temperature(temperature, batch: int) -> jax.Array:

@@ -21,9 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
-from flashsample_jax import api, backends, controls as _controls, mesh, problem, stage2
+from flashsample_jax import api, backends, checks, controls as _controls, mesh, problem, stage2
 from flashsample_jax.params import SamplingParams, STATIC_NAMES
 
 __all__ = ["score_tokens", "ScoreOutput"]
@@ -63,7 +62,8 @@ _OUTPUT_OPTIONS = tuple(n for n in STATIC_NAMES if n != "truncation_order")
 
 def _token_ids(token_ids, batch: int, vocab_size: int):
   """Checks ``token_ids`` (int ``[B]``, ids in ``[0, vocab_size)``): a
-  concrete one eagerly, a traced one with a checkify check."""
+  concrete one eagerly, a traced one with a checkify check while traced
+  checks are on (:mod:`flashsample_jax.checks`)."""
   if not hasattr(token_ids, "dtype") or not jnp.issubdtype(token_ids.dtype, jnp.integer):
     raise TypeError(f"token_ids must be an integer array [B], got "
                     f"{getattr(token_ids, 'dtype', type(token_ids).__name__)}")
@@ -81,8 +81,8 @@ def _token_ids(token_ids, batch: int, vocab_size: int):
   else:
     good = ok(token_ids)
     i = jnp.argmin(good)
-    checkify.debug_check(jnp.all(good), f"token_ids[{{i}}]={{v}} must be in [0, {vocab_size})",
-                         i=i, v=token_ids[i])
+    checks.debug_check(jnp.all(good), f"token_ids[{{i}}]={{v}} must be in [0, {vocab_size})",
+                       i=i, v=token_ids[i])
   return jnp.asarray(token_ids, jnp.int32)
 
 
@@ -114,7 +114,7 @@ def score_tokens(hidden, weight, token_ids, params=None, *, temperature=1.0,
   Raises:
     TypeError, ValueError: as :func:`flashsample_jax.sample`, and for
       ``token_ids`` of the wrong dtype, shape or range (traced ids get a
-      ``checkify`` check).
+      ``checkify`` check while traced checks are on).
     NotImplementedError: the named backend cannot score (the xla and dense
       backends can; ``"auto"`` picks one).
   """

@@ -47,9 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import checkify
 
-from flashsample_jax import api, backends, controls, mesh, problem, stage2
+from flashsample_jax import api, backends, checks, controls, mesh, problem, stage2
 
 __all__ = ["verify_drafts", "VerifyOutput", "METHODS", "ACCEPT_STREAM",
            "position_keys", "acceptance_uniforms", "draft_history"]
@@ -129,7 +128,7 @@ def _check_drafts(draft_ids, batch: int, positions: int, vocab_size: int):
       raise ValueError(f"draft_ids[{b}, {j}]={raw[b, j]} must be {want}")
   else:
     ok = jnp.all((draft_ids >= -1) & (draft_ids < vocab_size))
-    checkify.debug_check(ok, f"draft_ids must hold {want}")
+    checks.debug_check(ok, f"draft_ids must hold {want}")
   d = jnp.asarray(draft_ids, jnp.int32)
   live = jnp.cumprod(d >= 0, axis=1).astype(bool)   # before the row's first -1
   return jnp.where(live, d, -1)

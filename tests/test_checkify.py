@@ -1,11 +1,15 @@
 """Traced controls out of range (issue #42, defect 5).
 
-A traced value cannot be range-checked when the call is traced; each control
-carries a ``checkify`` check instead: a no-op in a plain call (the call runs
-and returns what it returns for such a value), an error naming the control
-and its first bad entry under ``checkify.checkify``. Concrete values are
-refused eagerly (tests/test_validation.py); the temperature's and the
-repetition penalty's traced checks are tested there too.
+A traced value cannot be range-checked when the call is traced; while traced
+checks are on (``fs.traced_checks()``, ``FSJ_TRACED_CHECKS=1``; this module
+turns them on for its tests; the last ones turn them off again) each control carries a
+``checkify`` check instead: a no-op in a plain call (the call runs and
+returns what it returns for such a value), an error naming the control and
+its first bad entry under ``checkify.checkify``. Off (the default), a trace
+carries no check and no effect, so jitted calls keep JAX's fast dispatch.
+Concrete values are refused eagerly (tests/test_validation.py); the
+temperature's and the repetition penalty's traced checks are tested there
+too.
 """
 
 import re
@@ -42,6 +46,11 @@ BAD = [
     ("repetition_penalty", -2.0, "-2.0", "a normal float32", {"prompt_ids": HISTORY}),
     ("temperature", NAN, "nan", "0 \\(greedy\\) or a normal float32", {}),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _checks_on(monkeypatch):
+  monkeypatch.setenv("FSJ_TRACED_CHECKS", "1")
 
 
 def _dtype(name):
@@ -97,3 +106,58 @@ def test_checks_reach_sample_logits_and_params():
   err, _ = checkify.checkify(f, errors=checkify.user_checks)(fs.SamplingParams(
       top_p=jnp.float32(1.5)))
   assert err.get() is not None and "top_p=1.5 must be in (0.0, 1.0]" in err.get()
+
+
+def test_traced_draft_ids_out_of_range_fail_a_checkify_check():
+  h = jnp.stack([H, H], axis=1)                             # [B, K + 1 = 2, D]
+  f = jax.jit(lambda d: fs.verify_drafts(h, W, KEY, d, backend="xla"))
+  checked = checkify.checkify(f, errors=checkify.user_checks)
+  assert checked(jnp.full((B, 1), 3, jnp.int32))[0].get() is None
+  err, _ = checked(jnp.full((B, 1), V, jnp.int32))
+  assert err.get() is not None and f"draft_ids must hold an id in [0, {V}) or -1" in err.get()
+
+
+# The default: no checks in the trace, so no effect, which would take every
+# call of a jitted program off JAX's fast dispatch path
+# (flashsample_jax/checks.py, docs/design.md, "Checks of traced values").
+_TRACED_CALLS = {
+    "sample": lambda t, k, d: fs.sample(H, W, KEY, temperature=t, top_k=k, top_p=t / 2,
+                                        backend="xla"),
+    "score_tokens": lambda t, k, d: fs.score_tokens(H, W, d[:, 0], temperature=t, top_k=k,
+                                                    backend="xla"),
+    "verify_drafts": lambda t, k, d: fs.verify_drafts(jnp.stack([H, H], axis=1), W, KEY, d,
+                                                      temperature=t, top_k=k, backend="xla"),
+}
+_TRACED_ARGS = (jnp.full((B,), 0.7, jnp.float32), jnp.full((B,), 5, jnp.int32),
+                jnp.full((B, 1), 3, jnp.int32))
+
+
+@pytest.mark.parametrize("call", sorted(_TRACED_CALLS))
+def test_traced_checks_are_off_by_default_and_leave_no_effect(call, monkeypatch):
+  monkeypatch.delenv("FSJ_TRACED_CHECKS", raising=False)
+  f = _TRACED_CALLS[call]
+  effects = lambda g: jax.make_jaxpr(g)(*_TRACED_ARGS).effects
+  assert effects(f) == set()
+  # A block is in JAX's cache key: the same function is traced again in it.
+  with fs.traced_checks():
+    assert effects(f) != set()
+    with fs.traced_checks(False):                      # the innermost block decides
+      assert effects(f) == set()
+  assert effects(f) == set()
+  # The environment is read at each trace (not a cache key: a new function).
+  monkeypatch.setenv("FSJ_TRACED_CHECKS", "1")
+  assert effects(lambda *a: f(*a)) != set()
+
+
+def test_unchecked_bad_traced_value_reports_nothing_and_turning_checks_on_reports_it(
+    monkeypatch):
+  monkeypatch.delenv("FSJ_TRACED_CHECKS", raising=False)
+  f = lambda tp: fs.sample(H, W, KEY, top_p=tp, backend="xla")
+  err, _ = checkify.checkify(jax.jit(f), errors=checkify.user_checks)(jnp.float32(1.5))
+  assert err.get() is None                                 # off: nothing was traced in
+  with fs.traced_checks():
+    err, _ = checkify.checkify(jax.jit(f), errors=checkify.user_checks)(jnp.float32(1.5))
+  assert err.get() is not None and "top_p=1.5 must be in (0.0, 1.0]" in err.get()
+  with pytest.raises(TypeError, match=r"enabled=1 must be a bool"):
+    with fs.traced_checks(1):
+      pass

@@ -243,8 +243,9 @@ def test_score_tokens_under_jit_params_and_errors():
     fs.score_tokens(cases.H, cases.W, tok.astype(jnp.float32))
   with pytest.raises(ValueError, match=r"params.num_samples=2 must be None"):
     fs.score_tokens(cases.H, cases.W, tok, fs.SamplingParams(num_samples=2))
-  err, _ = jax.jit(jax.experimental.checkify.checkify(
-      lambda tk: fs.score_tokens(cases.H, cases.W, tk)))(tok.at[5].set(-1))
+  with fs.traced_checks():
+    err, _ = jax.jit(jax.experimental.checkify.checkify(
+        lambda tk: fs.score_tokens(cases.H, cases.W, tk)))(tok.at[5].set(-1))
   with pytest.raises(Exception, match=r"token_ids\[5\]=-1 must be in \[0, 3001\)"):
     err.throw()
 

@@ -118,7 +118,8 @@ def test_temperatures_just_inside_equal_the_reference(t):
   np.testing.assert_array_equal(fs.sample(H, W, keys, temperature=rows, backend="xla"),
                                 fs.reference.sample(H, W, keys, temperature=rows))
   f = jax.jit(lambda t: fs.sample(H, W, KEY, temperature=t, backend="xla"))
-  err, out = checkify.checkify(f)(rows)
+  with fs.traced_checks():
+    err, out = checkify.checkify(f)(rows)
   assert err.get() is None
   np.testing.assert_array_equal(out, fs.reference.sample(H, W, KEY, temperature=rows))
 
@@ -141,11 +142,13 @@ def test_temperatures_just_outside_are_refused(sampler, t, shown):
                                -1.0, float("nan")])
 def test_traced_temperatures_outside_fail_a_checkify_check(t):
   f = jax.jit(lambda t: fs.sample(H, W, KEY, temperature=t, backend="xla"))
-  f(jnp.float32(t))                        # unchecked: a no-op, as before
-  err, _ = checkify.checkify(f)(jnp.float32(t))
+  with fs.traced_checks():
+    f(jnp.float32(t))                      # unchecked: a no-op, as before
+    err, _ = checkify.checkify(f)(jnp.float32(t))
   assert err.get() is not None and re.search(rf"temperature=\S+ {_RANGE}", err.get())
   rows = jnp.array([1.0, 0.0, 1.0, t], jnp.float32)
-  err, _ = checkify.checkify(f)(rows)
+  with fs.traced_checks():
+    err, _ = checkify.checkify(f)(rows)
   assert err.get() is not None and re.search(rf"temperature\[3\]=\S+ {_RANGE}", err.get())
 
 
@@ -164,7 +167,8 @@ def test_repetition_penalty_outside_the_normal_range_is_refused(r):
   assert "3.4028" not in str(e.value)
   f = jax.jit(lambda r: fs.sample(H, W, KEY, repetition_penalty=r, prompt_ids=_HISTORY,
                                   backend="xla"))
-  err, _ = checkify.checkify(f)(jnp.float32(r))
+  with fs.traced_checks():
+    err, _ = checkify.checkify(f)(jnp.float32(r))
   assert err.get() is not None and re.search(rf"repetition_penalty=\S+ {normal}", err.get())
 
 

@@ -7,7 +7,10 @@ kernel name, from a profiler trace (#38).
 
 Prints, for each call, the summed device time per kernel name (top 15), the
 call's span on the device (first kernel start to last kernel end, averaged),
-and its median wall time per call.
+its median wall time per call, the device stream lines the events came on,
+and (``--sequence``) the last call's events in order with the idle time
+before each, and the host events longer than 20 us in that window (a host
+wait inside a call, e.g. a predicate copied back, shows there).
 """
 
 from __future__ import annotations
@@ -26,8 +29,23 @@ from benchmarks._timing import device_name, median_us, trace_events
 CONFIGS = {"qwen3": dict(temperature=0.6, top_k=20, top_p=0.95), "plain": dict(temperature=1.0)}
 
 
-def profile(name, f, *args, calls=6):
-  device, _ = trace_events(f, *args, calls=calls)
+def sequence(device, host, per_call: int):
+  """The last call's device events with the gap before each, and the host
+  events over 20 us in its window."""
+  last = device[-per_call:]
+  out, prev = [], None
+  for start, dur, kernel, line in last:
+    gap = 0.0 if prev is None else (start - prev) / 1e3
+    out.append([round(gap, 1), round(dur / 1e3, 1), kernel[:60], line[-20:]])
+    prev = start + dur
+  lo, hi = last[0][0], last[-1][0] + last[-1][1]
+  waits = [[round((s - lo) / 1e3, 1), round(d / 1e3, 1), t[-20:], n[:60]]
+           for s, d, t, n in host if lo <= s <= hi and d > 20e3]
+  return out, waits
+
+
+def profile(name, f, *args, calls=6, show_sequence=False):
+  device, host = trace_events(f, *args, calls=calls)
   per = collections.Counter()
   for _, dur, kernel, _ in device:
     per[kernel[:70]] += dur / calls / 1e3
@@ -35,7 +53,11 @@ def profile(name, f, *args, calls=6):
   print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, call=name,
                         wall_us=round(median_us(f, *args)[0], 1), span_us=round(span, 1),
                         kernels=len(device) // calls,
+                        lines=sorted({line for *_, line in device}),
                         top={k: round(v, 1) for k, v in per.most_common(15)})), flush=True)
+  if show_sequence and device:
+    seq, waits = sequence(device, host, len(device) // calls)
+    print(json.dumps(dict(call=name, sequence=seq, host_waits=waits)), flush=True)
 
 
 def main():
@@ -44,6 +66,8 @@ def main():
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--batch", type=int, nargs="+", default=[1])
   ap.add_argument("--config", default="plain", choices=sorted(CONFIGS))
+  ap.add_argument("--sequence", action="store_true",
+                  help="also the last call's events in order, with gaps and host waits")
   args = ap.parse_args()
   d, v = shapes.HEADS[args.head]
   w = shapes.random_head(args.head, 1.3)
@@ -57,9 +81,9 @@ def main():
     logprobs = jax.jit(lambda key, h, w: fs.sample(h.reshape(-1, d), w, key,
                                                    return_logprobs=True, **cfg))
     print(f"B = {b}, K = {args.k}, {args.config}")
-    profile("verify_one_hot", verify, key, h, w, drafts)
-    profile("sample", sample, key, h, w)
-    profile("sample_logprobs", logprobs, key, h, w)
+    profile("verify_one_hot", verify, key, h, w, drafts, show_sequence=args.sequence)
+    profile("sample", sample, key, h, w, show_sequence=args.sequence)
+    profile("sample_logprobs", logprobs, key, h, w, show_sequence=args.sequence)
 
 
 if __name__ == "__main__":
