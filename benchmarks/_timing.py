@@ -97,6 +97,38 @@ def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
   return n * 2 / (us * 1e-6)
 
 
+def head_run(head: str, smoke: bool, logit_std: float = 1.3):
+  """``(d, v, w, res)``: the shape of ``head`` (a tiny 256 x 4096 one with
+  ``smoke``), its random bf16 weight ``[V, D]`` whose logits against N(0, 1)
+  hidden states have standard deviation about ``logit_std``, and a results
+  dict with the device, jax, the head and its weight-read floor (W's bytes
+  over a large ``jnp.sum``'s read bandwidth) for a benchmark to add points to."""
+  import jax.numpy as jnp
+  from benchmarks import shapes
+  d, v = (256, 4096) if smoke else shapes.HEADS[head]
+  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32)
+       * (logit_std / d**0.5)).astype(jnp.bfloat16)
+  gbs = read_bandwidth(0.0625 if smoke else 4.0)
+  res = dict(gpu=device_name(), jax=jax.__version__, head=head, D=d, V=v,
+             floor_us=round(v * d * 2 / gbs * 1e6, 1), read_gbs=round(gbs / 1e9, 1),
+             points=[])
+  return d, v, w, res
+
+
+def add_point(res: dict, point: dict, on_point) -> None:
+  """Appends ``point`` to ``res["points"]``, prints it and calls
+  ``on_point(res)`` (which writes the results so far)."""
+  res["points"].append(point)
+  print(point, flush=True)
+  on_point(res)
+
+
+def head_line(res: dict) -> str:
+  """The markdown tables' first words on the head of :func:`head_run`."""
+  return (f"Head {res['head']} ({res['D']} x {res['V']}, bf16); weight-read floor "
+          f"{res['floor_us']} us ({res['read_gbs']} GB/s).")
+
+
 def device_name() -> str:
   """The first device's name: ``"NVIDIA H100 80GB HBM3"``, or ``"cpu (x86_64)"``."""
   import platform
@@ -126,6 +158,22 @@ def pow2_axis(ax, xs, xlabel: str, ylabel: str | None = None, title: str | None 
   if title is not None:
     ax.set_title(title)
   ax.grid(alpha=0.3)
+
+
+def panels(n: int):
+  """``(fig, axes)``: a row of ``n`` matplotlib panels (Agg), 5 x 4 inches each."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
+  return fig, axes[0]
+
+
+def save_panels(fig, axes, path) -> None:
+  """The first panel's legend, a tight layout, and the figure written to ``path``."""
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 def write_results(res: dict, out, stem: str, *, markdown, plot=None) -> None:

@@ -39,8 +39,8 @@ from jax import lax
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import (device_name, median_us, pow2_axis, read_bandwidth,
-                                run_and_write, slug)
+from benchmarks._timing import (add_point, device_name, head_line, head_run, median_us,
+                                panels, pow2_axis, run_and_write, save_panels, slug)
 
 CONFIGS = {"plain": dict(temperature=1.0),
            "topk_topp": dict(temperature=1.0, top_k=50, top_p=0.9)}
@@ -105,15 +105,7 @@ def temp_bytes(f, *args) -> int:
 
 
 def bench(args, on_point):
-  d, v = shapes.HEADS[args.head]
-  if args.smoke:
-    d, v = 256, 4096
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32)
-       * (1.3 / d**0.5)).astype(jnp.bfloat16)
-  gbs = read_bandwidth(0.0625 if args.smoke else 4.0)
-  res = dict(gpu=device_name(), jax=jax.__version__, head=args.head, D=d, V=v,
-             floor_us=round(v * d * 2 / gbs * 1e6, 1), read_gbs=round(gbs / 1e9, 1),
-             points=[])
+  d, v, w, res = head_run(args.head, args.smoke)
   for n in args.rows:
     h = jax.random.normal(jax.random.key(n), (n, d), jnp.bfloat16)
     tokens = jax.random.randint(jax.random.key(n + 1), (n,), 0, v, jnp.int32)
@@ -132,16 +124,13 @@ def bench(args, on_point):
         point["xla_over_fused"] = round(point["xla_us"] / point["fused_us"], 3)
       if "fused_us" in point and "dot_us" in point:
         point["fused_over_dot"] = round(point["fused_us"] / point["dot_us"], 3)
-      res["points"].append(point)
-      print(point, flush=True)
-      on_point(res)
+      add_point(res, point, on_point)
   return res
 
 
 def markdown(res) -> str:
   lines = [f"# Scoring given tokens, {res['gpu']}, jax {res['jax']}", "",
-           f"Head {res['head']} ({res['D']} x {res['V']}, bf16); weight-read floor "
-           f"{res['floor_us']} us ({res['read_gbs']} GB/s). `fused`: `fs.score_tokens` "
+           f"{head_line(res)} `fused`: `fs.score_tokens` "
            "(every ScoreOutput field); `xla`: f32 logits + `log_softmax` + gather; "
            "`xla_entropy`: and the entropy; `dot`: the f32 logits alone. Median us per "
            "call; MiB: the compiled program's temporary buffers "
@@ -162,21 +151,16 @@ def markdown(res) -> str:
 
 
 def plot(res, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   cfgs = sorted({p["config"] for p in res["points"]})
-  fig, axes = plt.subplots(1, len(cfgs), figsize=(5 * len(cfgs), 4), squeeze=False)
-  for ax, cfg in zip(axes[0], cfgs):
+  fig, axes = panels(len(cfgs))
+  for ax, cfg in zip(axes, cfgs):
     pts = [p for p in res["points"] if p["config"] == cfg]
     ns = [p["N"] for p in pts]
     for prov in PROVIDERS:
       if all(f"{prov}_us" in p for p in pts):
         ax.plot(ns, [p[f"{prov}_us"] for p in pts], marker="o", label=prov)
     pow2_axis(ax, ns, "rows N", "us per call", cfg)
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  save_panels(fig, axes, path)
 
 
 def main(argv=None):

@@ -31,8 +31,8 @@ from jax import lax
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import (device_name, median_us, pow2_axis, read_bandwidth, slug,
-                                write_results)
+from benchmarks._timing import (add_point, device_name, head_line, head_run, median_us,
+                                panels, pow2_axis, run_and_write, save_panels, slug)
 
 CONFIGS = {"qwen3": dict(temperature=0.6, top_k=20, top_p=0.95), "plain": dict(temperature=1.0)}
 
@@ -61,15 +61,7 @@ def jax_one_hot(key, h, w, drafts, u, *, temperature, top_k=None, top_p=None):
 
 
 def bench(args, on_point):
-  d, v = shapes.HEADS[args.head]
-  if args.smoke:
-    d, v = 256, 4096
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32)
-       * (1.3 / d**0.5)).astype(jnp.bfloat16)
-  gbs = read_bandwidth(0.0625 if args.smoke else 4.0)
-  res = dict(gpu=device_name(), jax=jax.__version__, head=args.head, D=d, V=v,
-             floor_us=round(v * d * 2 / gbs * 1e6, 1), read_gbs=round(gbs / 1e9, 1),
-             points=[])
+  d, v, w, res = head_run(args.head, args.smoke)
   for k in args.k:
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, k + 1, d), jnp.bfloat16)
@@ -89,16 +81,13 @@ def bench(args, on_point):
                      sample_us=round(median_us(sample, key, rows, w)[0], 1))
         point["speedup"] = round(point["jax_us"] / point["fused_us"], 2)
         point["vs_sample"] = round(point["fused_us"] / point["sample_us"], 2)
-        res["points"].append(point)
-        print(point, flush=True)
-        on_point(res)
+        add_point(res, point, on_point)
   return res
 
 
 def markdown(res) -> str:
   lines = [f"# Speculative verification, {res['gpu']}, jax {res['jax']}", "",
-           f"Head {res['head']} ({res['D']} x {res['V']}, bf16); weight-read floor "
-           f"{res['floor_us']} us ({res['read_gbs']} GB/s). One-hot rule; `jax`: the "
+           f"{head_line(res)} One-hot rule; `jax`: the "
            "materialized logits + `lax.top_k` + softmax + categorical; `sample`: `fs.sample` "
            "of the same B (K + 1) rows. Median us per call "
            "(`python benchmarks/bench_verify.py`).", "",
@@ -112,12 +101,9 @@ def markdown(res) -> str:
 
 
 def plot(res, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   ks = sorted({p["K"] for p in res["points"]})
-  fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
-  for ax, k in zip(axes[0], ks):
+  fig, axes = panels(len(ks))
+  for ax, k in zip(axes, ks):
     for cfg, style in (("qwen3", "-"), ("plain", "--")):
       pts = [p for p in res["points"] if p["K"] == k and p["config"] == cfg]
       bs = [p["B"] for p in pts]
@@ -126,9 +112,7 @@ def plot(res, path):
     ax.axhline(res["floor_us"], color="gray", lw=0.8, label="W read floor")
     pow2_axis(ax, sorted({p["B"] for p in res["points"]}), "requests B", "us per call",
               f"K = {k}")
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  save_panels(fig, axes, path)
 
 
 def main():
@@ -140,11 +124,7 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="a tiny head, for a CPU")
   ap.add_argument("--no-plot", action="store_true")
   args = ap.parse_args()
-  stem = f"verify_{slug(device_name())}"
-  res = bench(args, on_point=lambda r: write_results(r, args.out, stem, markdown=markdown))
-  write_results(res, args.out, stem, markdown=markdown, plot=None if args.no_plot else plot)
-  print(markdown(res))
-
+  run_and_write(bench, args, f"verify_{slug(device_name())}", markdown=markdown, plot=plot)
 
 if __name__ == "__main__":
   main()
