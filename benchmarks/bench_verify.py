@@ -1,7 +1,7 @@
 """Speculative verification: the fused ``fs.verify_drafts`` against the same
 rules written the usual way in JAX, and the fused ``fs.sample`` of as many rows.
 
-  python benchmarks/bench_verify.py [--head S] [--k 2 4 8] [--batches 1 8 16 32 64]
+  python -m benchmarks.bench_verify [--head S] [--k 2 4 8] [--batches 1 8 16 32 64]
       [--out benchmarks/results] [--smoke]
 
 Per (K, B requests, config), median us per call:
@@ -90,8 +90,9 @@ def markdown(res) -> str:
            f"{head_line(res)} One-hot rule; `jax`: the "
            "materialized logits + `lax.top_k` + softmax + categorical; `sample`: `fs.sample` "
            "of the same B (K + 1) rows. Median us per call "
-           "(`python benchmarks/bench_verify.py`).", "",
-           "| config | K | B | rows | route | fused | jax | sample | jax / fused | fused / sample |",
+           "(`python -m benchmarks.bench_verify`).", "",
+           "| config | K | B | rows | route | fused | jax | sample | jax / fused | "
+           "fused / sample |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for p in res["points"]:
     lines.append(f"| {p['config']} | {p['K']} | {p['B']} | {p['rows']} | {p['backend']} | "
