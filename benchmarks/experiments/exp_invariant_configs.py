@@ -26,12 +26,12 @@ from flashsample_jax.backends.triton import TritonBackend
 from pallas_kernels.triton_sampler import TritonConfig as C
 
 
-def _vocab_on_m(block_v: int, max_block_b: int, warps_per_64: int = 8):
+def _vocab_on_m(block_v: int, max_block_b: int, warps_per_64: int = 8, stages: int = 4):
   """The vocabulary on M for every B: tiles of ``block_v`` ids, batch
   blocks of 16 up to ``max_block_b`` rows."""
   def pick(b):
     bb = min(max(16, 1 << max(b - 1, 0).bit_length()), max_block_b)
-    return C(block_v, bb, 128, max(4, warps_per_64 * bb // 64), 4, True)
+    return C(block_v, bb, 128, max(4, warps_per_64 * bb // 64), stages, True)
   return pick
 
 
@@ -42,6 +42,10 @@ FAMILIES = {
     "vm64_b32": _vocab_on_m(64, 32),
     "vm64_b64w4": _vocab_on_m(64, 64, warps_per_64=4),
     "vm64_b128w8": _vocab_on_m(64, 128, warps_per_64=4),
+    # 128-id tiles: half the hidden-state re-reads per id of the 64-id ones.
+    "vm128_b64": _vocab_on_m(128, 64),
+    "vm128_b64w4": _vocab_on_m(128, 64, warps_per_64=4),
+    "vm128_b64s3": _vocab_on_m(128, 64, stages=3),
 }
 
 
