@@ -169,11 +169,13 @@ def test_bad_arguments_name_them():
 
 
 @pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
-def test_sharded_rl_outputs_on_1_2_4_8_shards():
+def test_sharded_rl_outputs_on_1_2_8_shards():
+  # 1, 2 and 8 shards (CI time: 4 lies between; tests/test_sharding.py runs
+  # the controls on 1/2/4/8).
   kw = dict(top_k=40, top_p=0.9, softcap=8.0, top_logprobs=6, top_logprobs_mode="raw", **RL)
   h, w = cases.H, cases.W[:3000]                       # 3000: divisible by 8
   want = fs.reference.sample(h, w, cases.KEYS["scalar"], temperature=cases.T, **kw)
-  for n in (1, 2, 4, 8):
+  for n in (1, 2, 8):
     mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:n])
     got = fs.sample_sharded(h, w, cases.KEYS["scalar"], mesh=mesh, vocab_axis="tp",
