@@ -904,6 +904,16 @@ def _top_n(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
 # row.
 EXACT_ROWS = 8
 
+# The bytes of one row group's f32 logits ``[rows, V]`` on the exact path
+# beyond EXACT_ROWS flagged rows. XLA reserves every branch's buffers for
+# every call, taken or not, so a branch that materialized all B rows made
+# each call with truncation or top-N hold several ``[B, V]`` buffers; batches
+# whose rows need more than this redo their flagged rows in groups of
+# exact_group_rows(), one loop step each (docs/performance.md, "The exact
+# path's conditional"). High enough that decode batches keep one
+# materialization (about 1770 rows of a 152k vocabulary).
+EXACT_GROUP_BYTES = 2**30
+
 # Controls fields with one entry (or one row) per batch row.
 _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "prompt_ids", "output_ids",
@@ -922,10 +932,19 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
   return _redo_flagged(p, c, rows.fallback, rows, _Rows.batch_axes(rows), redo)
 
 
+def exact_group_rows(vocab_size: int) -> int:
+  """Rows per group of the exact path's every-row branch: as many as
+  :data:`EXACT_GROUP_BYTES` of f32 logits hold, at least :data:`EXACT_ROWS`."""
+  return max(EXACT_ROWS, EXACT_GROUP_BYTES // (4 * vocab_size))
+
+
 def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
   """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
   conditional that skips it when no row needs it, and that redoes only those
-  rows (a compacted batch of :data:`EXACT_ROWS`) when there are that few.
+  rows (a compacted batch of :data:`EXACT_ROWS`) when there are that few,
+  else every row at once, or, where the batch's logits would exceed
+  :data:`EXACT_GROUP_BYTES`, the flagged rows in compacted groups of
+  :func:`exact_group_rows`, one loop step each.
 
   ``state``: a pytree of per-row arrays whose batch axes are ``axes`` (a
   pytree of ints of its structure); ``redo`` returns it with the flagged
@@ -955,22 +974,36 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
   if p.batch <= EXACT_ROWS:
     return lax.cond(count > 0, every_row, lambda: state)
 
-  def few_rows():
-    # The flagged rows' indices first (a prefix sum), padded with B, which
-    # gathers clip and scatters drop.
+  def flagged_first(size):
+    # The flagged rows' indices first (a prefix sum), padded with B (which
+    # gathers clip and scatters drop) to ``size`` entries.
     pos = jnp.cumsum(flags, dtype=jnp.int32) - 1
-    idx = jnp.full((EXACT_ROWS,), p.batch, jnp.int32).at[
-        jnp.where(flags, pos, EXACT_ROWS)].set(jnp.arange(p.batch, dtype=jnp.int32),
-                                               mode="drop")
+    return jnp.full((size,), p.batch, jnp.int32).at[jnp.where(flags, pos, size)].set(
+        jnp.arange(p.batch, dtype=jnp.int32), mode="drop")
+
+  def redo_rows(st, idx):
+    # Rows idx (B: none) redone as a batch of their own, put back into st.
     take = lambda a, axis: jnp.take(a, idx, axis=axis, mode="clip")
     ps, cs = _take_rows(keyed(p), c, idx)
-    new = redo(ps, cs, jax.tree.map(take, state, axes), take(flags, 0) & (idx < p.batch))
+    new = redo(ps, cs, jax.tree.map(take, st, axes), take(flags, 0) & (idx < p.batch))
     put = lambda a, b, axis: (a.at[idx].set(b, mode="drop") if axis == 0
                               else a.at[:, idx].set(b, mode="drop"))
-    return jax.tree.map(put, state, new, axes)
+    return jax.tree.map(put, st, new, axes)
+
+  def few_rows():
+    return redo_rows(state, flagged_first(EXACT_ROWS))
+
+  group = exact_group_rows(p.vocab_size)
+
+  def in_groups():
+    groups = -(-p.batch // group)
+    order = flagged_first(groups * group)
+    step = lambda g, st: redo_rows(st, lax.dynamic_slice(order, (g * group,), (group,)))
+    return lax.fori_loop(0, (count + group - 1) // group, step, state)
 
   branch = jnp.where(count == 0, 0, jnp.where(count <= EXACT_ROWS, 1, 2))
-  return lax.switch(branch, (lambda: state, few_rows, every_row))
+  return lax.switch(branch, (lambda: state, few_rows,
+                             every_row if p.batch <= group else in_groups))
 
 
 def _take_rows(p: Problem, c: controls.Controls, idx):

@@ -1,6 +1,8 @@
 """Stage 2's exact path: the fallback rows, and only they, are redone from
 materialized logits; at most ``stage2.EXACT_ROWS`` of them as a compacted
-batch of their own, more as the whole batch (one conditional either way)."""
+batch of their own, more as the whole batch, or in compacted groups where
+the batch's logits exceed ``stage2.EXACT_GROUP_BYTES`` (one conditional
+either way); the groups bound the memory the program reserves."""
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +19,23 @@ _SENTINEL = -7
 LOGITS = jnp.dot(H, W.T, preferred_element_type=jnp.float32)
 
 
-@pytest.mark.parametrize("flagged, key, source", [
-    (0, "scalar", "head"), (1, "per_row", "head"), (stage2.EXACT_ROWS, "scalar", "head"),
-    (stage2.EXACT_ROWS + 1, "per_row", "head"), (B, "scalar", "head"),
-    (1, "scalar", "logits"), (stage2.EXACT_ROWS, "per_row", "logits"),
-    (stage2.EXACT_ROWS + 1, "scalar", "logits")])
-def test_flagged_rows_and_only_they_are_redone(flagged, key, source):
+# Groups of 10 rows (B = 24: three loop steps when every row is flagged).
+_GROUPS_OF_10 = 10 * 4 * V
+
+
+@pytest.mark.parametrize("flagged, key, source, group_bytes", [
+    (0, "scalar", "head", None), (1, "per_row", "head", None),
+    (stage2.EXACT_ROWS, "scalar", "head", None), (stage2.EXACT_ROWS + 1, "per_row", "head", None),
+    (B, "scalar", "head", None), (1, "scalar", "logits", None),
+    (stage2.EXACT_ROWS, "per_row", "logits", None),
+    (stage2.EXACT_ROWS + 1, "scalar", "logits", None),
+    (stage2.EXACT_ROWS + 5, "per_row", "head", _GROUPS_OF_10),
+    (B, "scalar", "head", _GROUPS_OF_10), (B - 1, "per_row", "logits", _GROUPS_OF_10)])
+def test_flagged_rows_and_only_they_are_redone(flagged, key, source, group_bytes,
+                                               monkeypatch):
+  if group_bytes is not None:
+    monkeypatch.setattr(stage2, "EXACT_GROUP_BYTES", group_bytes)
+    assert stage2.exact_group_rows(V) == 10
   kw = dict(CASES["penalties_all"])                 # every per-row control field
   if source == "head":
     p = problem.prepare(H, W, KEYS[key], temperature=T)
@@ -50,3 +63,28 @@ def test_flagged_rows_and_only_they_are_redone(flagged, key, source):
   assert (tokens[:, ~fallback] == _SENTINEL).all()
   assert (top_ids[~fallback] == _SENTINEL).all()
   assert (np.asarray(out.lse_all)[~fallback] == 0).all()
+
+
+def test_groups_bound_the_memory_the_program_reserves(monkeypatch):
+  # XLA reserves every branch's buffers whether or not a row takes it: with
+  # the whole batch in one group the exact path holds several [B, V] f32
+  # buffers; in groups of 16 rows, [16, V] ones. (A fused pass writes no
+  # logits, so this is what a call with truncation reserves beyond it.)
+  b, v = 256, 4096
+  h = jax.random.normal(jax.random.key(0), (b, 64), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (v, 64), jnp.bfloat16)
+  p = problem.prepare(h, w, jax.random.key(2), temperature=1.0)
+  c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, top_k=50, top_p=0.9,
+                                return_logprobs=True)
+  rows = stage2._Rows(tokens=jnp.zeros((1, b), jnp.int32), t_tok=jnp.zeros((1, b)),
+                      lse_kept=jnp.zeros((1, b)), lse_all=jnp.zeros((b,)), top=None,
+                      fallback=jnp.zeros((b,), bool))
+
+  def temp_bytes():
+    f = jax.jit(lambda p, c, rows: stage2._exact_path(p, c, rows, None))
+    return f.lower(p, c, rows).compile().memory_analysis().temp_size_in_bytes
+
+  whole = temp_bytes()
+  assert whole > 3 * b * v * 4
+  monkeypatch.setattr(stage2, "EXACT_GROUP_BYTES", 16 * 4 * v)
+  assert temp_bytes() < b * v * 4 / 2

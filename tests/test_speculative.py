@@ -240,14 +240,17 @@ def test_example_runs_every_method(capsys):
   assert example.main(["--k", "0"]) == 2
 
 
-@pytest.mark.parametrize("exact_rows", [2, 8])
-def test_rows_on_the_exact_path_equal_reference(exact_rows, monkeypatch):
+@pytest.mark.parametrize("exact_rows, group_rows", [(2, None), (8, None), (2, 3)])
+def test_rows_on_the_exact_path_equal_reference(exact_rows, group_rows, monkeypatch):
   """Short candidate lists send rows to the exact path: with 32 candidates
   6 of the 24 rows (per key kind), which a compacted batch of 8 redoes, and
-  a batch of 2 cannot (the whole batch is redone)."""
+  a batch of 2 cannot (the whole batch is redone, or groups of 3 rows in a
+  loop where the batch's logits are over stage2.EXACT_GROUP_BYTES)."""
   from flashsample_jax import stage2
   monkeypatch.setattr(stage2, "CANDIDATES", 32)
   monkeypatch.setattr(stage2, "EXACT_ROWS", exact_rows)
+  if group_rows is not None:
+    monkeypatch.setattr(stage2, "EXACT_GROUP_BYTES", group_rows * 4 * V)
   jax.clear_caches()                # both are read when the call is traced
   try:
     for key in KEYS.values():
