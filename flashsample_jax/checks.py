@@ -5,10 +5,9 @@ cannot be checked eagerly. The package can check it with
 ``checkify.debug_check``, which does nothing on the device unless the caller
 wraps the call in ``checkify.checkify``, but which is not free: the check
 carries a JAX effect, and a jitted program with an effect leaves JAX's C++
-dispatch path for the Python one on every call, several hundred
-microseconds of host time a call, more than a whole decode step's sampling
-at small batches (docs/design.md, "Checks of traced values";
-docs/performance.md, "Dispatch"). So the checks are written into a trace
+dispatch path for the Python one on every call: host time that exceeded the
+device time of a small batch's sampling (docs/design.md, "Checks of traced
+values"; docs/performance.md, "Dispatch"). So the checks are written into a trace
 only while they are on: ``with fs.traced_checks(): ...`` around the
 tracing, or ``FSJ_TRACED_CHECKS=1`` in the environment for the whole
 process.

@@ -267,8 +267,7 @@ def _debug_check(name: str, value, ok, want: str) -> None:
   """A :func:`flashsample_jax.checks.debug_check` that every entry of a
   traced ``value`` is ``ok`` (bool, ``value``'s shape): while traced checks
   are on, a no-op unless the caller wraps the call in ``checkify.checkify``
-  (README, "Invalid values"),
-  then an error naming the first bad entry."""
+  (README, "Invalid values"), then an error naming the first bad entry."""
   flat_ok = jnp.ravel(ok)
   i = jnp.argmin(flat_ok)
   if jnp.ndim(value) == 0:

@@ -8,10 +8,9 @@ cannot be inspected when the call is traced: while traced checks are on
 (:mod:`flashsample_jax.checks`) it gets a ``checkify.debug_check`` instead
 (:func:`check_normal`), which reports an invalid value only where the caller
 wraps the call in ``checkify.checkify``; unchecked, it behaves as the
-README's "Invalid values" say. A ``Problem``
-is a pytree (arrays as leaves, the static facts as its structure), so a
-checked problem passes into ``jax.jit`` and ``shard_map`` without being
-checked again.
+README's "Invalid values" say. A ``Problem`` is a pytree (arrays as leaves,
+the static facts as its structure), so a checked problem passes into
+``jax.jit`` and ``shard_map`` without being checked again.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
 from flashsample_jax import checks, noise
 
 WeightLayout = Literal["vd", "dv"]

@@ -542,10 +542,10 @@ DEEP_D_PASSES = 4
 
 # The fewest batch blocks whose launch takes Dt = 128 in 2 slots, for the
 # devices where that differs from WIDE_D_MIN_BLOCKS. Measured at B = 256
-# (two blocks; docs/performance.md, "Batch blocks"): on an
-# H200 Dt = 128 took 626-663 / 1086-1113 us on shapes S / L against
-# 714-725 / 1175-1197 with Dt = 64 in 4 slots; on an H100 Dt = 64 was as
-# fast on L and 0-4% faster on S. From three blocks Dt = 128 won on both.
+# (two blocks; docs/performance.md, "Batch blocks", has the times): on an
+# H200 Dt = 128 was faster on shapes S and L than Dt = 64 in 4 slots; on an
+# H100 Dt = 64 was as fast on L and 0-4% faster on S. From three blocks
+# Dt = 128 won on both.
 WIDE_D_MIN_BLOCKS = 3
 WIDE_D_MIN_BLOCKS_BY_KIND: dict[str, int] = {"NVIDIA H200": 2}
 

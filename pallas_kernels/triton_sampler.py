@@ -213,10 +213,9 @@ _C = TritonConfig
 CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
     # Measured on an H100 80GB HBM3 (S: D 4096 x V 151936, and L: D 8192 x
     # V 128256 at B = 128; docs/performance.md, "The Triton kernels'
-    # configs"): the fastest of
-    # the configs tried at B = 1, 16, 64, 128, 256 (one config for B <= 16;
-    # at B = 128 steps of 128 along D: 553 / 833 us on S / L against 576 /
-    # 914 with steps of 64).
+    # configs"): the fastest of the configs tried at B = 1, 16, 64, 128, 256
+    # (one config for B <= 16; at B = 128 steps of 128 along D beat steps of
+    # 64 on S and L).
     "sm90": (
         (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),
         (32, _C(block_v=128, block_b=32, block_d=64, num_warps=4, num_stages=4)),
@@ -228,9 +227,9 @@ CONFIGS: dict[str, tuple[tuple[int, TritonConfig], ...]] = {
                    num_stages=3, vocab_on_m=False)),
     ),
     # Measured on an H200 (docs/performance.md, "The Triton kernels'
-    # configs"): there the B = 1 and B = 128
-    # rows differ from the H100's (6 stages of 128-id tiles: 313 us against
-    # 323; one 128-row block: 566 us against 744). Chosen by DEVICE_TABLES.
+    # configs"): there the B = 1 and B = 128 rows differ from the H100's
+    # (6 stages of 128-id tiles at B = 1; one 128-row block at B = 128).
+    # Chosen by DEVICE_TABLES.
     "sm90-h200": (
         (1, _C(block_v=128, block_b=16, block_d=64, num_warps=4, num_stages=6)),
         (16, _C(block_v=64, block_b=16, block_d=128, num_warps=4, num_stages=4)),

@@ -45,19 +45,15 @@ ROUTE_MAX_ROWS = 192
 PLAIN_DENSE = ((8192, 257, 320),)
 # Where a GPU's points differ. The H200's faster memory leaves its single
 # launches of 129-192 rows behind the dense route sooner (docs/performance.md,
-# "Routes on the GPU"; interleaved rounds at B = 128, 144, 160, 176, 192): at
-# D = 8192 the kernel won at 128 and lost from 144 on (817-907 us against
-# 739-837), so the range starts at the first row count of the single
-# launch, 129; at D = 4096 the two overlapped at 160 and the kernel lost
-# at 176 and 192 (586-704 against 585-659), so it starts at 161. At D =
+# "Routes on the GPU", which has the interleaved rounds' times): at D = 8192
+# the kernel won at 128 and lost from 144 on, so the range starts at the
+# first row count of the single launch, 129; at D = 4096 the two overlapped
+# at 160 and the kernel lost at 176 and 192, so it starts at 161. At D =
 # 2048 and 2880 the kernel stays ahead at 192. D between 4096 and 8192 was
-# not measured. With the D >= 8192 settings of the blocked launch
-# (interleaved rounds at 192-320 rows) its two blocks
-# cost about the same from 193 to 256 rows (996-1032 us), while the dense
-# route grows with B (834-898 at 208, 963-1006 at 240, 1028-1116 at 256):
-# the two cross between 240 and 244 (at 244-256 the kernel's median was
-# the lower in a later run), and at 257-320 (three blocks) the dense
-# route stays ahead (1290-1349 against 1358-1382).
+# not measured. With the D >= 8192 settings of the blocked launch its two
+# blocks cost about the same from 193 to 256 rows while the dense route grows
+# with B: the two cross between 240 and 244, and at 257-320 (three blocks)
+# the dense route stays ahead.
 PLAIN_DENSE_BY_KIND = {
     "NVIDIA H200": ((8192, 129, 240), (8192, 257, 320), (4096, 161, 192))}
 # Bit-planes (allowed mask and history) a launch holds in shared memory
