@@ -103,11 +103,9 @@ def head_run(head: str, smoke: bool, logit_std: float = 1.3):
   hidden states have standard deviation about ``logit_std``, and a results
   dict with the device, jax, the head and its weight-read floor (W's bytes
   over a large ``jnp.sum``'s read bandwidth) for a benchmark to add points to."""
-  import jax.numpy as jnp
   from benchmarks import shapes
   d, v = (256, 4096) if smoke else shapes.HEADS[head]
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32)
-       * (logit_std / d**0.5)).astype(jnp.bfloat16)
+  w = shapes.random_weight(d, v, logit_std)
   gbs = read_bandwidth(0.0625 if smoke else 4.0)
   res = dict(gpu=device_name(), jax=jax.__version__, head=head, D=d, V=v,
              floor_us=round(v * d * 2 / gbs * 1e6, 1), read_gbs=round(gbs / 1e9, 1),

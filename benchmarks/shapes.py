@@ -16,9 +16,13 @@ def random_head(head: str, logit_std: float = 3.0, seed: int = 1):
   """A random bf16 weight ``[V, D]`` of ``head``, drawn on the device, whose
   logits against N(0, 1) hidden states have standard deviation about
   ``logit_std`` (the experiments' stand-in for a trained head)."""
+  return random_weight(*HEADS[head], logit_std, seed)
+
+
+def random_weight(d: int, v: int, logit_std: float = 3.0, seed: int = 1):
+  """:func:`random_head` of any shape ``(D, V)`` (a smoke run's tiny one)."""
   import jax
   import jax.numpy as jnp
-  d, v = HEADS[head]
   w = jax.random.normal(jax.random.key(seed), (v, d), jnp.float32)
   return (w * (logit_std / d**0.5)).astype(jnp.bfloat16)
 

@@ -63,8 +63,7 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="a tiny head, for a CPU")
   args = ap.parse_args()
   d, v = (256, 4096) if args.smoke else shapes.HEADS[args.head]
-  w = (jax.random.normal(jax.random.key(1), (v, d), jnp.float32)
-       * (1.3 / d**0.5)).astype(jnp.bfloat16)
+  w = shapes.random_weight(d, v, 1.3)
   for b in args.batches:
     for name, (f, a) in calls(w, d, v, b).items():
       off, eff_off = timed(f, a, False)
