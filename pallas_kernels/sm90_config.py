@@ -36,6 +36,8 @@ __all__ = [
     "weight_path",
     "supported_dtype",
     "quantized_dtype",
+    "wide_8bit_steps",
+    "WIDE_8BIT_STEP",
 ]
 
 # wgmma's N (the batch side when the vocabulary is on M) is a multiple of 8
@@ -438,6 +440,50 @@ def _one_warpgroup(n: int) -> tuple[TuningConfig, int]:
   return cfg, n
 
 
+@dataclasses.dataclass(frozen=True)
+class _WideStep:
+  """The 8-bit register path's wide tiles, used where ``min_steps`` fit."""
+
+  tile_v: int
+  tile_d: int
+  min_steps: int
+
+
+# The 8-bit register path's steps (vocabulary on M, "vd"): each step
+# converts its tile and waits for its wgmma (WeightPath.REGISTERS), a cost
+# per step that wider steps spread over more bytes. On an H200 128 x 256
+# tiles in 4 slots measured fastest of the shapes tried at B <= 16 (3 slots
+# less so; interleaving the two warpgroups' steps gained nothing;
+# docs/performance.md, "Wide 8-bit steps"). The converted tile takes 128
+# registers per thread. Used where D allows and min_steps slots fit, else
+# the Dt = 128 tiles.
+WIDE_8BIT_STEP = _WideStep(tile_v=128, tile_d=256, min_steps=4)
+
+
+def _wide_8bit(base: TuningConfig, n: int, dim: int, itemsize: int):
+  """``base`` with the register path's wide tiles and the most slots that
+  fit, or None where D or the SMEM budget does not allow them."""
+  if dim % WIDE_8BIT_STEP.tile_d:
+    return None
+  wide = dataclasses.replace(base, tile_v=WIDE_8BIT_STEP.tile_v,
+                             tile_d=WIDE_8BIT_STEP.tile_d)
+  steps = most_steps(wide, n, itemsize, 1)
+  if steps < WIDE_8BIT_STEP.min_steps:
+    return None
+  return dataclasses.replace(wide, max_concurrent_steps=steps)
+
+
+def wide_8bit_steps(batch: int, dim: int, rows: int, itemsize: int = 2,
+                    layout: str = "vd") -> bool:
+  """Whether one launch of ``batch`` rows of an 8-bit head runs the
+  register path's wide steps (:data:`WIDE_8BIT_STEP`)."""
+  if batch > MAX_N or rows < 128:
+    return False
+  cfg = pick_config(batch_side(batch), dim, rows, itemsize, 1, layout)
+  return (weight_path(cfg.schedule, layout, 1) is WeightPath.REGISTERS
+          and cfg.tile_d == WIDE_8BIT_STEP.tile_d)
+
+
 def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
                 w_itemsize: int | None = None, layout: str = "vd") -> TuningConfig:
   """The config for batch side ``n`` (a multiple of 8), hidden ``D`` and
@@ -447,7 +493,8 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   waits), else 64; 2 to 8 slots. :meth:`TuningConfig.batch_pad` gives the
   padded batch side. ``itemsize``: H's bytes; ``w_itemsize``: W's (1 for
   an 8-bit weight, whose slots take half the bytes, so the ring is deeper;
-  its steps each wait for their wgmma, see :class:`WeightPath`)."""
+  its steps each wait for their wgmma, see :class:`WeightPath`; on the
+  register path :data:`WIDE_8BIT_STEP`'s tiles where they fit)."""
   if rows < 128:
     base, n = _one_warpgroup(n)
   else:
@@ -463,6 +510,10 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   staged = path is WeightPath.STAGED
   if path is not WeightPath.DIRECT:  # no wgmma in flight (WeightPath)
     base = dataclasses.replace(base, mma_in_flight=0)
+  if path is WeightPath.REGISTERS:
+    wide = _wide_8bit(base, n, dim, itemsize)
+    if wide is not None:
+      return wide
   options = (128, 64) if dim % 128 == 0 else (64,)
   for tile_d in options:
     cfg = dataclasses.replace(base, tile_d=tile_d)

@@ -225,15 +225,30 @@ def test_quantize_weight_errors():
 
 def test_quantized_plain_sampling_prefers_xla_gemm_and_controls_the_kernels():
   # Measured on an H200 (docs/performance.md, "Quantized heads"): XLA's GEMM
-  # reading the 8-bit weight beats the fused kernels for plain sampling,
-  # while with truncation the kernels' pass beats the dense route's sort.
+  # reading the 8-bit weight beats the fused kernels for plain sampling but
+  # where the mosaic kernel runs its wide 8-bit steps (B <= 16, "vd", D a
+  # multiple of 256), while with truncation the kernels' pass beats the
+  # dense route's sort.
   from flashsample_jax import backends, controls, problem
-  h, w, s = inputs.quantized_inputs(16, 64, 256, seed=13)
-  p = problem.prepare(h, w, jax.random.key(0), weight_scale=s)
-  plain = controls.prepare_controls(batch=16, vocab_size=256, rows=256)
-  trunc = controls.prepare_controls(batch=16, vocab_size=256, rows=256, top_k=5, top_p=0.9)
-  for impl in (backends.get("mosaic"), backends.get("triton")):
+  mosaic, triton = backends.get("mosaic"), backends.get("triton")
+
+  def calls(b, d, layout="vd"):
+    h, w, s = inputs.quantized_inputs(b, d, 256, seed=13, layout=layout)
+    p = problem.prepare(h, w, jax.random.key(0), weight_scale=s, weight_layout=layout)
+    plain = controls.prepare_controls(batch=b, vocab_size=256, rows=256)
+    trunc = controls.prepare_controls(batch=b, vocab_size=256, rows=256, top_k=5, top_p=0.9)
+    return p, plain, trunc
+
+  p, plain, trunc = calls(16, 64)
+  for impl in (mosaic, triton):
     assert impl.prefers(p, plain) is False
     assert impl.prefers(p, trunc) is True
+  for b, d, layout, want in ((1, 512, "vd", True), (16, 256, "vd", True),
+                             (17, 256, "vd", False), (16, 256, "dv", False),
+                             (16, 384, "vd", False)):
+    p, plain, _ = calls(b, d, layout)
+    assert mosaic.prefers(p, plain) is want, (b, d, layout)
+    assert triton.prefers(p, plain) is False
+  h, w, _ = inputs.quantized_inputs(16, 64, 256, seed=13)
   pb = problem.prepare(h, w.astype(jnp.bfloat16), jax.random.key(0))
-  assert backends.get("mosaic").prefers(pb, plain) is True
+  assert mosaic.prefers(pb, plain) is True

@@ -46,6 +46,10 @@ _CONFIGS = [
     TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=64, tile_d=128,
                  max_concurrent_steps=2, epi_cols=16, mma_in_flight=0,
                  batch_blocks=2, num_ctas=5),
+    # Dt = 256, the register path's wide steps (two 128-byte swizzle rows of
+    # 8-bit weights per tile row; sm90_config.WIDE_8BIT_STEP).
+    TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=64, tile_d=256,
+                 max_concurrent_steps=2, epi_cols=8, mma_in_flight=0, num_ctas=3),
 ]
 
 
@@ -105,6 +109,16 @@ def test_weight_paths_and_configs():
       n_pad = q.batch_pad(n)
       assert q.smem_bytes(n_pad, 2, 1, staged) <= sm90_config.SMEM_BUDGET
       q.check_problem(n=n_pad, dim=4096, rows=151936, w_itemsize=1, staged=staged)
+  # The register path's wide steps where D and the slots allow (B <= 16 on
+  # these heads), the 128 x 128 tiles elsewhere.
+  wide = sm90_config.WIDE_8BIT_STEP
+  for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, False),
+                     (48, 4096, False), (16, 2880, False)):
+    q = sm90_config.pick_config(n, d, 151936, 2, 1)
+    assert ((q.tile_v, q.tile_d) == (wide.tile_v, wide.tile_d)) is want, (n, d, q)
+    assert q.max_concurrent_steps >= (wide.min_steps if want else 2)
+    assert sm90_config.wide_8bit_steps(n, d, 151936) is want
+    assert not sm90_config.wide_8bit_steps(n, d, 151936, layout="dv")
   blocked = sm90_config.pick_blocked_config(512, 8192, 128256, 2, "NVIDIA H100", 1)
   assert blocked.mma_in_flight == 0 and blocked.batch_blocks == 4
   with pytest.raises(ValueError, match="bf16/f16 weights only"):
@@ -135,7 +149,7 @@ def test_configs_match_xla_scores(cfg, layout):
   for i, dt in enumerate(DTYPES):
     if j and i != (j + ("vd", "dv").index(layout)) % len(DTYPES):
       continue
-    p = _exact_problem(21, 128, 520, dt, layout, per_row=i != 1, seed=i)
+    p = _exact_problem(21, max(128, cfg.tile_d), 520, dt, layout, per_row=i != 1, seed=i)
     _same_candidates(backend, p)
 
 

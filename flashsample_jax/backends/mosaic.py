@@ -211,10 +211,14 @@ class MosaicBackend(SamplerBackend):
     if not c.active:
       # Quantized heads: XLA's GEMM reads the 8-bit weight and converts it
       # in its own kernel; plain sampling through it measured faster than
-      # these kernels at every batch but S at B = 1 (docs/performance.md,
+      # these kernels but where one launch runs the register path's wide
+      # steps (B <= 16, "vd", D a multiple of 256; docs/performance.md,
       # "Quantized heads").
       if p.quantized:
-        return False
+        # sm90_config imports only jax.numpy (see check).
+        from pallas_kernels import sm90_config  # pylint: disable=import-outside-toplevel
+        return sm90_config.wide_8bit_steps(p.batch, p.hidden_dim, p.weight_rows,
+                                           p.hidden.dtype.itemsize, p.layout)
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
                      for d, lo, hi in plain_dense(devices.device_kind()))
     return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
