@@ -295,3 +295,21 @@ def test_heuristic_exact_on_a_real_head_size(layout):
     np.testing.assert_array_equal(np.asarray(got),
                                   np.asarray(fs.reference.sample(h, w, key, **kw)),
                                   err_msg=f"B={b} {jnp.dtype(dt).name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 16])
+def test_wide_steps_with_non_power_of_two_temperatures(b):
+  # The heuristic's wide 8-bit steps (D = 512, B <= 16) with temperatures
+  # that round when divided: the winning scores equal the xla backend's bit
+  # for bit, and the tokens the reference's, with a shared and per-row keys.
+  d, v = 512, 5003
+  assert sm90_config.wide_8bit_steps(b, d, v)
+  h, w, s = inputs.quantized_inputs(b, d, v, seed=b)
+  t = jnp.asarray(np.resize([0.7, 0.6, 1.3, 0.0], b), jnp.float32)
+  for key in (jax.random.key(b), inputs.row_keys(b, seed=b)):
+    p = problem.prepare(h, w, key, temperature=t, weight_scale=s)
+    _same_candidates(MosaicBackend(), p)
+    got = fs.sample(h, w, key, temperature=t, weight_scale=s, backend="mosaic")
+    want = fs.reference.sample(h, w, key, temperature=t, weight_scale=s)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
