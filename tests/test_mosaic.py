@@ -505,6 +505,17 @@ def test_target_compiler_params():
   assert MosaicBackend()._target().profile_dir is None
 
 
+def test_interpret_false_runs_the_whole_grid_on_the_gpu():
+  # interpret=False means the GPU: one CTA per SM (num_sms None), not the
+  # interpret mode's 4 CTAs (which ran a real launch 10x slower).
+  for backend in (MosaicBackend(), MosaicBackend(interpret=False)):
+    target = backend._target()
+    assert target.interpret is None and target.num_sms is None
+  interp = MosaicBackend(interpret=True)._target()
+  assert interp.interpret is not None and interp.num_sms == 4
+  assert MosaicBackend(interpret=False, num_sms=8)._target().num_sms == 8
+
+
 # -- support checks and auto -----------------------------------------------------
 
 
