@@ -671,7 +671,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
           stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
                        full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
                        k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
-                       total=n_local * k_steps)
+                       total=n_local * k_steps, rotate=cfg.rotate_k)
 
       stage_smem = scratch.pop("stage_smem", None)
 
@@ -769,14 +769,19 @@ def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
 
 def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
                  vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
-                 num_ctas: int, total):
+                 num_ctas: int, total, rotate: bool = False):
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
-  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots
+  (``rotate``: tile ``t``'s steps from ``k = t % k_steps`` on, wrapping;
+  the compute warpgroups add them in the order they come)."""
 
   @pl.loop(0, total)
   def _step(s):
     slot, i, k = ring_step(s, S=S, k_steps=k_steps, empty=empty)
-    start = tile_start(cta + i * num_ctas, vt, rows)
+    tile = cta + i * num_ctas
+    if rotate:
+      k = lax.rem(k + lax.rem(tile, k_steps), k_steps)
+    start = tile_start(tile, vt, rows)
     if layout == "vd":
       w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
     else:

@@ -170,6 +170,9 @@ class TuningConfig:
       batch_blocks)``, so the CTAs of one tile's blocks run side by side and
       all but the first read its weight rows from L2: one pass over W from
       HBM for ``N * batch_blocks`` rows, work items of ``N x Vt``.
+    rotate_k: ping-pong schedules: tile ``t``'s walk over D starts at step
+      ``t % (D / Dt)`` instead of 0, so that the CTAs' concurrent copies
+      read different columns of their rows.
   """
 
   schedule: Schedule = Schedule.COOPERATIVE
@@ -183,6 +186,7 @@ class TuningConfig:
   epi_passes: int = 1
   mma_in_flight: int = 1
   batch_blocks: int = 1
+  rotate_k: bool = False
 
   def __post_init__(self):
     if not isinstance(self.schedule, Schedule):

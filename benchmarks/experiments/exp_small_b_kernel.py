@@ -1,0 +1,129 @@
+"""Two guesses about the mosaic kernel's own time at small B (#41).
+
+  python3 -m benchmarks.experiments.exp_small_b_kernel [--heads S L qwen3-1.7b gpt-oss]
+      [--batches 1 16] [--rounds 2] [--variants base rot balanced ctas:126]
+
+At B = 1 and 16 the kernel's own time on the L head is 1.04x that of a
+``jnp.sum`` over the same weight (``exp_small_b_timeline``; the other heads'
+kernels run at or below it). Variants (the heuristic's config, changed):
+
+* ``rot``: the order in which CTAs walk D. Every CTA walks its tile's D
+  steps from k = 0, so at any moment the SMs read the same few hundred bytes
+  of many rows a power-of-two stride apart, which may land on few memory
+  channels. ``rot`` starts tile t's walk at ``t % k_steps``
+  (``TuningConfig.rotate_k``: the memory warpgroup's copies only; the
+  compute warpgroups add the steps in the order they arrive).
+* ``ctas:N``: a persistent grid of N CTAs instead of one per SM;
+  ``balanced``: the fewest CTAs that keep the heuristic's number of rounds,
+  ``ceil(tiles / ceil(tiles / SMs))`` (L: 1002 tiles are 7.6 rounds over
+  132 SMs, so in the last round 54 SMs idle while 78 read; 126 CTAs run 8
+  nearly full rounds).
+
+Variants are timed in alternating rounds (device time per call from a
+profiler trace of back-to-back calls, the kernel's own time, and the wall
+time of blocks of calls); every variant's tokens are checked against the
+reference on exact inputs (any summation order gives the same logits there)
+and compared with the first variant's on the timed random inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+
+import flashsample_jax as fs
+from benchmarks import shapes
+from benchmarks._timing import device_name, median_us, read_bandwidth, trace_events
+from flashsample_jax import reference
+from flashsample_jax.backends.mosaic import MosaicBackend
+from pallas_kernels import sm90_common, sm90_sampler
+
+def config(variant: str, b: int, d: int, v: int):
+  """The heuristic's config of a ``b``-row launch, changed as ``variant`` says."""
+  (_, _, cfg, _), = sm90_sampler.launches(b, d, v, 2)
+  if variant == "rot":
+    return dataclasses.replace(cfg, rotate_k=True)
+  if variant.startswith("ctas:"):
+    return dataclasses.replace(cfg, num_ctas=int(variant[5:]))
+  if variant == "balanced":
+    tiles, sms = -(-v // cfg.tile_v), sm90_common.device_num_sms()
+    return dataclasses.replace(cfg, num_ctas=-(-tiles // -(-tiles // sms)))
+  assert variant == "base", variant
+  return cfg
+
+
+def compiled(variant: str, h, w, key, *, interpret: bool = False):
+  """Plain sampling on the mosaic backend with ``variant``'s config, compiled."""
+  backend = MosaicBackend(config=config(variant, *h.shape, w.shape[0]),
+                          interpret=True if interpret else None)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend=backend))
+  jax.block_until_ready(f(h, w, key))
+  return f
+
+
+def device_period_us(f, *args, calls: int = 20) -> float:
+  """Device time per call: the span of ``calls`` back-to-back calls' kernels."""
+  device, _ = trace_events(f, *args, calls=calls)
+  return (device[-1][0] + device[-1][1] - device[0][0]) / calls / 1e3
+
+
+def kernel_us(f, *args, calls: int = 20) -> float:
+  """The sampling kernel's own time per call."""
+  device, _ = trace_events(f, *args, calls=calls)
+  return sum(d for _, d, n, _ in device if "mosaic" in n) / calls / 1e3
+
+
+def exact_check(variants, b: int, dim: int = 4096, vocab: int = 32000,
+                interpret: bool = False) -> dict:
+  """Tokens of each variant on exact inputs equal the reference's."""
+  from tests import inputs  # pylint: disable=import-outside-toplevel
+  h, w = inputs.exact_inputs(b, dim, vocab, seed=b)
+  key = jax.random.key(b)
+  ref = reference.sample(h, w, key, temperature=0.7)
+  return {v: bool(jnp.all(compiled(v, h, w, key, interpret=interpret)(h, w, key) == ref))
+          for v in variants}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--heads", nargs="+", default=["S", "L", "qwen3-1.7b", "gpt-oss"],
+                  choices=sorted(shapes.HEADS))
+  ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--variants", nargs="+", default=["base", "rot", "balanced"])
+  args = ap.parse_args()
+  variants = args.variants
+  print(json.dumps(dict(gpu=device_name(), jax=jax.__version__,
+                        exact_tokens={b: exact_check(variants, b) for b in (1, 16, 64)})),
+        flush=True)
+  gbs = read_bandwidth(4.0)
+  key = jax.random.key(0)
+  for head in args.heads:
+    d, v = shapes.HEADS[head]
+    w = shapes.random_head(head, 1.3)
+    floor = v * d * 2 / gbs * 1e6
+    sum_w = jax.jit(lambda w: jnp.sum(w, dtype=jnp.float32))
+    sum_device = device_period_us(sum_w, w)
+    sum_kernel = max(d for _, d, _, _ in trace_events(sum_w, w, calls=1)[0]) / 1e3
+    for b in args.batches:
+      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
+      fns = {name: compiled(name, h, w, key) for name in variants}
+      toks = {name: f(h, w, key) for name, f in fns.items()}
+      same = {n: float(jnp.mean(toks[variants[0]] == t)) for n, t in toks.items()}
+      for r in range(args.rounds):
+        rec = dict(head=head, B=b, round=r, floor_us=round(floor, 1),
+                   sum_w_device_us=round(sum_device, 1),
+                   sum_w_kernel_us=round(sum_kernel, 1), tokens_equal_first=same)
+        for name, f in fns.items():
+          rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
+          rec[f"{name}_device"] = round(device_period_us(f, h, w, key), 1)
+          rec[f"{name}_kernel"] = round(kernel_us(f, h, w, key), 1)
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+  main()
