@@ -44,7 +44,8 @@ from jaxlib.mlir.dialects import llvm, memref
 
 from pallas_kernels import threefry
 from pallas_kernels.sm90_config import (
-    TuningConfig, WeightPath, quantized_dtype, round_up, weight_path)
+    TuningConfig, WeightPath, balanced_ctas, quantized_dtype, round_up,
+    weight_path)
 
 # 128-byte swizzle: 64 bf16/f16 elements per swizzled row.
 SWIZZLE = 128
@@ -93,6 +94,16 @@ class Target:
 
   def sms(self) -> int:
     return self.num_sms or device_num_sms()
+
+  def grid_ctas(self, cfg, n_tiles: int) -> int:
+    """CTAs of one batch block of a ping-pong launch over ``n_tiles``
+    tiles: the config's own count, or the SMs spread over balanced rounds
+    where one block takes them all (``sm90_config.balanced_ctas``)."""
+    nb = cfg.batch_blocks
+    ctas = max(1, min((cfg.num_ctas or self.sms()) // nb, n_tiles))
+    if cfg.num_ctas is None and nb == 1:
+      ctas = balanced_ctas(n_tiles, ctas)
+    return ctas
 
   def compiler_params(self, *, reduction_scratch: bool = True):
     """The launches' ``plgpu.CompilerParams``: Lane semantics, the
@@ -671,7 +682,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
           stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
                        full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
                        k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
-                       total=n_local * k_steps, rotate=cfg.rotate_k)
+                       total=n_local * k_steps)
 
       stage_smem = scratch.pop("stage_smem", None)
 
@@ -769,19 +780,14 @@ def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
 
 def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
                  vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
-                 num_ctas: int, total, rotate: bool = False):
+                 num_ctas: int, total):
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
-  ``(local tile i, k)`` steps in order through the ring of ``S`` slots
-  (``rotate``: tile ``t``'s steps from ``k = t % k_steps`` on, wrapping;
-  the compute warpgroups add them in the order they come)."""
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
 
   @pl.loop(0, total)
   def _step(s):
     slot, i, k = ring_step(s, S=S, k_steps=k_steps, empty=empty)
-    tile = cta + i * num_ctas
-    if rotate:
-      k = lax.rem(k + lax.rem(tile, k_steps), k_steps)
-    start = tile_start(tile, vt, rows)
+    start = tile_start(cta + i * num_ctas, vt, rows)
     if layout == "vd":
       w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
     else:

@@ -38,6 +38,7 @@ __all__ = [
     "quantized_dtype",
     "wide_8bit_steps",
     "WIDE_8BIT_STEP",
+    "balanced_ctas",
 ]
 
 # wgmma's N (the batch side when the vocabulary is on M) is a multiple of 8
@@ -170,9 +171,6 @@ class TuningConfig:
       batch_blocks)``, so the CTAs of one tile's blocks run side by side and
       all but the first read its weight rows from L2: one pass over W from
       HBM for ``N * batch_blocks`` rows, work items of ``N x Vt``.
-    rotate_k: ping-pong schedules: tile ``t``'s walk over D starts at step
-      ``t % (D / Dt)`` instead of 0, so that the CTAs' concurrent copies
-      read different columns of their rows.
   """
 
   schedule: Schedule = Schedule.COOPERATIVE
@@ -186,7 +184,6 @@ class TuningConfig:
   epi_passes: int = 1
   mma_in_flight: int = 1
   batch_blocks: int = 1
-  rotate_k: bool = False
 
   def __post_init__(self):
     if not isinstance(self.schedule, Schedule):
@@ -538,6 +535,18 @@ def most_steps(cfg: TuningConfig, n: int, itemsize: int = 2,
   per_step = (cfg.tile_v * w_itemsize + n * itemsize) * cfg.tile_d
   fixed = two.smem_bytes(n, itemsize, w_itemsize, staged) - 2 * per_step
   return int(max(0, min(limit, (SMEM_BUDGET - extra - fixed) // per_step)))
+
+
+def balanced_ctas(n_tiles: int, ctas: int) -> int:
+  """The fewest CTAs that take ``n_tiles`` tiles in as many rounds as
+  ``ctas`` CTAs do: every CTA then runs the same number of rounds, but for
+  at most one fewer, instead of a last round in which many SMs idle while
+  the rest read (L's 1002 tiles over 132 SMs: 78 read in the 8th round, 54
+  idle; 126 CTAs run 8 nearly full rounds, and the kernel took 3% less time
+  at B = 1 on an H200: docs/performance.md, "Small batches")."""
+  ctas = max(1, min(ctas, n_tiles))
+  rounds = -(-n_tiles // ctas)
+  return -(-n_tiles // rounds)
 
 
 # Plain sampling of more rows than BLOCKED_MIN_ROWS - 1 runs in batch blocks

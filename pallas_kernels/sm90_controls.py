@@ -449,7 +449,7 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
                     w_itemsize=w_itemsize, staged=weight_path(
                         cfg.schedule, layout, w_itemsize) is WeightPath.STAGED)
   # With batch blocks, num_ctas counts the CTAs of one block.
-  num_ctas = max(1, min((cfg.num_ctas or target.sms()) // nb, n_tiles))
+  num_ctas = target.grid_ctas(cfg, n_tiles)
   body = functools.partial(_kernel, cfg=cfg, spec=spec, layout=layout, n=n,
                            dim=dim, rows=rows, rows_valid=rows_valid,
                            vocab_size=vocab_size, n_tiles=n_tiles,

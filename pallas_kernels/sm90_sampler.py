@@ -470,7 +470,7 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
     h = common.permute_k(h, 1)
   mode = scale_mode
   # With batch blocks, num_ctas counts the CTAs of one block.
-  num_ctas = max(1, min((cfg.num_ctas or target.sms()) // nb, n_tiles))
+  num_ctas = target.grid_ctas(cfg, n_tiles)
   kernel = _KERNELS[cfg.schedule]
   body = functools.partial(kernel, cfg=cfg, layout=layout, n=n, dim=dim,
                            rows=rows, rows_valid=rows_valid,

@@ -175,6 +175,49 @@ def test_configs_match_xla_scores(cfg, layout):
   _assert_same_candidates(got, _xla_candidates(p), p)
 
 
+def test_balanced_grid_keeps_the_rounds_with_the_fewest_ctas():
+  from pallas_kernels import sm90_common
+  from pallas_kernels.sm90_config import balanced_ctas
+  # L's head: 1002 tiles take 8 rounds over 132 SMs, and so do 126 CTAs;
+  # S's 1187 and gpt-oss's 1571 tiles are balanced already.
+  assert balanced_ctas(1002, 132) == 126
+  assert balanced_ctas(1187, 132) == 132 and balanced_ctas(1571, 132) == 131
+  for tiles in range(1, 400):
+    for ctas in (1, 3, 4, 7, 132):
+      got = balanced_ctas(tiles, ctas)
+      rounds = -(-tiles // min(ctas, tiles))
+      assert 1 <= got <= min(ctas, tiles) and -(-tiles // got) == rounds
+      assert got == 1 or -(-tiles // (got - 1)) > rounds, (tiles, ctas)
+  # Launches: the heuristic's single-block ones are balanced (plain and
+  # controls kernels alike); a config's own count and batch blocks' share
+  # of the SMs are kept.
+  target = sm90_common.Target(num_sms=132)
+  vm = TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=128, tile_d=128)
+  assert target.grid_ctas(vm, 1002) == 126 and target.grid_ctas(vm, 1187) == 132
+  assert target.grid_ctas(dataclasses.replace(vm, num_ctas=132), 1002) == 132
+  blocks = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,
+                        batch_blocks=2)
+  assert target.grid_ctas(blocks, 1002) == 66
+
+
+@pytest.mark.parametrize("b", [5, 50])
+def test_heuristic_grid_is_balanced(b):
+  # 5 tiles of 128 rows over interpret mode's 4 CTAs take 2 rounds, so the
+  # heuristic's launch runs 3 CTAs (vocabulary on M at 5 rows, batch on M
+  # at 50, whose candidates are one per CTA's warpgroup); exact inputs,
+  # non-power-of-two temperatures, a vocabulary that ends inside a tile.
+  from pallas_kernels import sm90_sampler
+  from pallas_kernels.sm90_config import balanced_ctas
+  d, v = 128, 600
+  ((_, _, cfg, _),) = sm90_sampler.launches(b, d, 640, 2)
+  assert cfg.num_ctas is None and cfg.tile_v == 128
+  assert balanced_ctas(640 // 128, 4) == 3
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  t = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
+  p = problem.prepare(h, w, jax.random.key(b), temperature=t, vocab_size=597)
+  _assert_same_candidates(_interpret_candidates(p), _xla_candidates(p), p)
+
+
 def test_batch_over_192_runs_in_blocks():
   # 300 rows: the heuristic's one launch of 3 blocks of 128 rows.
   from pallas_kernels import sm90_sampler

@@ -337,6 +337,23 @@ def test_chi_square_against_softmax(layout):
   assert res.pvalue > 1e-3, (res, len(obs_bins))
 
 
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_balanced_grid_on_llama_vocabulary(b):
+  # L's vocabulary: 1002 tiles of 128 rows, which the heuristic spreads over
+  # 126 CTAs on a 132-SM GPU (sm90_config.balanced_ctas): vocabulary on M
+  # at B <= 16, batch on M at 64; exact inputs, shared and per-row keys.
+  from pallas_kernels.sm90_config import balanced_ctas
+  from pallas_kernels.sm90_common import device_num_sms
+  d, v = 512, 128256
+  assert balanced_ctas(-(-v // 128), device_num_sms()) < device_num_sms()
+  h, w = inputs.exact_inputs(b, d, v, seed=b)
+  t = inputs.pow2_temperatures(b, greedy_every=5, seed=b)
+  for key in (jax.random.key(b), inputs.row_keys(b, seed=b)):
+    got = fs.sample(h, w, key, temperature=t, backend="mosaic")
+    want = fs.reference.sample(h, w, key, temperature=t)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_heuristic_runs_every_bucket():
   # Compile and run every N bucket once on a small head (exact inputs).
   d, v = 256, 1000

@@ -1,29 +1,28 @@
 """Two guesses about the mosaic kernel's own time at small B (#41).
 
   python3 -m benchmarks.experiments.exp_small_b_kernel [--heads S L qwen3-1.7b gpt-oss]
-      [--batches 1 16] [--rounds 2] [--variants base rot balanced ctas:126]
+      [--batches 1 16] [--rounds 2] [--variants base ctas:132 ctas:126]
 
-At B = 1 and 16 the kernel's own time on the L head is 1.04x that of a
+At B = 1 and 16 the kernel's own time on the L head was 1.04x that of a
 ``jnp.sum`` over the same weight (``exp_small_b_timeline``; the other heads'
-kernels run at or below it). Variants (the heuristic's config, changed):
+kernels ran at or below it). Variants (``base``: the heuristic's config):
 
-* ``rot``: the order in which CTAs walk D. Every CTA walks its tile's D
-  steps from k = 0, so at any moment the SMs read the same few hundred bytes
-  of many rows a power-of-two stride apart, which may land on few memory
-  channels. ``rot`` starts tile t's walk at ``t % k_steps``
-  (``TuningConfig.rotate_k``: the memory warpgroup's copies only; the
-  compute warpgroups add the steps in the order they arrive).
-* ``ctas:N``: a persistent grid of N CTAs instead of one per SM;
-  ``balanced``: the fewest CTAs that keep the heuristic's number of rounds,
-  ``ceil(tiles / ceil(tiles / SMs))`` (L: 1002 tiles are 7.6 rounds over
-  132 SMs, so in the last round 54 SMs idle while 78 read; 126 CTAs run 8
-  nearly full rounds).
+* ``ctas:N``: a persistent grid of N CTAs. The heuristic runs
+  ``sm90_config.balanced_ctas``: the fewest CTAs that keep the number of
+  rounds (L: 1002 tiles are 7.6 rounds over 132 SMs, so in the last round
+  54 SMs idle while 78 read; 126 CTAs run 8 nearly full rounds);
+  ``ctas:132`` is the grid of one CTA per SM it replaced.
+* The order in which CTAs walk D (every CTA walks its tile's D steps from
+  k = 0, so at any moment the SMs read the same few hundred bytes of many
+  rows a power-of-two stride apart): a variant that started tile t's walk
+  at ``t % k_steps`` ran at commit 42dc632 (``TuningConfig.rotate_k``,
+  removed since: no change, docs/performance.md, "Small batches").
 
 Variants are timed in alternating rounds (device time per call from a
 profiler trace of back-to-back calls, the kernel's own time, and the wall
 time of blocks of calls); every variant's tokens are checked against the
-reference on exact inputs (any summation order gives the same logits there)
-and compared with the first variant's on the timed random inputs.
+reference on exact inputs (any grid gives the same logits there) and
+compared with the first variant's on the timed random inputs.
 """
 
 from __future__ import annotations
@@ -37,21 +36,17 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import device_name, median_us, read_bandwidth, trace_events
+from benchmarks._timing import (device_name, device_period_us, median_us, read_bandwidth,
+                                trace_events)
 from flashsample_jax import reference
 from flashsample_jax.backends.mosaic import MosaicBackend
-from pallas_kernels import sm90_common, sm90_sampler
+from pallas_kernels import sm90_sampler
 
 def config(variant: str, b: int, d: int, v: int):
   """The heuristic's config of a ``b``-row launch, changed as ``variant`` says."""
   (_, _, cfg, _), = sm90_sampler.launches(b, d, v, 2)
-  if variant == "rot":
-    return dataclasses.replace(cfg, rotate_k=True)
   if variant.startswith("ctas:"):
     return dataclasses.replace(cfg, num_ctas=int(variant[5:]))
-  if variant == "balanced":
-    tiles, sms = -(-v // cfg.tile_v), sm90_common.device_num_sms()
-    return dataclasses.replace(cfg, num_ctas=-(-tiles // -(-tiles // sms)))
   assert variant == "base", variant
   return cfg
 
@@ -63,12 +58,6 @@ def compiled(variant: str, h, w, key, *, interpret: bool = False):
   f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend=backend))
   jax.block_until_ready(f(h, w, key))
   return f
-
-
-def device_period_us(f, *args, calls: int = 20) -> float:
-  """Device time per call: the span of ``calls`` back-to-back calls' kernels."""
-  device, _ = trace_events(f, *args, calls=calls)
-  return (device[-1][0] + device[-1][1] - device[0][0]) / calls / 1e3
 
 
 def kernel_us(f, *args, calls: int = 20) -> float:
@@ -94,7 +83,7 @@ def main():
                   choices=sorted(shapes.HEADS))
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument("--variants", nargs="+", default=["base", "rot", "balanced"])
+  ap.add_argument("--variants", nargs="+", default=["base", "ctas:132"])
   args = ap.parse_args()
   variants = args.variants
   print(json.dumps(dict(gpu=device_name(), jax=jax.__version__,
