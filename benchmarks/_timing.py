@@ -82,17 +82,33 @@ def trace_events(f, *args, calls: int = 6):
   return sorted(device), sorted(host)
 
 
-def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
+def device_period_us(f, *args, calls: int = 20):
+  """Device microseconds per call of ``calls`` back-to-back calls of
+  ``f(*args)``: the span from the first kernel's start to the last one's
+  end in a profiler trace, over ``calls`` (the launch gaps between calls
+  included, the host's block overhead not). None on a CPU (no device
+  events)."""
+  device, _ = trace_events(f, *args, calls=calls)
+  if not device:
+    return None
+  return (device[-1][0] + device[-1][1] - device[0][0]) / calls / 1e3
+
+
+def read_bandwidth(gib: float = 4.0, reps: int = 20, device: bool = False) -> float:
   """Device read bandwidth in bytes/s: a large ``jnp.sum`` over ``gib`` GiB.
 
   The sum reads every byte once and writes a scalar; its time is the
-  weight-read floor's denominator (docs/design.md).
+  weight-read floor's denominator (docs/design.md). By wall time (blocks
+  of 5 calls), or with ``device`` by its device time per call
+  (:func:`device_period_us`; the wall time where there is none, a CPU).
   """
   import jax.numpy as jnp
   n = int(gib * 2**30) // 2
   x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
   f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-  us, _ = median_us(f, x, reps=reps, inner=5)
+  us = device_period_us(f, x, calls=10) if device else None
+  if us is None:
+    us, _ = median_us(f, x, reps=reps, inner=5)
   del x
   return n * 2 / (us * 1e-6)
 

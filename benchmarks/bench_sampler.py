@@ -18,6 +18,11 @@ Columns (provider names: ``flashsample_jax.BACKENDS`` plus these):
 * ``dot``: the cuBLAS dot alone (what writing the logits costs);
 * ``floor``: W bytes over the read bandwidth of a large ``jnp.sum`` measured
   in the same process;
+* ``--device-time``: beside each wall time, the device time per call from a
+  profiler trace of ``inner`` back-to-back calls (``_timing.device_period_us``:
+  kernels and the gaps between them, not a block's first dispatch and last
+  sync), and the floor over the 4 GiB sum's device time: the same numbers
+  from a second harness (docs/performance.md, "Small batches");
 * on request (``--providers``; by default with a quantized head) top-k 50 +
   top-p 0.9 (bench_controls' values): ``auto_topk_topp`` (``fs.sample`` with
   those controls) against ``xla_topk_topp`` (f32 logits, ``lax.top_k``,
@@ -117,12 +122,12 @@ def _slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def read_bandwidth() -> tuple[float, str]:
+def read_bandwidth(device: bool = False) -> tuple[float, str]:
   """Read bandwidth in bytes/s, and how it was measured: a ``jnp.sum`` over
   4 GiB on a GPU; over a token amount on a CPU (where the number only has
-  to exist)."""
+  to exist). ``device``: by its device time (on a CPU, its wall time)."""
   gib = 1 / 16 if jax.default_backend() == "cpu" else 4.0
-  return (_timing.read_bandwidth(gib=gib, reps=3 if gib < 1 else 20),
+  return (_timing.read_bandwidth(gib=gib, reps=3 if gib < 1 else 20, device=device),
           f"jnp.sum over {gib:g} GiB")
 
 
@@ -140,9 +145,11 @@ def make_head(name: str, weight_dtype: str = "bf16"):
 
 
 def run(shapes, batches, providers, weight_dtypes=("bf16",), *, bw, reps=15, inner=50,
-        on_row=None):
+        on_row=None, device_bw=None):
   """Rows of every (shape, weight dtype, B), each tagged with ``weight_dtype``;
-  ``on_row(rows)`` after each (a run stopped by a time limit keeps its rows)."""
+  ``on_row(rows)`` after each (a run stopped by a time limit keeps its rows).
+  ``device_bw``: the read bandwidth by device time; given, each provider's
+  device time per call is measured too (``--device-time``)."""
   rows = []
   for name in shapes:
     d, v = SHAPES[name]
@@ -158,6 +165,8 @@ def run(shapes, batches, providers, weight_dtypes=("bf16",), *, bw, reps=15, inn
         row = dict(shape=name, D=d, V=v, B=b, weight_dtype=wdt, floor_us=floor_us,
                    weight_bytes=w_bytes, scale_bytes=0 if s is None else s.size * 4,
                    auto_backend=fs.which_backend(h, w, key, weight_scale=s))
+        if device_bw:
+          row["device_floor_us"] = w_bytes / device_bw * 1e6
         if s is not None:        # the bf16 head's floor, for the ratio quantizing buys
           row["bf16_floor_us"] = d * v * 2 / bw * 1e6
         if "auto_topk_topp" in providers:
@@ -169,6 +178,9 @@ def run(shapes, batches, providers, weight_dtypes=("bf16",), *, bw, reps=15, inn
             row[f"{prov}_compile_s"] = _timing.first_call_seconds(f, key, h, w, s)
             row[f"{prov}_us"], _ = _timing.median_us(f, key, h, w, s, reps=reps,
                                                      inner=inner)
+            if device_bw:
+              row[f"{prov}_device_us"] = _timing.device_period_us(f, key, h, w, s,
+                                                                  calls=inner)
           except NotImplementedError as e:
             row[f"{prov}_us"] = None
             row[f"{prov}_why"] = str(e)[:200]
@@ -179,6 +191,8 @@ def run(shapes, batches, providers, weight_dtypes=("bf16",), *, bw, reps=15, inn
           row["auto_speedup_vs_xla"] = row["xla_baseline_us"] / row["auto_us"]
         if row.get("auto_us"):
           row["auto_to_floor"] = row["auto_us"] / floor_us
+        if row.get("auto_device_us"):
+          row["auto_device_to_floor"] = row["auto_device_us"] / row["device_floor_us"]
         if row.get("auto_topk_topp_us") and row.get("xla_topk_topp_us"):
           row["auto_topk_topp_speedup_vs_xla"] = (row["xla_topk_topp_us"]
                                                   / row["auto_topk_topp_us"])
@@ -206,10 +220,13 @@ def _fmt_row(r, providers):
     cells.append(f"{_f(r.get('auto_topk_topp_us'))} ({r['auto_topk_topp_backend']})")
   if set(TOPK_TOPP) <= set(providers):
     cells.append(_f(r.get("auto_topk_topp_speedup_vs_xla"), ".2f"))
+  if "device_floor_us" in r:
+    cells += [_f(r["device_floor_us"]), _f(r.get("dot_device_us")),
+              _f(r.get("auto_device_us")), _f(r.get("auto_device_to_floor"), ".3f")]
   return "| " + " | ".join(cells) + " |"
 
 
-def _header(providers):
+def _header(providers, device_time=False):
   cols = ["shape", "B", "floor", "cuBLAS dot alone", "XLA dot + categorical"]
   cols += [p for p in providers if p not in EXTRA + TOPK_TOPP]
   cols += ["auto (backend)", "auto speedup vs XLA", "auto / floor"]
@@ -219,6 +236,8 @@ def _header(providers):
     cols.append("auto top-k + top-p (backend)")
   if set(TOPK_TOPP) <= set(providers):
     cols.append("top-k + top-p speedup vs XLA")
+  if device_time:
+    cols += ["floor (device)", "dot (device)", "auto (device)", "auto / floor (device)"]
   return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
@@ -248,8 +267,13 @@ def write(out, bw, rows, meta, providers, *, plot=True):
              f"{meta['reps']} blocks, after warm-up); {_describe(wdt)}; '-': the "
              f"backend does not run here or for this call.{topk} Command: "
              f"`{meta['command']}`.\n\n")
-    fh.write(_header(providers) + "\n" + "\n".join(_fmt_row(r, providers) for r in rows)
-             + "\n")
+    if meta.get("device_read_bandwidth_Bps"):
+      fh.write(f"Device columns: us per call on the device (a profiler trace of "
+               f"{meta['inner']} back-to-back calls, the gaps between them included); "
+               f"their floor over the 4 GiB sum's device read bandwidth, "
+               f"{meta['device_read_bandwidth_Bps'] / 1e12:.3f} TB/s.\n\n")
+    fh.write(_header(providers, bool(meta.get("device_read_bandwidth_Bps"))) + "\n"
+             + "\n".join(_fmt_row(r, providers) for r in rows) + "\n")
   if not plot:
     return
   try:
@@ -307,6 +331,9 @@ def main(argv=None):
                        "steady state of a decode loop that does not sync every step")
   ap.add_argument("--bandwidth", type=float, default=None,
                   help="read bandwidth in bytes/s for the floor (default: measured)")
+  ap.add_argument("--device-time", action="store_true",
+                  help="also each provider's device time per call from a profiler trace, "
+                       "and the floor by the 4 GiB sum's device time")
   ap.add_argument("--name", default=None, help="file stem suffix")
   ap.add_argument("--no-plot", action="store_true")
   args = ap.parse_args(argv)
@@ -333,17 +360,22 @@ def main(argv=None):
   else:
     bw, meta["bandwidth_from"] = read_bandwidth()
   print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
+  device_bw = None
+  if args.device_time:
+    device_bw = read_bandwidth(device=True)[0]
+    meta["device_read_bandwidth_Bps"] = device_bw
+    print(f"read bandwidth by device time: {device_bw / 1e12:.3f} TB/s", flush=True)
   def write_all(rows, plot=False):
     for wdt in dict.fromkeys(r["weight_dtype"] for r in rows):
       write(args.out, bw, [r for r in rows if r["weight_dtype"] == wdt],
             dict(meta, weight_dtype=wdt), providers, plot=plot)
 
   rows = run(shapes, batches, providers, dtypes, bw=bw, reps=reps, inner=inner,
-             on_row=write_all)
+             on_row=write_all, device_bw=device_bw)
   write_all(rows, plot=not args.no_plot)
   for wdt in dtypes:
     print(f"\nweight dtype {wdt}:")
-    print(_header(providers))
+    print(_header(providers, args.device_time))
     for r in rows:
       if r["weight_dtype"] == wdt:
         print(_fmt_row(r, providers))

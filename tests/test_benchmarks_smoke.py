@@ -74,8 +74,9 @@ def test_bench_sampler_quantized_heads(tmp_path):
   # alone) gets the 8-bit head with its scales. fp8_e5m2 and int8 take the
   # same path through the benchmark (only fs.quantize_weight's dtype differs;
   # int8 runs in test_bench_e2e_quantized_heads), so one dtype keeps it short.
+  # --device-time: a CPU has no device events, so its columns are empty.
   _run(["benchmarks.bench_sampler", "--smoke", "--batches", "2", "--reps", "1",
-        "--inner", "1", "--weight-dtype", "fp8"], tmp_path)
+        "--inner", "1", "--weight-dtype", "fp8", "--device-time"], tmp_path)
   d, v = 256, 4096                                  # bench_sampler.SHAPES["smoke"]
   res = json.loads((tmp_path / "sampler_cpu_fp8.json").read_text())
   assert res["weight_dtype"] == "fp8"
@@ -92,6 +93,8 @@ def test_bench_sampler_quantized_heads(tmp_path):
   assert r["auto_backend"] in ("dense", "xla") and r["auto_to_floor"] > 0
   md = (tmp_path / "sampler_cpu_fp8.md").read_text()
   assert "float8_e4m3fn" in md and "| auto / floor |" in md and "| smoke | 2 |" in md
+  assert res["device_read_bandwidth_Bps"] > 0 and r["device_floor_us"] > 0
+  assert r["auto_device_us"] is None and "| auto / floor (device) |" in md
   assert (tmp_path / "sampler_cpu_fp8.png").exists()
 
 
