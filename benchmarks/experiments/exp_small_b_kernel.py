@@ -2,6 +2,7 @@
 
   python3 -m benchmarks.experiments.exp_small_b_kernel [--heads S L qwen3-1.7b gpt-oss]
       [--batches 1 16] [--rounds 2] [--variants base ctas:132 ctas:126]
+      [--weight-dtype bf16|fp8]
 
 At B = 1 and 16 the kernel's own time on the L head was 1.04x that of a
 ``jnp.sum`` over the same weight (``exp_small_b_timeline``; the other heads'
@@ -42,20 +43,22 @@ from flashsample_jax import reference
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels import sm90_sampler
 
-def config(variant: str, b: int, d: int, v: int):
+def config(variant: str, b: int, d: int, v: int, w_itemsize: int = 2):
   """The heuristic's config of a ``b``-row launch, changed as ``variant`` says."""
-  (_, _, cfg, _), = sm90_sampler.launches(b, d, v, 2)
+  (_, _, cfg, _), = sm90_sampler.launches(b, d, v, 2, w_itemsize=w_itemsize)
   if variant.startswith("ctas:"):
     return dataclasses.replace(cfg, num_ctas=int(variant[5:]))
   assert variant == "base", variant
   return cfg
 
 
-def compiled(variant: str, h, w, key, *, interpret: bool = False):
-  """Plain sampling on the mosaic backend with ``variant``'s config, compiled."""
-  backend = MosaicBackend(config=config(variant, *h.shape, w.shape[0]),
-                          interpret=True if interpret else None)
-  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend=backend))
+def compiled(variant: str, h, w, key, *, scale=None, interpret: bool = False):
+  """Plain sampling on the mosaic backend with ``variant``'s config, compiled
+  (``scale``: an 8-bit head's per-row scales)."""
+  cfg = config(variant, *h.shape, w.shape[0], w.dtype.itemsize)
+  backend = MosaicBackend(config=cfg, interpret=True if interpret else None)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, weight_scale=scale,
+                                        backend=backend))
   jax.block_until_ready(f(h, w, key))
   return f
 
@@ -67,13 +70,17 @@ def kernel_us(f, *args, calls: int = 20) -> float:
 
 
 def exact_check(variants, b: int, dim: int = 4096, vocab: int = 32000,
-                interpret: bool = False) -> dict:
+                interpret: bool = False, fp8: bool = False) -> dict:
   """Tokens of each variant on exact inputs equal the reference's."""
   from tests import inputs  # pylint: disable=import-outside-toplevel
-  h, w = inputs.exact_inputs(b, dim, vocab, seed=b)
+  if fp8:
+    h, w, scale = inputs.quantized_inputs(b, dim, vocab, seed=b)
+  else:
+    (h, w), scale = inputs.exact_inputs(b, dim, vocab, seed=b), None
   key = jax.random.key(b)
-  ref = reference.sample(h, w, key, temperature=0.7)
-  return {v: bool(jnp.all(compiled(v, h, w, key, interpret=interpret)(h, w, key) == ref))
+  ref = reference.sample(h, w, key, temperature=0.7, weight_scale=scale)
+  return {v: bool(jnp.all(compiled(v, h, w, key, scale=scale, interpret=interpret)(h, w, key)
+                          == ref))
           for v in variants}
 
 
@@ -84,23 +91,29 @@ def main():
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--variants", nargs="+", default=["base", "ctas:132"])
+  ap.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16",
+                  help="fp8: the head quantized per row (fs.quantize_weight, e4m3)")
   args = ap.parse_args()
   variants = args.variants
-  print(json.dumps(dict(gpu=device_name(), jax=jax.__version__,
-                        exact_tokens={b: exact_check(variants, b) for b in (1, 16, 64)})),
+  fp8 = args.weight_dtype == "fp8"
+  print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, weight_dtype=args.weight_dtype,
+                        exact_tokens={b: exact_check(variants, b, fp8=fp8)
+                                      for b in (1, 16, 64)})),
         flush=True)
   gbs = read_bandwidth(4.0)
   key = jax.random.key(0)
   for head in args.heads:
     d, v = shapes.HEADS[head]
-    w = shapes.random_head(head, 1.3)
-    floor = v * d * 2 / gbs * 1e6
+    w, scale = shapes.random_head(head, 1.3), None
+    if fp8:
+      w, scale = fs.quantize_weight(w)
+    floor = v * d * w.dtype.itemsize / gbs * 1e6
     sum_w = jax.jit(lambda w: jnp.sum(w, dtype=jnp.float32))
     sum_device = device_period_us(sum_w, w)
     sum_kernel = max(d for _, d, _, _ in trace_events(sum_w, w, calls=1)[0]) / 1e3
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-      fns = {name: compiled(name, h, w, key) for name in variants}
+      fns = {name: compiled(name, h, w, key, scale=scale) for name in variants}
       toks = {name: f(h, w, key) for name, f in fns.items()}
       same = {n: float(jnp.mean(toks[variants[0]] == t)) for n, t in toks.items()}
       for r in range(args.rounds):
