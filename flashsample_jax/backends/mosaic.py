@@ -85,7 +85,10 @@ class MosaicBackend(SamplerBackend):
   Attributes:
     interpret: run the kernels in Pallas' GPU interpret mode on the CPU:
       True, or a ``plgpu.InterpretGPUParams``. For tests: it misses races
-      and accepts some ops that do not lower for CUDA.
+      and accepts some ops that do not lower for CUDA. Seen on a 2-core
+      machine: 8-bit heads hung there with one host CPU device and ran with
+      the 8 that tests/conftest.py sets
+      (``--xla_force_host_platform_device_count``).
     num_sms: CTAs of the persistent grids. None: the GPU's SMs (4 in
       interpret mode, which keeps interpretation fast).
     assume_sm90: accept any device, to trace the kernels for CUDA on a
