@@ -542,8 +542,8 @@ def balanced_ctas(n_tiles: int, ctas: int) -> int:
   ``ctas`` CTAs do: every CTA then runs the same number of rounds, but for
   at most one fewer, instead of a last round in which many SMs idle while
   the rest read (L's 1002 tiles over 132 SMs: 78 read in the 8th round, 54
-  idle; 126 CTAs run 8 nearly full rounds, and the kernel took 3% less time
-  at B = 1 on an H200: docs/performance.md, "Small batches")."""
+  idle; 126 CTAs run 8 nearly full rounds: docs/performance.md, "Small
+  batches")."""
   ctas = max(1, min(ctas, n_tiles))
   rounds = -(-n_tiles // ctas)
   return -(-n_tiles // rounds)

@@ -108,14 +108,12 @@ class MosaicBackend(SamplerBackend):
 
   def _target(self):
     common = _kernels()[0]
-    params = self.interpret
+    params = self.interpret or None  # None or False: the GPU, its whole grid
     if params is True:
       from jax.experimental.pallas import mosaic_gpu as plgpu
       params = plgpu.InterpretGPUParams()
-    elif params is False:  # the GPU, with its whole persistent grid
-      params = None
     num_sms = self.num_sms or (4 if params is not None else None)
-    return common.Target(interpret=params or None, num_sms=num_sms,
+    return common.Target(interpret=params, num_sms=num_sms,
                          profile_dir=self.profile_dir)
 
   def check(self, p, c):
