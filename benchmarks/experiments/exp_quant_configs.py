@@ -34,14 +34,27 @@ import flashsample_jax as fs
 from benchmarks import shapes
 from benchmarks._timing import device_name, median_us, read_bandwidth
 from flashsample_jax.backends.mosaic import MosaicBackend
+from pallas_kernels import sm90_config
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 
 T = 0.7
 
 
-def _vm(tile_v, tile_d, steps):
+def _vm(tile_v, tile_d, steps, passes=1):
   return TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=tile_v, tile_d=tile_d,
-                      max_concurrent_steps=steps, epi_cols=16, mma_in_flight=0)
+                      max_concurrent_steps=steps, epi_cols=16, mma_in_flight=0,
+                      epi_passes=passes)
+
+
+def _vm_fit(tile_v, tile_d, passes=1):
+  """The register path's tiles with the most slots that fit beside B rows
+  (a function of B): the vocabulary-on-M launch past B = 16, where the
+  heuristic stages the tile (B >= 49) or narrows it."""
+  def config(b):
+    cfg = _vm(tile_v, tile_d, 2, passes)
+    return dataclasses.replace(cfg, max_concurrent_steps=sm90_config.most_steps(
+        cfg, sm90_config.batch_side(b), 2, 1))
+  return config
 
 
 # name -> (weight dtype, config: None for the heuristic's).
@@ -53,6 +66,10 @@ VARIANTS = {
     "fp8_v64_d512": ("fp8", _vm(64, 512, 4)),
     "fp8_v128_d256_s3": ("fp8", _vm(128, 256, 3)),
     "fp8_v192_d128": ("fp8", _vm(192, 128, 6)),
+    "fp8_vm128_d128_fit": ("fp8", _vm_fit(128, 128)),
+    "fp8_vm64_d128_fit": ("fp8", _vm_fit(64, 128)),
+    "fp8_vm64_d256_fit": ("fp8", _vm_fit(64, 256)),
+    "fp8_vm64_d128_p4_fit": ("fp8", _vm_fit(64, 128, 4)),
     "bf16": ("bf16", None),
     "bf16_d64": ("bf16", dataclasses.replace(_vm(128, 64, 8), mma_in_flight=1)),
     "bf16_d256": ("bf16", dataclasses.replace(_vm(128, 256, 2), mma_in_flight=1)),
@@ -60,7 +77,8 @@ VARIANTS = {
 
 
 def sampler(config, **kw):
-  """``fs.sample`` on the mosaic backend with ``config`` (see VARIANTS)."""
+  """``fs.sample`` on the mosaic backend with ``config`` (see VARIANTS;
+  resolved for the batch first where it is a function of it)."""
   backend = MosaicBackend(config=config) if isinstance(config, TuningConfig) else "mosaic"
   return lambda h, w, s, k: fs.sample(h, w, k, temperature=kw.get("temperature", T),
                                       weight_scale=s, backend=backend)
@@ -80,6 +98,7 @@ def exact_equal(config, b: int) -> bool:
   t = inputs.pow2_temperatures(b, greedy_every=5, seed=b)
   key = jax.random.key(b)
   want = np.asarray(fs.reference.sample(h, w, key, temperature=t, weight_scale=s))
+  config = config(b) if callable(config) else config
   g = traced(lambda h, w, s, k, t: sampler(config, temperature=t)(h, w, s, k),
              h, w, s, key, t)
   return bool((np.asarray(g(h, w, s, key, t)) == want).all())
@@ -91,6 +110,7 @@ def point(weights, d, b, floors, names, rounds):
   fns, args = {}, {}
   for name in names:
     kind, config = VARIANTS[name]
+    config = config(b) if callable(config) else config
     args[name] = (h, *weights[kind], key)
     fns[name] = traced(sampler(config), *args[name])
   w8, scale = weights["fp8"]
