@@ -132,16 +132,29 @@ class Spec:
   materialize: bool = False
   # An 8-bit weight's scale (sm90_common.scale_mode): None, "tensor", "row".
   scale: str | None = None
+  # The RL fields (ControlsState.ent_sum, raw_max / raw_sum, finite_count):
+  # the entropy terms relative to the log-sum-exp's max (needs lse), an
+  # online log-sum-exp of the raw logits, the count of finite t.
+  entropy: bool = False
+  raw: bool = False
+  finite: bool = False
 
   @property
   def f_rows(self) -> int:
     """f32 outputs per warpgroup: scores, t of the best, lse max and sum,
-    bound, candidates."""
+    bound, candidates, then the entropy terms and the raw lse's max and sum
+    where asked for (:attr:`f_rl`)."""
+    return self.f_rl + int(self.entropy) + 2 * int(self.raw)
+
+  @property
+  def f_rl(self) -> int:
+    """The first f32 row of the RL fields."""
     return 2 * self.samples + 3 + (self.candidates if self.lists else 0)
 
   @property
   def i_rows(self) -> int:
-    return self.samples + (self.candidates if self.lists else 0)
+    """int32 outputs per warpgroup: ids, list ids, then the finite count."""
+    return self.samples + (self.candidates if self.lists else 0) + int(self.finite)
 
   @property
   def planes(self) -> int:
@@ -261,7 +274,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
                                 planes_smem.at[wg], aux_bar.at[wg])
 
     def chunk(c, ids, rv, state):
-      best, lse, lists = state
+      best, lse, lists, rl = state
       base, first_id, span = ids
       k0, k1, t_safe, inv_t, zero, cap = (rv[k] for k in (
           "k0", "k1", "t_safe", "inv_t", "zero", "cap"))
@@ -274,6 +287,9 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       x = l
       if spec.softcap:
         x = cap * jnp.tanh(x / cap)
+      # The raw logits (vLLM's "raw"): soft-capped, no bias, penalty, mask
+      # or temperature; -inf only past the valid ids (controls.raw_logits).
+      raw = jnp.where(valid, x, -jnp.inf) if spec.raw else None
       if spec.bias:
         b = plgpu.load(bias_smem.at[wg, c], layout=col_layout)
         x = x + lax.broadcast_in_dim(b, (n, epi), (1,))
@@ -311,16 +327,17 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         if spec.t_best:
           nb += (jnp.where(take, t, b[2]),)
         new_best.append(nb)
+      ent, raw_lse, cnt = rl
       if spec.lse:
-        # One exp per element: exp(-|t - m|) is the factor for whichever of
-        # the old sum and the new element is below the new max. NaN is
-        # carried into the max (rows with NaN take the exact path).
         m, total = lse
-        up = t > m
-        e = common.approx_exp(-jnp.abs(t - m), interpret=interpret)
-        total = jnp.where(t == -jnp.inf, total,
-                          jnp.where(up, total * e + 1.0, total + e))
-        lse = (jnp.where(up | (t != t), t, m), total)
+        lse, a, e = _online_lse(lse, t, interpret)
+        if spec.entropy:
+          ent = _online_entropy(ent, t, m, total, a, e)
+      if spec.raw:
+        raw_lse, _, _ = _online_lse(raw_lse, raw, interpret)
+      if spec.finite:
+        cnt = cnt + (t > -jnp.inf).astype(jnp.int32)
+      rl = (ent, raw_lse, cnt)
       if spec.lists:
         # Sorted insertion into each slot's list (strict >: NaN and -inf
         # never enter; an equal value goes after the earlier one).
@@ -335,7 +352,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
             nv.append(jnp.where(gt[j - 1], vals[j - 1], jnp.where(gt[j], t, vals[j])))
             ni.append(jnp.where(gt[j - 1], ids[j - 1], jnp.where(gt[j], gid, ids[j])))
         lists = tuple(nv) + tuple(ni)
-      return tuple(new_best), lse, lists
+      return tuple(new_best), lse, lists, rl
 
     def epilogue(acc, tile, start, first_new, state):
       del tile
@@ -360,8 +377,11 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     lse0 = (neg(), full(0.0, jnp.float32)) if spec.lse else ()
     lists0 = (tuple(neg() for _ in range(_SLOT_DEPTH))
               + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.lists else ()
-    best, lse, lists = tile_loop(epilogue, (best0, lse0, lists0),
-                                 prologue if n_aux or spec.scale == "row" else None)
+    rl0 = (full(0.0, jnp.float32) if spec.entropy else (),
+           (neg(), full(0.0, jnp.float32)) if spec.raw else (),
+           full(0, jnp.int32) if spec.finite else ())
+    best, lse, lists, rl = tile_loop(epilogue, (best0, lse0, lists0, rl0),
+                                     prologue if n_aux or spec.scale == "row" else None)
 
     # Reduce the column slots inside each warp (no shared scratch).
     out = cta * 2 + wg
@@ -379,12 +399,20 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         hit = (b[0] == mb) | (b[0] != b[0])
         own = hit & (b[1] == bcast(idx))
         put(jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1), f_ref, S + s)
+    ent, raw_lse, cnt = rl
     if spec.lse:
-      m, total = lse
-      mx = jnp.max(m, axis=1)
-      scale = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - bcast(mx)))
+      mx, total, ent = _merged_lse(*lse, ent if spec.entropy else None, axis=1,
+                                   expand=bcast)
       put(mx, f_ref, 2 * S)
-      put(jnp.sum(total * scale, axis=1), f_ref, 2 * S + 1)
+      put(total, f_ref, 2 * S + 1)
+      if spec.entropy:
+        put(ent, f_ref, spec.f_rl)
+    if spec.raw:
+      rmx, rtotal, _ = _merged_lse(*raw_lse, None, axis=1, expand=bcast)
+      put(rmx, f_ref, spec.f_rl + int(spec.entropy))
+      put(rtotal, f_ref, spec.f_rl + int(spec.entropy) + 1)
+    if spec.finite:
+      put(jnp.sum(cnt, axis=1), i_ref, spec.i_rows - 1)
     if spec.lists:
       vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
       # Values that fell off a full slot list are <= its last entry.
@@ -410,6 +438,49 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       active=(active_ref[0] != 0) if spec.materialize else None,
       rowdata_smem=plgpu.SMEM((spec.rows.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32), **aux)
+
+
+def _online_lse(lse, v, interpret: bool):
+  """One element ``v`` into an online log-sum-exp ``(max, sum)``, with one
+  exp: ``e = exp(a)``, ``a = -|v - max|``, is the factor for whichever of
+  the old sum and the new element is below the new max. ``-inf`` adds
+  nothing; NaN is carried into the max (rows with NaN take the exact
+  path). Returns ``((max, sum), a, e)``."""
+  m, total = lse
+  up = v > m
+  a = -jnp.abs(v - m)
+  e = common.approx_exp(a, interpret=interpret)
+  total = jnp.where(v == -jnp.inf, total, jnp.where(up, total * e + 1.0, total + e))
+  return (jnp.where(up | (v != v), v, m), total), a, e
+
+
+def _online_entropy(ent, t, m, total, a, e):
+  """The entropy terms ``sum exp(t - max) * (t - max)`` (ControlsState.ent_sum)
+  after element ``t``, from the log-sum-exp's state before it ``(m, total)``
+  and :func:`_online_lse`'s ``a``, ``e``. A new max rescales the old terms:
+  ``e * (ent + (m - t) * total)`` with ``m - t = a`` (the new element adds
+  ``0 * 1``); else ``t`` adds ``e * a``. An empty state (``total = 0``, ``m =
+  -inf``) has no terms to rescale."""
+  up = t > m
+  kept = e * (ent + jnp.where(total > 0, a * total, 0.0))
+  return jnp.where(t == -jnp.inf, ent, jnp.where(up, kept, ent + e * a))
+
+
+def _merged_lse(m, total, ent, axis: int, expand=None):
+  """Online log-sum-exp parts ``(m, total)`` (and their entropy terms
+  ``ent``, or None) merged along ``axis``: ``(max, sum, terms)``, each
+  part's sum scaled by ``exp(m - max)`` and its terms by that and shifted
+  by ``(m - max) * sum`` (parts whose max is ``-inf`` hold nothing).
+  ``expand``: the max broadcast back to ``m``'s shape (in a kernel, into
+  its layout); default ``expand_dims``."""
+  mx = jnp.max(m, axis=axis)
+  d = m - (expand(mx) if expand else jnp.expand_dims(mx, axis))
+  empty = m == -jnp.inf
+  scale = jnp.where(empty, 0.0, jnp.exp(d))
+  terms = None
+  if ent is not None:
+    terms = jnp.sum(jnp.where(empty, 0.0, scale * (ent + d * total)), axis=axis)
+  return mx, jnp.sum(total * scale, axis=axis), terms
 
 
 def _penalized(x, bit, first: int, pen: Penalties, r, inv_r, pres, freq, *,
@@ -553,7 +624,8 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
   if spec.lse:
     maxed.append(fo[:, 2 * S:2 * S + 1])
   if spec.lists:
-    vals, c_ids, lost = pair_lists(fo[:, 2 * S + 3:], io[:, S:])
+    vals, c_ids, lost = pair_lists(fo[:, 2 * S + 3:spec.f_rl],
+                                   io[:, S:S + spec.candidates])
     # [N, K, W / 2] relabelled as [N, ceil(K / 2), W] (only their max
     # counts), to stack with the rows above.
     lost = jnp.pad(lost, ((0, 0), (0, lost.shape[1] % 2), (0, 0)),
@@ -572,6 +644,15 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
     mx = maxima[:, S]                    # the lse max follows the samples
     scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[:, None]))
     out = out._replace(lse_max=mx, lse_sum=jnp.sum(sw * scale, axis=1))
+    if spec.entropy:   # as _merged_lse, on the max computed above
+      terms = scale * (fo[:, spec.f_rl] + (mw - mx[:, None]) * sw)
+      out = out._replace(ent_sum=jnp.sum(jnp.where(mw == -jnp.inf, 0.0, terms), axis=1))
+  if spec.raw:
+    r = spec.f_rl + int(spec.entropy)
+    raw_max, raw_sum, _ = _merged_lse(fo[:, r], fo[:, r + 1], None, axis=1)
+    out = out._replace(raw_max=raw_max, raw_sum=raw_sum)
+  if spec.finite:
+    out = out._replace(finite_count=jnp.sum(io[:, spec.i_rows - 1], axis=1))
   if spec.lists:
     bound = jnp.max(maxima[:, S + int(spec.lse):], axis=1)
     # Listed values at or below the bound leave before the sort (the lists'
@@ -664,7 +745,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    penalties: Penalties | None = None, history=None,
                    lists_by_id: bool = False,
                    target: common.Target = common.Target(),
-                   scale=None) -> ControlsState:
+                   scale=None, entropy: bool = False, raw: bool = False,
+                   finite: bool = False) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
@@ -708,6 +790,9 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       ``int8``; ``hidden`` then holds the MMA's bf16/f16), None, an f32
       scalar or f32 ``[V]`` per row of this weight: ``l`` is the f32 dot
       product times it (one f32 multiply, before the soft-cap).
+    entropy, raw, finite: also the RL fields of the state: the entropy
+      terms (``ent_sum``), the raw logits' log-sum-exp (``raw_max``,
+      ``raw_sum``), the count of finite ``t`` (``finite_count``).
   """
   batch = hidden.shape[0]
   offset = jnp.asarray(vocab_offset, jnp.int32)
@@ -719,8 +804,9 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       penalties=penalties, history=history)
   scale, mode = common.scale_operand(scale, rows_k)
   call_rows = RowLayout(samples, penalties is not None)
-  # The log-sum-exp feeds log-probabilities and the truncation rules.
-  need_lse = return_logprobs or lists
+  # The log-sum-exp feeds log-probabilities and the truncation rules; the
+  # entropy terms are relative to its max.
+  need_lse = return_logprobs or lists or entropy
   states = []
   for b0 in range(0, batch, step):
     b1 = min(batch, b0 + step)
@@ -735,7 +821,9 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                   penalties=penalties,
                   lse=first and need_lse, lists=first and lists,
                   t_best=return_logprobs, noise=noise,
-                  candidates=_wg_candidates(blocks), scale=mode)
+                  candidates=_wg_candidates(blocks), scale=mode,
+                  entropy=first and entropy, raw=first and raw,
+                  finite=first and finite)
       rowdata, h_chunk, planes_t = _launch_operands(
           hidden, rows, planes, b0, b1, n, g0, g1, call_rows, spec)
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,

@@ -134,3 +134,45 @@ def nucleus_inputs():
   keys = jax.random.split(jax.random.key(2), 65536)[jnp.asarray(NUCLEUS_KEY_IDS * n)]
   labels = [(name, i) for name in NUCLEUS_ROWS for i in NUCLEUS_KEY_IDS]
   return jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), keys, labels
+
+
+# Every RL output at once (tests/test_rl.py; the GPU tests of the kernels).
+RL = dict(return_entropy=True, return_raw_logprobs=True, return_kept=64,
+          return_logprobs=True)
+
+
+def check_rl(got, want):
+  """Tokens and kept sets identical, floats within 1e-5 of the reference's."""
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_array_equal(got.kept_count, want.kept_count)
+  for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+               "entropy_truncated"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
+                               atol=1e-5, err_msg=name)
+
+
+def check_rl_on_exact_inputs(backend: str, b: int, penalty: bool = False):
+  """A kernel's RL fields (entropy terms, raw log-sum-exp, finite counts)
+  through stage 2 against the reference (:func:`check_rl`), on exact inputs
+  with per-row keys and power-of-two temperatures: with truncation (the
+  noise-free pass), without it (the kept set is every finite id; the pass
+  with noise), with six samples (two launches) and, with ``penalty``, a
+  repetition penalty (the raw logits are taken before it). Integers in [-1,
+  1] at D = 128: logits of magnitude ~30, where f32's rounding of the raw
+  log-sum-exp (the largest value) stays below 1e-5 (at D = 512 with [-3, 3]
+  it reached 256, one ulp 1.5e-5)."""
+  d, v = 128, 5003
+  h, w = inputs.exact_inputs(b, d, v, seed=b, scale=1)
+  t = inputs.pow2_temperatures(b, greedy_every=9, seed=b)
+  keys = inputs.row_keys(b, seed=b)
+  per_row_k = jnp.asarray(np.where(np.arange(b) % 4, 40, 0), jnp.int32)
+  kws = [dict(top_k=50, top_p=0.9), dict(), dict(top_k=per_row_k, num_samples=6)]
+  if penalty:
+    hist = jnp.asarray(np.random.default_rng(b).integers(0, v, (b, 16)), jnp.int32)
+    kws.append(dict(top_p=0.95, repetition_penalty=2.0, output_ids=hist))
+  import flashsample_jax as fs  # pylint: disable=import-outside-toplevel
+  for kw in kws:
+    got = fs.sample(h, w, keys, temperature=t, backend=backend, **kw, **RL)
+    want = fs.reference.sample(h, w, keys, temperature=t, **kw, **RL)
+    check_rl(got, want)

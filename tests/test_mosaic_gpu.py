@@ -19,7 +19,7 @@ from flashsample_jax import controls, noise, problem
 from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels.sm90_config import Schedule, TuningConfig
-from tests import inputs
+from tests import cases, inputs
 from tests.backend_suite import (BackendSuite, GpuSuite, check_exact_top, check_fused_penalties,
                                  check_top_lists,
                                  device_random_inputs, every_uniform_bits,
@@ -352,6 +352,13 @@ def test_balanced_grid_on_llama_vocabulary(b):
     got = fs.sample(h, w, key, temperature=t, backend="mosaic")
     want = fs.reference.sample(h, w, key, temperature=t)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("b", [16, 100, 200])
+def test_rl_outputs_equal_reference(b):
+  # The controls kernel's RL fields: 64-row launches with lists, 128-row
+  # ones without (B = 100, 200), batch blocks (B = 200), and a penalty.
+  cases.check_rl_on_exact_inputs("mosaic", b, penalty=True)
 
 
 def test_heuristic_runs_every_bucket():

@@ -78,16 +78,6 @@ def test_reference_is_the_formulas(case):
     np.testing.assert_array_equal(out.kept_count, np.isfinite(tt).sum(axis=1))
 
 
-def _check(got, want):
-  np.testing.assert_array_equal(got.tokens, want.tokens)
-  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
-  np.testing.assert_array_equal(got.kept_count, want.kept_count)
-  for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
-               "entropy_truncated"):
-    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
-                               atol=1e-5, err_msg=name)
-
-
 @pytest.mark.parametrize("backend", ["xla", "dense"])
 def test_kept_sets_at_every_edge_and_overflow(backend):
   # The nucleus rows: ties at the top-p edge, nuclei wider than the lists
@@ -99,7 +89,7 @@ def test_kept_sets_at_every_edge_and_overflow(backend):
              dict(top_k=125, top_p=0.999)):
     got = fs.sample(h, w, keys, backend=backend, **kw, **RL)
     want = fs.reference.sample(h, w, keys, **kw, **RL)
-    _check(got, want)
+    cases.check_rl(got, want)
     assert np.any(np.asarray(want.kept_count) > 64)                 # overflow rows
   # Ties at the top-k edge: every id tied at the k-th value is kept.
   b, v = 6, 300
@@ -109,7 +99,7 @@ def test_kept_sets_at_every_edge_and_overflow(backend):
   ww = jnp.asarray(ww, jnp.bfloat16)
   got = fs.sample(hh, ww, jax.random.key(1), backend=backend, top_k=15, **RL)
   want = fs.reference.sample(hh, ww, jax.random.key(1), top_k=15, **RL)
-  _check(got, want)
+  cases.check_rl(got, want)
   assert np.all(np.asarray(got.kept_count) == 20)
 
 
@@ -122,7 +112,7 @@ def test_greedy_rows_and_several_samples():
                              num_samples=3, **kw, **RL)
   assert got.logprob_raw.shape == (3, cases.B) and got.entropy.shape == (cases.B,)
   assert got.kept_ids.shape == (cases.B, 64)
-  _check(got, want)
+  cases.check_rl(got, want)
 
 
 def test_rows_with_nothing_to_sample():
@@ -134,7 +124,7 @@ def test_rows_with_nothing_to_sample():
   assert np.isnan(got.logprob_raw[0]) and np.isnan(got.entropy_truncated[0])
   want = fs.reference.sample(cases.H, cases.W, cases.KEYS["scalar"], temperature=cases.T,
                              allowed_mask=jnp.asarray(mask), top_k=5, **RL)
-  _check(got, want)
+  cases.check_rl(got, want)
 
 
 def test_params_jit_and_empty_batch():
@@ -160,11 +150,16 @@ def test_bad_arguments_name_them():
     fs.sample(cases.H, cases.W, key, return_entropy="yes")
   with pytest.raises(TypeError, match=r"return_raw_logprobs=1 must be a bool"):
     fs.sample(cases.H, cases.W, key, return_raw_logprobs=1)
-  # A backend that does not compute them refuses by name; auto takes one that does.
+  # What a backend does not compute it refuses by name (the mosaic kernels:
+  # raw top-N lists and given tokens' t); auto takes one that does.
   from flashsample_jax.backends.mosaic import MosaicBackend
-  with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet compute"):
-    fs.sample(cases.H, cases.W, key, return_entropy=True,
-              backend=MosaicBackend(interpret=True))
+  mosaic = MosaicBackend(interpret=True)
+  with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet list the raw"):
+    fs.sample(cases.H, cases.W, key, top_logprobs=5, top_logprobs_mode="raw",
+              backend=mosaic)
+  with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet score given"):
+    fs.score_tokens(cases.H, cases.W, jnp.zeros((cases.H.shape[0],), jnp.int32),
+                    backend=mosaic)
   assert fs.which_backend(cases.H, cases.W, key, return_kept=4) in ("triton", "xla", "dense")
 
 
@@ -180,7 +175,7 @@ def test_sharded_rl_outputs_on_1_2_8_shards():
                          devices=jax.devices()[:n])
     got = fs.sample_sharded(h, w, cases.KEYS["scalar"], mesh=mesh, vocab_axis="tp",
                             temperature=cases.T, **kw)
-    _check(got, want)
+    cases.check_rl(got, want)
     np.testing.assert_array_equal(got.top_ids, want.top_ids)
     np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-5)
 

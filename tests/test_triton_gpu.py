@@ -14,7 +14,7 @@ import pytest
 import flashsample_jax as fs
 from flashsample_jax import problem
 from flashsample_jax.backends.triton import TritonBackend
-from tests import inputs
+from tests import cases, inputs
 from tests.backend_suite import BackendSuite, GpuSuite
 
 pytestmark = pytest.mark.gpu
@@ -69,40 +69,9 @@ def test_quantized_scores_equal_xla_backend(b):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
-RL = dict(return_entropy=True, return_raw_logprobs=True, return_kept=64,
-          return_logprobs=True)
-
-
-def _check_rl(got, want):
-  """Tokens and kept sets identical, floats within 1e-5 (tests/test_rl.py)."""
-  np.testing.assert_array_equal(got.tokens, want.tokens)
-  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
-  np.testing.assert_array_equal(got.kept_count, want.kept_count)
-  for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
-               "entropy_truncated"):
-    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5,
-                               atol=1e-5, err_msg=name)
-
-
 @pytest.mark.parametrize("b", [64, 100])
 def test_rl_outputs_equal_reference(b):
-  # Exact inputs, per-row keys and power-of-two temperatures: the kernel's
-  # RL fields (entropy terms, raw log-sum-exp, finite counts) through stage
-  # 2, with truncation (the noise-free pass), without it (kept set: every
-  # finite id; the pass with noise) and with six samples (two launches).
-  # Integers in [-1, 1] at D = 128: logits of magnitude ~30, where f32's
-  # rounding of the raw log-sum-exp (the largest value) stays below 1e-5
-  # (at D = 512 with [-3, 3] it reached 256, one ulp 1.5e-5).
-  d, v = 128, 5003
-  h, w = inputs.exact_inputs(b, d, v, seed=b, scale=1)
-  t = inputs.pow2_temperatures(b, greedy_every=9, seed=b)
-  keys = inputs.row_keys(b, seed=b)
-  per_row_k = jnp.asarray(np.where(np.arange(b) % 4, 40, 0), jnp.int32)
-  for kw in (dict(top_k=50, top_p=0.9), dict(),
-             dict(top_k=per_row_k, num_samples=6)):
-    got = fs.sample(h, w, keys, temperature=t, backend="triton", **kw, **RL)
-    want = fs.reference.sample(h, w, keys, temperature=t, **kw, **RL)
-    _check_rl(got, want)
+  cases.check_rl_on_exact_inputs("triton", b)
 
 
 @pytest.mark.parametrize("b", [48, 100])

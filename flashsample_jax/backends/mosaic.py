@@ -172,7 +172,17 @@ class MosaicBackend(SamplerBackend):
         noise=c.noise, logit_bias=c.logit_bias, allowed_mask=c.allowed_mask,
         penalties=penalties, history=history,
         lists_by_id=self._offers_exact_top(p, c), target=self._target(),
-        scale=p.weight_scale)
+        scale=p.weight_scale, entropy=c.return_entropy, raw=c.raw_lse,
+        finite=c.return_kept > 0)
+
+  def rl_outputs(self):
+    # Entropy terms, the raw logits' log-sum-exp and the finite count in
+    # the controls kernel's pass; raw top-N lists and given tokens' t not
+    # (raw_top_lists, given_tokens).
+    return True
+
+  def given_tokens(self):
+    return False
 
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
