@@ -160,7 +160,7 @@ def test_bad_arguments_name_them():
   with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet score given"):
     fs.score_tokens(cases.H, cases.W, jnp.zeros((cases.H.shape[0],), jnp.int32),
                     backend=mosaic)
-  assert fs.which_backend(cases.H, cases.W, key, return_kept=4) in ("triton", "xla", "dense")
+  assert fs.backends.get(fs.which_backend(cases.H, cases.W, key, return_kept=4)).rl_outputs()
 
 
 @pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
