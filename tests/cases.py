@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import flashsample_jax as fs
 from tests import inputs
 
 B, D, V = 24, 64, 3001
@@ -136,7 +137,7 @@ def nucleus_inputs():
   return jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), keys, labels
 
 
-# Every RL output at once (tests/test_rl.py; the GPU tests of the kernels).
+# Every RL output at once (tests/test_rl.py, the GPU tests of the kernels).
 RL = dict(return_entropy=True, return_raw_logprobs=True, return_kept=64,
           return_logprobs=True)
 
@@ -171,7 +172,6 @@ def check_rl_on_exact_inputs(backend: str, b: int, penalty: bool = False):
   if penalty:
     hist = jnp.asarray(np.random.default_rng(b).integers(0, v, (b, 16)), jnp.int32)
     kws.append(dict(top_p=0.95, repetition_penalty=2.0, output_ids=hist))
-  import flashsample_jax as fs  # pylint: disable=import-outside-toplevel
   for kw in kws:
     got = fs.sample(h, w, keys, temperature=t, backend=backend, **kw, **RL)
     want = fs.reference.sample(h, w, keys, temperature=t, **kw, **RL)

@@ -20,8 +20,7 @@ from flashsample_jax import controls, problem, reference
 from tests import cases, inputs
 from tests.conftest import has_gpu
 
-RL = dict(return_entropy=True, return_raw_logprobs=True, return_kept=64,
-          return_logprobs=True)
+RL = cases.RL
 
 
 def _f64_outputs(kw, key=cases.KEYS["scalar"], h=cases.H, w=cases.W, t=cases.T):
