@@ -161,6 +161,16 @@ class Controls:
     return self.return_raw_logprobs or self.raw_top
 
   @property
+  def reports_floats(self) -> bool:
+    """The call reports floats (log-probabilities, entropies, scores of
+    given tokens), whose last bits follow the order in which a pass adds a
+    row's terms: the kernels run such calls on their batch-invariant
+    schedules (docs/design.md, "Determinism and RL"). Tokens and kept sets
+    are the same on every schedule."""
+    return (self.return_logprobs or self.top_logprobs > 0 or self.return_entropy
+            or self.return_raw_logprobs or self.given_ids is not None)
+
+  @property
   def needs_kept_set(self) -> bool:
     """Outputs that depend on each row's exact kept set (not only on its
     token): stage 2 may then not take shortcuts that decide the token

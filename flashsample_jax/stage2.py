@@ -28,7 +28,7 @@ from flashsample_jax import controls, mesh, noise, problem
 from flashsample_jax.problem import Problem
 from pallas_kernels import rules
 from pallas_kernels.rowdata import Penalties
-from pallas_kernels.state import ControlsState, top_m
+from pallas_kernels.state import ControlsState, lse_parts, parts_sum, top_m
 
 __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
@@ -244,7 +244,7 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
   if lse_max is None:
     mx, total = jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32)
   else:
-    mx, total = _lse_parts(lse_max, lse_sum)
+    mx, total = lse_parts(lse_max, lse_sum)
   st = ControlsState(best_score=score, best_id=tok, best_t=t, lse_max=mx,
                      lse_sum=total)
   if ent_sum is not None:
@@ -254,7 +254,7 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
     st = st._replace(ent_sum=parts_sum(
         jnp.where(empty, 0.0, jnp.exp(shift) * (ent_sum + shift * lse_sum))))
   if raw_max is not None:
-    st = st._replace(**dict(zip(("raw_max", "raw_sum"), _lse_parts(raw_max, raw_sum))))
+    st = st._replace(**dict(zip(("raw_max", "raw_sum"), lse_parts(raw_max, raw_sum))))
   if finite_count is not None:
     st = st._replace(finite_count=jnp.sum(finite_count, axis=1, dtype=jnp.int32))
   if given_t is not None:
@@ -267,27 +267,6 @@ def state_from_parts(best_score, best_id, best_t=None, lse_max=None,
   # compile alike in every program that reads them (sample and score_tokens
   # report the same bits; docs/design.md, "Determinism and RL").
   return lax.optimization_barrier(st)
-
-
-def _lse_parts(mx, total):
-  """Online log-sum-exp pieces ``(max, sum)`` ``[B, P]`` merged over the parts."""
-  m = jnp.max(mx, axis=1)
-  scale = jnp.where(mx == -jnp.inf, 0.0, jnp.exp(mx - m[:, None]))
-  return m, parts_sum(total * scale)
-
-
-def parts_sum(x):
-  """``x [B, P]`` summed over the parts in an order fixed by ``P`` alone: a
-  pairwise tree of elementwise additions (zeros pad ``P`` to a power of
-  two), so a row's sum is the same bits whatever the batch around it. A
-  ``jnp.sum`` adds in the order of the reduction kernel XLA picks for the
-  whole array's shape (docs/design.md, "Determinism and RL")."""
-  n = x.shape[1]
-  x = jnp.pad(x, ((0, 0), (0, (1 << max(n - 1, 0).bit_length()) - n)))
-  while x.shape[1] > 1:
-    half = x.shape[1] // 2
-    x = x[:, :half] + x[:, half:]
-  return x[:, 0]
 
 
 class History(NamedTuple):
@@ -455,13 +434,15 @@ def _history_logits(p: Problem, rows):
   w = jnp.take(p.weight, rows, axis=0 if p.layout == "vd" else 1)  # [B, H, D] / [D, B, H]
   # A multiply and a row sum (not a dot): XLA fuses the gather into it and
   # reads each weight row once; the products are exact in f32 as the dot's.
-  # A quantized row converts exactly to f32; its scale multiplies the sum,
-  # as problem.logits multiplies the dot.
+  # The sum is parts_sum's fixed tree, so a row's logit (its raw
+  # log-probability's) is the same bits whatever the batch (docs/design.md,
+  # "Determinism and RL"). A quantized row converts exactly to f32; its
+  # scale multiplies the sum, as problem.logits multiplies the dot.
   h = p.hidden.astype(jnp.float32)
   if p.layout == "vd":
-    l = jnp.sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
+    l = parts_sum(h[:, None, :] * w.astype(jnp.float32), axis=2)
   else:
-    l = jnp.sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
+    l = parts_sum(h.T[:, :, None] * w.astype(jnp.float32), axis=0)
   scale = p.scale_of(rows)
   return l if scale is None else l * scale
 

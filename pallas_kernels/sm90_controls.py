@@ -5,7 +5,10 @@ The kernel is the batch-major ping-pong of :mod:`pallas_kernels.sm90_sampler`
 ``acc[N, Vt] = H @ W_tile.T``, blocks of N = 64 batch rows, or 128 for B > 64
 without truncation and with one sample (:data:`BATCH_WIDE`), two compute
 warpgroups alternating tiles; a launch's blocks split its CTAs and share
-each weight tile through L2) with a longer epilogue. Per element, in the
+each weight tile through L2) with a longer epilogue. A batch-invariant
+call (``controls_state(..., batch_invariant=True)``) runs blocks of 64 rows
+at every B, each split over the vocabulary as one block alone is
+(:func:`_fixed_split`). Per element, in the
 order of the package's controls (``flashsample_jax.controls``)::
 
     x = l                                   f32 accumulator
@@ -60,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rules, sm90_common as common, sm90_top, threefry
 from pallas_kernels.rowdata import Penalties, RowLayout
-from pallas_kernels.state import ControlsState, pair_lists, top_m
+from pallas_kernels.state import ControlsState, lse_parts, pair_lists, parts_sum, top_m
 from pallas_kernels.sm90_config import (
     ROWDATA_ROWS, Schedule, TuningConfig, WeightPath, most_steps, weight_path)
 
@@ -505,12 +508,13 @@ def _penalized(x, bit, first: int, pen: Penalties, r, inv_r, pres, freq, *,
 
 def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str,
             rows_valid: int, vocab_size: int, n: int, target: common.Target,
-            active=None, t_width: int = 0, scale=None):
+            active=None, t_width: int = 0, scale=None, fixed_split: bool = False):
   """One launch: ``(fo, io)`` ``[nb * n, *, 2 * CTAs]``, and with
   ``spec.materialize`` the rows' t ``[nb * n, t_width]`` (streamed only
   where ``active``, an int32 ``[1]``, is nonzero). ``scale``: an 8-bit
   weight's :func:`~pallas_kernels.sm90_common.scale_operand` (the mode in
-  ``spec.scale``)."""
+  ``spec.scale``). ``fixed_split``: every block's CTAs split the
+  vocabulary as one block's do (:func:`_fixed_split`)."""
   dim = h.shape[1]
   nb = cfg.batch_blocks
   rows = w.shape[0] if layout == "vd" else w.shape[1]
@@ -519,6 +523,8 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize,
                     w_itemsize=w_itemsize, staged=weight_path(
                         cfg.schedule, layout, w_itemsize) is WeightPath.STAGED)
+  if fixed_split:
+    cfg = _fixed_split(cfg, target, n_tiles)
   # With batch blocks, num_ctas counts the CTAs of one block.
   num_ctas = target.grid_ctas(cfg, n_tiles)
   body = functools.partial(_kernel, cfg=cfg, spec=spec, layout=layout, n=n,
@@ -544,6 +550,16 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
   out = (fo.reshape(nb * n, spec.f_rows, 2 * num_ctas),
          io.reshape(nb * n, spec.i_rows, 2 * num_ctas))
   return out + tuple(x.reshape(nb * n, t_width) for x in t)
+
+
+def _fixed_split(cfg: TuningConfig, target: common.Target, n_tiles: int) -> TuningConfig:
+  """``cfg`` with the grid of :func:`~pallas_kernels.sm90_common.Target.grid_ctas`'s
+  one-block split for each of its blocks: ``batch_blocks`` times those CTAs
+  (more than the SMs from two blocks on: they run in rounds), so that a
+  row's tiles reach the same warpgroups, in the same order, whatever the
+  batch (docs/design.md, "Determinism and RL")."""
+  one = target.grid_ctas(dataclasses.replace(cfg, batch_blocks=1), n_tiles)
+  return dataclasses.replace(cfg, num_ctas=one * cfg.batch_blocks)
 
 
 def _local_bias(logit_bias, offset, rows_k: int, total_rows: int, epi: int):
@@ -639,17 +655,20 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
     t = jnp.zeros_like(score)
   out = ControlsState(best_score=score, best_id=tok, best_t=t,   # [N, S]
                         lse_max=None, lse_sum=None)
+  # The sums over the warpgroups add in parts_sum's fixed order (a
+  # jnp.sum's follows the shape of the whole batch; docs/design.md,
+  # "Determinism and RL").
   if spec.lse:
     mw, sw = fo[:, 2 * S], fo[:, 2 * S + 1]
     mx = maxima[:, S]                    # the lse max follows the samples
     scale = jnp.where(mw == -jnp.inf, 0.0, jnp.exp(mw - mx[:, None]))
-    out = out._replace(lse_max=mx, lse_sum=jnp.sum(sw * scale, axis=1))
+    out = out._replace(lse_max=mx, lse_sum=parts_sum(sw * scale))
     if spec.entropy:   # as _merged_lse, on the max computed above
       terms = scale * (fo[:, spec.f_rl] + (mw - mx[:, None]) * sw)
-      out = out._replace(ent_sum=jnp.sum(jnp.where(mw == -jnp.inf, 0.0, terms), axis=1))
+      out = out._replace(ent_sum=parts_sum(jnp.where(mw == -jnp.inf, 0.0, terms)))
   if spec.raw:
     r = spec.f_rl + int(spec.entropy)
-    raw_max, raw_sum, _ = _merged_lse(fo[:, r], fo[:, r + 1], None, axis=1)
+    raw_max, raw_sum = lse_parts(fo[:, r], fo[:, r + 1])
     out = out._replace(raw_max=raw_max, raw_sum=raw_sum)
   if spec.finite:
     out = out._replace(finite_count=jnp.sum(io[:, spec.i_rows - 1], axis=1))
@@ -746,7 +765,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    lists_by_id: bool = False,
                    target: common.Target = common.Target(),
                    scale=None, entropy: bool = False, raw: bool = False,
-                   finite: bool = False) -> ControlsState:
+                   finite: bool = False, batch_invariant: bool = False) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
@@ -793,11 +812,16 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     entropy, raw, finite: also the RL fields of the state: the entropy
       terms (``ent_sum``), the raw logits' log-sum-exp (``raw_max``,
       ``raw_sum``), the count of finite ``t`` (``finite_count``).
+    batch_invariant: a row's state, bit for bit, whatever the batch around
+      it: blocks of :data:`BATCH` rows for every ``B``, each split over
+      the vocabulary as one block alone is (:func:`_fixed_split`), and the
+      one-block lists (docs/design.md, "Determinism and RL").
   """
   batch = hidden.shape[0]
   offset = jnp.asarray(vocab_offset, jnp.int32)
   n_rows = weight.shape[0 if layout == "vd" else 1]
-  n = BATCH_WIDE if batch > BATCH and samples == 1 and not lists else BATCH
+  wide = batch > BATCH and samples == 1 and not lists and not batch_invariant
+  n = BATCH_WIDE if wide else BATCH
   w, rows_k, cfg, bias, planes, penalties, step = _prepare(
       hidden, weight, offset, layout=layout, samples=samples, lists=lists, n=n,
       total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
@@ -821,7 +845,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                   penalties=penalties,
                   lse=first and need_lse, lists=first and lists,
                   t_best=return_logprobs, noise=noise,
-                  candidates=_wg_candidates(blocks), scale=mode,
+                  candidates=_wg_candidates(1 if batch_invariant else blocks),
+                  scale=mode,
                   entropy=first and entropy, raw=first and raw,
                   finite=first and finite)
       rowdata, h_chunk, planes_t = _launch_operands(
@@ -829,7 +854,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,
                        planes_t, cfg=launch_cfg, spec=spec, layout=layout,
                        rows_valid=n_rows, vocab_size=vocab_size, n=n,
-                       target=target, scale=scale)
+                       target=target, scale=scale, fixed_split=batch_invariant)
       # Padding rows leave the merge (and the top-M sort) before it starts.
       parts.append(_merge_outputs(fo[:b1 - b0], io[:b1 - b0], spec, candidates,
                                   by_id=lists_by_id, target=target))

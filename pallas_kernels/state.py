@@ -65,6 +65,31 @@ class ControlsState(NamedTuple):
   raw_bound: Any = None
 
 
+def parts_sum(x, axis: int = 1):
+  """``x`` summed over ``axis`` (``[B, P]``: over the parts) in an order
+  fixed by that axis's length alone: a pairwise tree of elementwise
+  additions (zeros pad it to a power of two), so a row's sum is the same
+  bits whatever the batch around it. A ``jnp.sum`` adds in the order of the
+  reduction kernel XLA picks for the whole array's shape (docs/design.md,
+  "Determinism and RL")."""
+  x = jnp.moveaxis(x, axis, -1)
+  n = x.shape[-1]
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(n - 1, 0).bit_length()) - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+def lse_parts(mx, total):
+  """Online log-sum-exp pieces ``(max, sum)`` ``[B, P]`` merged over the
+  parts (parts whose max is ``-inf`` hold nothing), in :func:`parts_sum`'s
+  order: ``(max [B], sum [B])``."""
+  m = jnp.max(mx, axis=1)
+  scale = jnp.where(mx == -jnp.inf, 0.0, jnp.exp(mx - m[:, None]))
+  return m, parts_sum(total * scale)
+
+
 def top_m(vals, ids, bound, m: int, *, by_id: bool = False):
   """The ``m`` largest listed values of each row, with their ids.
 

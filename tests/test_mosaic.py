@@ -20,7 +20,7 @@ from flashsample_jax import backends, controls, noise, problem, stage2
 from flashsample_jax.backends import mosaic as mosaic_backend
 from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
-from pallas_kernels import sm90_config, sm90_controls, sm90_top
+from pallas_kernels import sm90_common, sm90_config, sm90_controls, sm90_top
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
 from tests.backend_suite import (BackendSuite, check_exact_top, check_fused_penalties,
@@ -634,11 +634,14 @@ def test_unsupported_problems_raise_not_implemented():
                                allowed_mask=1, num_samples=6,
                                return_logprobs=True), [(64, 2)] * 2, [128] * 2),
     ("vd", 5, 8192, 128256, dict(softcap=30.0), [(64, 1)], [8]),
-    # Blocks of 128 rows (no truncation, one sample), both layouts.
-    ("vd", 200, 4096, 151936, dict(softcap=30.0, logit_bias=1, allowed_mask=1,
-                                   return_logprobs=True), [(128, 2)], [256]),
-    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [(128, 1)],
-     [104]),
+    # Blocks of 128 rows (no truncation, one sample, tokens only), both
+    # layouts; log-probabilities take blocks of 64 rows (the batch-invariant
+    # split).
+    ("vd", 200, 4096, 151936, dict(softcap=30.0, logit_bias=1, allowed_mask=1),
+     [(128, 2)], [256]),
+    ("dv", 100, 192, 1000, dict(logit_bias=1), [(128, 1)], [104]),
+    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [(64, 2)],
+     [128]),
     # 17 blocks of 64 with lists: 4 launches of MAX_LIST_BLOCKS, then one of 1.
     ("vd", 1030, 256, 1000, dict(top_k=5), [(64, 4)] * 4 + [(64, 1)], [256] * 4 + [8]),
     # Without lists: one launch of MAX_BLOCKS blocks of 64 rows (two samples).
@@ -688,6 +691,53 @@ def test_controls_kernel_lowers_for_cuda(layout, b, d, v, kw, launch_rows, h_wan
   # A launch of one block takes H with its own rows padded to 8 only (not
   # to N); one of several blocks all of theirs.
   assert h_rows == h_want
+
+
+@pytest.mark.parametrize("v,ctas", [(151936, 132), (128256, 126)])
+def test_float_outputs_split_every_block_as_one(v, ctas, monkeypatch):
+  # On an H100's 132 SMs: a call that reports floats gives every block of
+  # 64 rows the balanced one-block grid (1187 tiles of the S head: 132 CTAs
+  # in 9 rounds; 1002 of L: 126 in 8), so 4 blocks launch 4 x that many
+  # CTAs; a call for tokens alone shares the SMs among its blocks.
+  grids = []
+  real = sm90_common.Target.grid_ctas
+  monkeypatch.setattr(sm90_common.Target, "grid_ctas", lambda self, cfg, n: grids.append(
+      (cfg.batch_blocks, cfg.num_ctas)) or real(self, cfg, n))
+  h = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((v, 1024), jnp.bfloat16)
+  for kw, want in ((dict(top_k=50, return_logprobs=True), [(1, None), (4, 4 * ctas)]),
+                   (dict(top_k=50), [(4, None)])):
+    grids.clear()
+    with h100_lowering():
+      jax.jit(lambda h, w, k: fs.sample(h, w, k, backend=LOWER, **kw)).trace(
+          h, w, jax.random.key(0)).lower(lowering_platforms=("cuda",))
+    assert grids == want, kw
+
+
+def test_calls_reporting_floats_take_the_batch_invariant_split(monkeypatch):
+  # As the triton backend's configs (tests/test_triton_adapter.py):
+  # log-probabilities, entropies and raw log-probabilities on the fixed
+  # split, tokens and kept sets (the same on every split) on the per-B one,
+  # and every call on it with batch_invariant=False. Traced for an H100.
+  seen = []
+  real = sm90_controls._launch
+  monkeypatch.setattr(sm90_controls, "_launch",
+                      lambda *a, **k: seen.append(k["fixed_split"]) or real(*a, **k))
+  h = jax.ShapeDtypeStruct((70, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
+  for kw, want in ((dict(top_k=20, top_p=0.9), False), (dict(return_logprobs=True), True),
+                   (dict(top_k=20, top_logprobs=3), True), (dict(return_entropy=True), True),
+                   (dict(return_raw_logprobs=True), True),
+                   (dict(top_p=0.9, return_kept=8), False)):
+    for backend, expect in ((LOWER, want), (dataclasses.replace(LOWER, batch_invariant=False),
+                                            False)):
+      seen.clear()
+      with h100_lowering():
+        jax.jit(lambda h, w, k: fs.sample(h, w, k, backend=backend, **kw)).trace(
+            h, w, inputs.row_keys(70))
+      assert seen == [expect], (kw, backend.batch_invariant)
+  with pytest.raises(TypeError, match="batch_invariant"):
+    MosaicBackend(batch_invariant=1)
 
 
 # B = 37 (not a multiple of 8), V a multiple of no tile (CI time: one shape;
@@ -851,33 +901,86 @@ def _record_launches(monkeypatch):
   return rows
 
 
+class _PerBatchSplit(TestMosaicInterpret):
+  """The suite's checks on the per-B split (``batch_invariant=False``):
+  log-probabilities through the 128-row blocks (not collected: no Test
+  prefix)."""
+  backend = MosaicBackend(interpret=True, batch_invariant=False)
+
+
+PER_B = _PerBatchSplit()
+
+
 def test_mosaic_launches_of_128_rows_without_truncation(monkeypatch):
-  # B > 64 with one sample and no truncation rule: a block of 128 rows
-  # ([128, 8] epilogue chunks, the bias in 8-wide rows); with a truncation
-  # rule: one launch of two blocks of 64. Tokens and log-probabilities as
-  # the reference's either way.
+  # B > 64 with one sample and no truncation rule, on the per-B split: a
+  # block of 128 rows ([128, 8] epilogue chunks, the bias in 8-wide rows);
+  # with a truncation rule: one launch of two blocks of 64. Tokens and
+  # log-probabilities as the reference's either way.
   b = 80
   h, w, t, kw = _bias_mask_rows(b, seed=9)
   kw["softcap"] = 8.0
   rows = _record_launches(monkeypatch)
-  SUITE.check_controls(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t,
+  PER_B.check_controls(kw, inputs.row_keys(b, seed=9), h=h, w=w, t=t,
                        return_logprobs=True)
   assert rows == [(128, 1)]
   rows.clear()
-  SUITE.check_controls(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t)
+  PER_B.check_controls(dict(top_k=30, **kw), jax.random.key(9), h=h, w=w, t=t)
   assert rows == [(64, 2)]
 
 
 def test_mosaic_wide_blocks_with_bias_mask_and_logprobs(monkeypatch):
-  # 136 rows, one sample, no lists: one launch of two blocks of 128 rows
-  # (the second nearly all padding), with the per-row mask and data split
-  # by block; tokens and log-probabilities as the reference's.
+  # 136 rows, one sample, no lists, on the per-B split: one launch of two
+  # blocks of 128 rows (the second nearly all padding), with the per-row
+  # mask and data split by block; tokens and log-probabilities as the
+  # reference's.
   b = 136
   h, w, t, kw = _bias_mask_rows(b, seed=10)
   rows = _record_launches(monkeypatch)
-  SUITE.check_controls(kw, inputs.row_keys(b, seed=10), h=h, w=w, t=t,
+  PER_B.check_controls(kw, inputs.row_keys(b, seed=10), h=h, w=w, t=t,
                        return_logprobs=True)
   assert rows == [(128, 2)]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(return_logprobs=True, return_entropy=True, return_raw_logprobs=True),
+    dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True)],
+    ids=["plain", "top_k_top_p"])
+def test_float_outputs_take_one_split_for_every_batch(kw, monkeypatch):
+  # A call that reports floats runs blocks of 64 rows, each split over the
+  # vocabulary as one block alone is, so a row's per-warpgroup outputs
+  # (scores, t, the log-sum-exp parts, lists, entropy terms, raw lse) are
+  # the same bits in a call of 64 rows and in one of 130 (three blocks;
+  # the per-B split runs one 128-row block without lists, and 4 // 3 CTAs
+  # per block with them: other shapes, other orders). Random inputs, so
+  # the sums round. Compared at the kernel's outputs: on the CPU XLA's exp
+  # rounds by an element's place in its vectorized loop, so the merged
+  # state's bits are compared on the GPU (tests/test_mosaic_gpu.py).
+  h, w = inputs.random_inputs(130, 64, 1000, seed=11)
+  keys = inputs.row_keys(130, seed=11)
+  launches = []
+  real = sm90_controls._launch
+  monkeypatch.setattr(sm90_controls, "_launch", lambda *a, **k: (
+      launches.append((k["n"], k["cfg"].batch_blocks, k["fixed_split"])), real(*a, **k))[1])
+
+  @jax.jit
+  def kernel_outputs(h, key):
+    outs = []
+    monkeypatch.setattr(sm90_controls, "_merge_outputs",
+                        lambda fo, io, *a, **k: outs.append((fo, io)) or merge(fo, io, *a, **k))
+    p = problem.prepare(h, w, key, temperature=0.7)
+    c = controls.prepare_controls(batch=h.shape[0], vocab_size=1000, rows=1000, **kw)
+    INTERPRET.controls_state(p, c)
+    return outs
+
+  merge = sm90_controls._merge_outputs
+  jax.clear_caches()
+  (one_fo, one_io), = kernel_outputs(h[:64], keys[:64])
+  (all_fo, all_io), = kernel_outputs(h, keys)
+  assert launches == [(64, 1, True), (64, 3, True)]
+  assert one_fo.shape == all_fo[:64].shape
+  np.testing.assert_array_equal(np.asarray(all_fo[:64]).view(np.uint32),
+                                np.asarray(one_fo).view(np.uint32))
+  np.testing.assert_array_equal(all_io[:64], one_io)
 
 
 @pytest.mark.parametrize("key", sorted(KEYS))

@@ -361,6 +361,13 @@ def test_rl_outputs_equal_reference(b):
   cases.check_rl_on_exact_inputs("mosaic", b, penalty=True)
 
 
+def test_float_outputs_are_batch_invariant():
+  # The batch-invariant split (docs/design.md, "Determinism and RL"): a
+  # row's tokens and float bits in calls of 1 to 200 rows as in one of 260
+  # (five blocks of 64, two launches with lists).
+  cases.check_batch_invariance("mosaic")
+
+
 def test_heuristic_runs_every_bucket():
   # Compile and run every N bucket once on a small head (exact inputs).
   d, v = 256, 1000

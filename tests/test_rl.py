@@ -349,10 +349,11 @@ def test_raw_top_logprobs(backend):
 
 
 def test_parts_sum_adds_in_a_fixed_pairwise_order():
-  # stage2.parts_sum merges a kernel's per-tile sums in an order fixed by
-  # the number of tiles alone (docs/design.md, "Determinism and RL"): the
-  # same bits as this float32 pairwise tree, for any batch around a row.
-  from flashsample_jax import stage2  # pylint: disable=import-outside-toplevel
+  # state.parts_sum merges a kernel's per-tile (per-warpgroup) sums in an
+  # order fixed by the number of parts alone (docs/design.md, "Determinism
+  # and RL"): the same bits as this float32 pairwise tree, for any batch
+  # around a row.
+  from pallas_kernels import state  # pylint: disable=import-outside-toplevel
   r = np.random.default_rng(3)
   x = (r.exponential(size=(9, 1187)) ** 4).astype(np.float32)
 
@@ -364,7 +365,7 @@ def test_parts_sum_adds_in_a_fixed_pairwise_order():
     return row[0]
 
   want = np.asarray([tree(row) for row in x]).view(np.uint32)
-  sums = jax.jit(stage2.parts_sum)
+  sums = jax.jit(state.parts_sum)
   np.testing.assert_array_equal(np.asarray(sums(jnp.asarray(x))).view(np.uint32), want)
   for b in (1, 2, 5):
     np.testing.assert_array_equal(np.asarray(sums(jnp.asarray(x[:b]))).view(np.uint32),

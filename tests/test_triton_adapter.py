@@ -272,6 +272,13 @@ def test_calls_reporting_floats_run_the_batch_invariant_configs(monkeypatch):
   fs.score_tokens(cases.H, cases.W, jnp.zeros((cases.B,), jnp.int32), temperature=cases.T,
                   backend=CpuTritonBackend())
   assert seen == [True]
+  # batch_invariant=False: the per-B table for every call.
+  seen.clear()
+  fs.sample(cases.H, cases.W, cases.KEYS["per_row"], temperature=cases.T,
+            backend=CpuTritonBackend(batch_invariant=False), return_logprobs=True)
+  assert seen == [False]
+  with pytest.raises(TypeError, match="batch_invariant"):
+    CpuTritonBackend(batch_invariant="yes")
 
 
 def test_invariant_configs_share_the_vocabulary_tiles():

@@ -74,6 +74,12 @@ def test_rl_outputs_equal_reference(b):
   cases.check_rl_on_exact_inputs("triton", b)
 
 
+def test_float_outputs_are_batch_invariant():
+  # The invariant config family (docs/design.md, "Determinism and RL"): a
+  # row's tokens and float bits in calls of 1 to 200 rows as in one of 260.
+  cases.check_batch_invariance("triton")
+
+
 @pytest.mark.parametrize("b", [48, 100])
 def test_score_tokens_is_bit_for_bit_what_sample_returned(b):
   # tests/test_rl.py's test on the triton backend: random bf16 inputs, so

@@ -97,6 +97,10 @@ class MosaicBackend(SamplerBackend):
       launch instead of the heuristic's (tests, benchmarks).
     profile_dir: a directory where every launch on the GPU writes a trace
       of its warpgroups' named regions (Mosaic GPU's profiler; experiments).
+    batch_invariant: calls that report floats (log-probabilities,
+      entropies) run the controls kernel's batch-invariant split, so that a
+      row's bits do not depend on the batch around it (docs/design.md,
+      "Determinism and RL"); False: the per-B split.
   """
 
   name: ClassVar[str] = "mosaic"
@@ -105,6 +109,11 @@ class MosaicBackend(SamplerBackend):
   assume_sm90: bool = False
   config: Any = None
   profile_dir: str | None = None
+  batch_invariant: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.batch_invariant, bool):
+      raise TypeError(f"batch_invariant={self.batch_invariant!r} must be a bool")
 
   def _target(self):
     common = _kernels()[0]
@@ -173,7 +182,8 @@ class MosaicBackend(SamplerBackend):
         penalties=penalties, history=history,
         lists_by_id=self._offers_exact_top(p, c), target=self._target(),
         scale=p.weight_scale, entropy=c.return_entropy, raw=c.raw_lse,
-        finite=c.return_kept > 0)
+        finite=c.return_kept > 0,
+        batch_invariant=self.batch_invariant and c.reports_floats)
 
   def rl_outputs(self):
     # Entropy terms, the raw logits' log-sum-exp and the finite count in

@@ -103,17 +103,25 @@ class TritonBackend(SamplerBackend):
       own choice is ``triton_controls.pick_controls_config``).
     list_pairings: rounds of pairing the tiles' candidate lists before
       stage 2 (:data:`LIST_PAIRINGS`; 0 sorts every tile's list).
+    batch_invariant: calls that report floats (log-probabilities,
+      entropies, scores) run the batch-invariant configs, so that a row's
+      bits do not depend on the batch around it (docs/design.md,
+      "Determinism and RL"); False: the per-B table's (faster at B = 33-64,
+      docs/performance.md, "RL outputs and batch invariance").
   """
 
   name: ClassVar[str] = "triton"
   config: Any = None
   controls_config: Any = None
   list_pairings: int = LIST_PAIRINGS
+  batch_invariant: bool = True
 
   def __post_init__(self):
     if (isinstance(self.list_pairings, bool) or not isinstance(self.list_pairings, int)
         or self.list_pairings < 0):
       raise ValueError(f"list_pairings={self.list_pairings!r} must be an int >= 0")
+    if not isinstance(self.batch_invariant, bool):
+      raise TypeError(f"batch_invariant={self.batch_invariant!r} must be a bool")
 
   def check(self, p, c):
     if getattr(c, "raw_top", False):
@@ -165,12 +173,9 @@ class TritonBackend(SamplerBackend):
     # The entropy terms are relative to each tile's log-sum-exp max.
     need_lse = c.return_logprobs or c.lists or c.return_entropy
     given = c.given_ids is not None
-    # Calls that report floats (log-probabilities, entropies, scores) run
-    # the batch-invariant configs: a row's bits then never depend on the
-    # batch around it (docs/design.md, "Determinism and RL"). Tokens and
-    # kept sets are the same on every config.
-    invariant = (c.return_logprobs or c.top_logprobs > 0 or c.return_entropy
-                 or c.return_raw_logprobs or given)
+    # Calls that report floats run the batch-invariant configs: a row's
+    # bits then never depend on the batch around it (Controls.reports_floats).
+    invariant = self.batch_invariant and c.reports_floats
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
