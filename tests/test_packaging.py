@@ -48,15 +48,19 @@ def test_demo_extra_is_lean_and_pins_the_tested_jax():
 
 
 def test_every_slow_entry_names_a_test():
-  # tests/conftest.py's SLOW: an entry that names no test (renamed, moved)
-  # would quietly put nothing in ./run test-long.
+  # tests/conftest.py's SLOW and DEEP: an entry that names no test (renamed,
+  # moved) would quietly put nothing in ./run test-long, or leave a test
+  # in CI that was meant to leave it.
   import importlib
-  from tests.conftest import SLOW
-  # CI runs them: the two commands together are the whole suite.
+  from tests.conftest import DEEP, SLOW, is_slow
+  # CI runs the long tests but the deep ones, and the README's command.
   ci = (ROOT / ".ci" / "run").read_text().splitlines()
-  assert "./run test-long || rc=$?" in ci and "./run test || rc=$?" in ci
-  for entry in SLOW:
+  assert ("step ./run test-long -m 'slow and not deep' || rc=$?" in ci
+          and ci[-2:] == ["./run test || rc=$?", 'exit "$rc"'])
+  assert all(is_slow(entry) for entry in DEEP)   # deep tests are long tests
+  for entry in SLOW + DEEP:
     path, *names = entry.split("::")
+    names = [n.split("[")[0] for n in names]   # a parametrization: its test
     assert (ROOT / path).is_file(), entry
     if not names:
       continue
