@@ -81,7 +81,7 @@ def session_cache_dir() -> str | None:
 
 # The long CPU tests, marked ``slow`` here: ``./run test`` leaves them out,
 # ``./run test-long`` runs them, and CI (.ci/run) runs both but the deep
-# ones (:data:`DEEP`), so that the README's test command stays under 10
+# ones (all but :data:`CI_LONG`), so that the README's test command stays under 10
 # minutes on a 2-core machine and CI under 20. Each entry is a test (every parametrization of
 # it) or a file; their times (2 cores, shared) are what `--durations`
 # showed. Chosen: tests of the tools around the package (benchmarks,
@@ -184,73 +184,45 @@ SLOW = (
     # SamplingParams through jit and scan, vLLM's order over 4000 draws (~20 s).
     "tests/test_params.py::test_params_under_jit_and_scan",
     "tests/test_params.py::test_vllm_order_on_a_known_row",
+    # Traced values out of range under checkify, 8-bit configs in interpret
+    # mode, the exact path's redone rows (~95 s; CI runs them: CI_LONG).
+    "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check",
+    "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
+    "tests/test_exact_path.py::test_flagged_rows_and_only_they_are_redone",
 )
 
 
-# Of the long tests, those CI leaves to ``./run test-long`` (marked
-# ``deep`` as well): each runs again, with more cases, shard counts or
-# kernel programs, a path that a test CI runs already covers once on the
-# CPU (and, for the kernels, the GPU suite in full), so that CI (.ci/run)
-# stays under 20 minutes on a 2-core machine (each is ~10-60 s there). CI
-# runs the rest of the long tests: the tools around the package (the
-# benchmarks' smoke modes, the notebooks, the examples, the README's
-# snippets, the Flax heads), the statistical tests, and one test of each
-# kernel path that only a long test reaches. Run ``./run test-long`` (all
-# of them) before a change to the kernels, stage 2 or sharding lands.
-DEEP = (
-    # Controls on 1/2/4/8 shards (test_sharding's quick tests shard plain
-    # sampling; test_sample_sharded_passes_controls, which CI runs, shards
-    # the controls; test_rl and test_quantized shard theirs).
-    "tests/test_sharding.py::test_controls_same_on_1_2_4_8_shards",
-    "tests/test_sharding.py::test_controls_on_dp_x_tp_mesh_and_fallback",
-    "tests/test_sharding.py::test_top_p_boundary_rows_same_on_any_shard_count",
-    "tests/test_sharding.py::test_mosaic_controls_on_shards_not_multiple_of_32",
-    # Mosaic interpret mode: more cases of paths the quick suite's
-    # TestMosaicInterpret runs (every one runs in the GPU suite).
-    "tests/test_mosaic.py::TestMosaicInterpret::test_controls_with_samples_and_logprobs",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_penalties_edges",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_truncating_every_row_skips_the_noise",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_rows_with_nothing_to_sample_return_minus_one",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_several_samples_alone",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_top_logprobs_edges",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_control_edge_cases",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_random_inputs_agree",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_traced_controls_under_jit",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_padded_vocab",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_rows_with_nothing_allowed_return_minus_one",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_rl_outputs",
-    "tests/test_mosaic.py::test_mosaic_more_samples_than_one_launch",
-    "tests/test_mosaic.py::test_mosaic_wide_blocks_with_bias_mask_and_logprobs",
-    "tests/test_mosaic.py::test_samples_only_run_as_rows_of_the_plain_kernel",
-    "tests/test_mosaic.py::test_configs_match_xla_scores",
-    "tests/test_mosaic.py::test_batch_blocks_share_one_launch",
-    # Every N bucket's CUDA lowering (./run test-oldest-jax lowers them, on
-    # the oldest jax).
-    "tests/test_mosaic.py::test_heuristic_configs_lower_for_cuda",
-    # The triton adapter's control cases on XLA stand-ins (TestXlaBackend
-    # runs the same cases through the same stage 2; the adapter's own
-    # wiring is in its quick tests).
-    "tests/test_triton_adapter.py::TestTritonAdapter::test_control_matches_reference",
-    "tests/test_triton_adapter.py::TestTritonAdapter::test_controls_with_samples_and_logprobs",
-    "tests/test_triton_adapter.py::TestTritonAdapter::test_truncating_every_row_skips_the_noise",
-    # The xla backend's largest programs and chunk sizes (./run
-    # test-oldest-jax runs TestXlaBackend's exact-input suite).
-    "tests/test_xla_backend.py::TestXlaBackend::test_controls_with_samples_and_logprobs",
-    "tests/test_xla_backend.py::TestXlaBackend::test_truncating_every_row_skips_the_noise",
-    "tests/test_xla_backend.py::test_chunk_size_does_not_change_tokens",
-    # Speculative verification on shards, in interpret mode and on the
-    # exact path's every branch (the quick tests run its exact inputs).
-    "tests/test_speculative.py::test_mosaic_interpret_equals_reference",
-    "tests/test_speculative.py::test_sharded_vocabulary_equals_unsharded",
-    "tests/test_speculative.py::test_rows_on_the_exact_path_equal_reference",
-    # A quantized head's per-tensor scale on shards (CI shards the per-row
-    # scales), scores in shard_map (CI shards the RL outputs of sample),
-    # quantized heads with controls in interpret mode
-    # (tests/test_quantized_mosaic.py runs each 8-bit dtype through every
-    # path in the quick suite).
-    "tests/test_quantized.py::test_sharded_quantized_head_on_1_2_4_8_shards[per_tensor]",
-    "tests/test_rl.py::test_score_tokens_in_shard_map",
-    "tests/test_mosaic.py::TestMosaicInterpret::test_quantized_heads_with_controls",
+# Of the long tests, those CI runs too (:func:`is_deep`: the others, marked
+# ``deep``, run in ``./run test-long`` alone): what users read and run (the
+# README's snippets, the notebooks, the examples) and the statistical
+# checks of distributions. The deep tests re-run, with more cases, shard
+# counts, kernel programs and tools (the benchmarks' smoke modes, the Flax
+# heads' every option), paths that ``./run test`` covers once on the CPU
+# (and the GPU suite in full), so that CI (.ci/run) stays under 20 minutes
+# on a 2-core machine: with them it took 24. Run ``./run test-long`` (all
+# of them) before a change to the kernels, stage 2, sharding or the
+# benchmarks lands.
+CI_LONG = (
+    "tests/test_readme.py::test_readme_python_blocks_run",
+    "tests/test_notebooks.py::test_notebook_runs",
+    "tests/test_notebooks.py::test_performance_notebook_plots_results",
+    "tests/test_examples.py::test_vocab_sharded_head_decodes_the_same_tokens",
+    "tests/test_examples.py::test_decode_example_runs",
+    "tests/test_examples.py::test_decode_example_greedy",
+    "tests/test_examples.py::test_kv_cache_matches_full_forward",
+    "tests/test_examples.py::test_fused_and_xla_decode_the_same_tokens",
+    "tests/test_examples.py::test_baseline_keeps_what_the_fused_sampler_keeps",
+    "tests/test_speculative.py::test_example_runs_every_method",
+    # Distributions over many keys (chi-square).
+    "tests/test_speculative.py::test_one_hot_emits_the_target_distribution",
+    "tests/test_speculative.py::test_probabilistic_emits_the_target_distribution",
+    "tests/test_params.py::test_vllm_order_on_a_known_row",
+    # Long tests that CI runs, out of ./run test for its 10 minutes:
+    # traced values out of range under checkify, 8-bit configs in interpret
+    # mode, the exact path's redone rows.
+    "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check",
+    "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
+    "tests/test_exact_path.py::test_flagged_rows_and_only_they_are_redone",
 )
 
 
@@ -265,8 +237,9 @@ def is_slow(nodeid: str) -> bool:
 
 
 def is_deep(nodeid: str) -> bool:
-  """Whether ``nodeid`` is one of :data:`DEEP`'s tests."""
-  return _listed(nodeid, DEEP)
+  """Whether ``nodeid`` is a long test that CI leaves out (not in
+  :data:`CI_LONG`)."""
+  return is_slow(nodeid) and not _listed(nodeid, CI_LONG)
 
 
 # First: the marks must be there when -m selects ("not slow", "slow").

@@ -48,17 +48,17 @@ def test_demo_extra_is_lean_and_pins_the_tested_jax():
 
 
 def test_every_slow_entry_names_a_test():
-  # tests/conftest.py's SLOW and DEEP: an entry that names no test (renamed,
-  # moved) would quietly put nothing in ./run test-long, or leave a test
-  # in CI that was meant to leave it.
+  # tests/conftest.py's SLOW and CI_LONG: an entry that names no test
+  # (renamed, moved) would quietly put nothing in ./run test-long, or take
+  # a test out of CI that was meant to stay.
   import importlib
-  from tests.conftest import DEEP, SLOW, is_slow
+  from tests.conftest import CI_LONG, SLOW, is_deep, is_slow
   # CI runs the long tests but the deep ones, and the README's command.
   ci = (ROOT / ".ci" / "run").read_text().splitlines()
   assert ("step ./run test-long -m 'slow and not deep' || rc=$?" in ci
           and ci[-2:] == ["./run test || rc=$?", 'exit "$rc"'])
-  assert all(is_slow(entry) for entry in DEEP)   # deep tests are long tests
-  for entry in SLOW + DEEP:
+  assert all(is_slow(entry) and not is_deep(entry) for entry in CI_LONG)
+  for entry in SLOW + CI_LONG:
     path, *names = entry.split("::")
     names = [n.split("[")[0] for n in names]   # a parametrization: its test
     assert (ROOT / path).is_file(), entry
