@@ -13,9 +13,9 @@ vectors everywhere):
   online log-sum-exp and entropy, no noise, every field of ``ScoreOutput``
   (the processed, truncated and raw log-probabilities, both entropies, the
   kept flag); never the ``[N, V]`` logits.
-* ``fused_xla``, ``fused_triton``: the same on a named backend (the streaming
-  xla backend holds one vocabulary chunk of logits at a time; the Triton
-  controls kernel none).
+* ``fused_xla``, ``fused_triton``, ``fused_mosaic``: the same on a named
+  backend (the streaming xla backend holds one vocabulary chunk of logits
+  at a time; the Triton and Mosaic GPU controls kernels none).
 * ``xla``: the usual way for the log-probability alone: ``[N, V]`` f32 logits
   from ``jnp.dot``, divided by the temperature, ``jax.nn.log_softmax``,
   gathered at the tokens (with top-k + top-p: ``lax.top_k``, the nucleus on
@@ -44,7 +44,8 @@ from benchmarks._timing import (add_point, device_name, head_line, head_run, med
 
 CONFIGS = {"plain": dict(temperature=1.0),
            "topk_topp": dict(temperature=1.0, top_k=50, top_p=0.9)}
-PROVIDERS = ("fused", "fused_xla", "fused_triton", "xla", "xla_entropy", "dot")
+PROVIDERS = ("fused", "fused_xla", "fused_triton", "fused_mosaic", "xla", "xla_entropy",
+             "dot")
 DEFAULT_PROVIDERS = ("fused", "fused_xla", "xla", "xla_entropy", "dot")
 
 
@@ -91,6 +92,8 @@ def programs(cfg):
       "fused_xla": jax.jit(lambda h, w, tok: fs.score_tokens(h, w, tok, backend="xla", **cfg)),
       "fused_triton": jax.jit(lambda h, w, tok: fs.score_tokens(h, w, tok, backend="triton",
                                                                 **cfg)),
+      "fused_mosaic": jax.jit(lambda h, w, tok: fs.score_tokens(h, w, tok, backend="mosaic",
+                                                                **cfg)),
       "xla": jax.jit(lambda h, w, tok: xla_score(h, w, tok, temperature=t, **trunc)),
       "xla_entropy": jax.jit(lambda h, w, tok: xla_score(h, w, tok, temperature=t,
                                                          entropy=True, **trunc)),
@@ -133,14 +136,15 @@ def markdown(res) -> str:
            "`xla_entropy`: and the entropy; `dot`: the f32 logits alone. Median us per "
            "call; MiB: the compiled program's temporary buffers "
            "(`python -m benchmarks.bench_score`).", "",
-           "| config | N | route | fused | fused_xla | fused_triton | xla | xla_entropy | dot | "
-           "xla / fused | fused / dot | fused MiB | fused_xla MiB | xla MiB | "
-           "xla_entropy MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| config | N | route | fused | fused_xla | fused_triton | fused_mosaic | xla | "
+           "xla_entropy | dot | xla / fused | fused / dot | fused MiB | fused_xla MiB | "
+           "xla MiB | xla_entropy MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   g = lambda p, k: p.get(k, "-")
   for p in res["points"]:
     lines.append(f"| {p['config']} | {p['N']} | {p['backend']} | {g(p, 'fused_us')} | "
-                 f"{g(p, 'fused_xla_us')} | {g(p, 'fused_triton_us')} | {g(p, 'xla_us')} | "
+                 f"{g(p, 'fused_xla_us')} | {g(p, 'fused_triton_us')} | "
+                 f"{g(p, 'fused_mosaic_us')} | {g(p, 'xla_us')} | "
                  f"{g(p, 'xla_entropy_us')} | {g(p, 'dot_us')} | "
                  f"{g(p, 'xla_over_fused')} | {g(p, 'fused_over_dot')} | "
                  f"{g(p, 'fused_temp_mib')} | {g(p, 'fused_xla_temp_mib')} | "

@@ -33,13 +33,16 @@ class RowLayout:
   (element ``v`` of sample ``s`` draws its noise at counter ``ctr(s) + v``);
   with ``penalties``, then the bits of the row's repetition penalty ``r``,
   of ``1 / r`` as XLA computes it (as ``inv_temperature``), of its presence
-  and of its frequency penalty (:attr:`penalty_rows`). Padded to a
-  multiple of 8 rows, so a block of N rows is a multiple of 128 bytes
+  and of its frequency penalty (:attr:`penalty_rows`); with ``given``, then
+  the row's given id (int32 bits; :attr:`given_row`, for scoring given
+  tokens). Padded to a multiple of 8 rows with at least one row of zeros
+  (:attr:`zero`), so a block of N rows is a multiple of 128 bytes
   (Lane-semantics copies need that).
   """
 
   samples: int = 1
   penalties: bool = False
+  given: bool = False
 
   K0 = 0
   K1 = 1
@@ -60,14 +63,20 @@ class RowLayout:
     return first, first + 1, first + 2, first + 3
 
   @property
+  def given_row(self) -> int:
+    """Row of the given id (``given`` only)."""
+    assert self.given
+    return self.FIXED + 2 * self.samples + 4 * self.penalties
+
+  @property
   def rows(self) -> int:
-    return _round_up(self.FIXED + 2 * self.samples + 4 * self.penalties, 8)
+    fields = self.FIXED + 2 * self.samples + 4 * self.penalties + int(self.given)
+    return _round_up(fields + 1, 8)   # + 1: the zero row
 
   @property
   def zero(self) -> int:
-    """A row that is always 0 (padding: ``FIXED + 2 S (+ 4)`` is odd, so
-    the block always ends in one), read where a kernel needs a zero the
-    compiler cannot see."""
+    """A row that is always 0 (the padding's last), read where a kernel
+    needs a zero the compiler cannot see."""
     return self.rows - 1
 
 
@@ -104,7 +113,7 @@ def _reciprocal(x):
 
 
 def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None,
-              penalties=None):
+              penalties=None, given=None):
   """The per-row block ``uint32 [RowLayout(S).rows, B]``.
 
   ``1 / T`` (and ``1 / r``) are computed here, by XLA: a kernel that
@@ -119,6 +128,8 @@ def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None,
     softcap: f32 scalar or ``[B]``, or None (the row holds 0).
     penalties: None, or f32 ``(repetition, presence, frequency)``, each
       ``[B]`` (1, 0, 0 where off): the rows of ``RowLayout(S, True)``.
+    given: None, or int32 ``[B]``: each row's given id (``RowLayout(S,
+      given=True)``).
   """
   b = k0.shape[0]
   ctr_hi, ctr_lo = (jnp.asarray(x, jnp.uint32).reshape(-1, b) for x in (ctr_hi, ctr_lo))
@@ -130,6 +141,9 @@ def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None,
   if penalties is not None:
     r, pres, freq = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,)) for x in penalties)
     parts.append(jnp.stack([_bits(r), _bits(_reciprocal(r)), _bits(pres), _bits(freq)]))
+  if given is not None:
+    parts.append(lax.bitcast_convert_type(jnp.asarray(given, jnp.int32), jnp.uint32)[None])
   block = jnp.concatenate(parts)
-  layout = RowLayout(samples=ctr_hi.shape[0], penalties=penalties is not None)
+  layout = RowLayout(samples=ctr_hi.shape[0], penalties=penalties is not None,
+                     given=given is not None)
   return jnp.pad(block, [(0, layout.rows - block.shape[0]), (0, 0)])

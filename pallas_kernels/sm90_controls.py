@@ -141,12 +141,20 @@ class Spec:
   entropy: bool = False
   raw: bool = False
   finite: bool = False
+  # The t of each row's given id (ControlsState.given_t; the id in the
+  # per-row data's given row): for scoring given tokens.
+  given: bool = False
 
   @property
   def f_rows(self) -> int:
     """f32 outputs per warpgroup: scores, t of the best, lse max and sum,
-    bound, candidates, then the entropy terms and the raw lse's max and sum
-    where asked for (:attr:`f_rl`)."""
+    bound, candidates, then the entropy terms, the raw lse's max and sum
+    and the given id's t where asked for (:attr:`f_rl`)."""
+    return self.f_rl + int(self.entropy) + 2 * int(self.raw) + int(self.given)
+
+  @property
+  def f_given(self) -> int:
+    """The f32 row of the given id's t."""
     return self.f_rl + int(self.entropy) + 2 * int(self.raw)
 
   @property
@@ -166,7 +174,8 @@ class Spec:
 
   @property
   def rows(self) -> RowLayout:
-    return RowLayout(samples=self.samples, penalties=self.penalties is not None)
+    return RowLayout(samples=self.samples, penalties=self.penalties is not None,
+                     given=self.given)
 
 
 def config(dim: int, rows: int, itemsize: int = 2, n: int = BATCH,
@@ -263,6 +272,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
           cap=f32(row(rl.SOFTCAP)) if spec.softcap else None,
           ctr=[tuple(row(i) for i in rl.ctr(s)) for s in range(S)],
           pen=tuple(f32(row(i)) for i in rl.penalty_rows) if pen else None,
+          given=(lax.bitcast_convert_type(row(rl.given_row), jnp.int32)
+                 if spec.given else None),
           noise_scale=rules.noise_scale(greedy))
 
     def prologue(tile, start):
@@ -330,7 +341,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         if spec.t_best:
           nb += (jnp.where(take, t, b[2]),)
         new_best.append(nb)
-      ent, raw_lse, cnt = rl
+      ent, raw_lse, cnt, given_t = rl
       if spec.lse:
         m, total = lse
         lse, a, e = _online_lse(lse, t, interpret)
@@ -340,7 +351,9 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         raw_lse, _, _ = _online_lse(raw_lse, raw, interpret)
       if spec.finite:
         cnt = cnt + (t > -jnp.inf).astype(jnp.int32)
-      rl = (ent, raw_lse, cnt)
+      if spec.given:   # ids seen by an earlier tile are not valid here
+        given_t = jnp.where(valid & (gid == rv["given"]), t, given_t)
+      rl = (ent, raw_lse, cnt, given_t)
       if spec.lists:
         # Sorted insertion into each slot's list (strict >: NaN and -inf
         # never enter; an equal value goes after the earlier one).
@@ -382,7 +395,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
               + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.lists else ()
     rl0 = (full(0.0, jnp.float32) if spec.entropy else (),
            (neg(), full(0.0, jnp.float32)) if spec.raw else (),
-           full(0, jnp.int32) if spec.finite else ())
+           full(0, jnp.int32) if spec.finite else (),
+           neg() if spec.given else ())
     best, lse, lists, rl = tile_loop(epilogue, (best0, lse0, lists0, rl0),
                                      prologue if n_aux or spec.scale == "row" else None)
 
@@ -402,7 +416,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         hit = (b[0] == mb) | (b[0] != b[0])
         own = hit & (b[1] == bcast(idx))
         put(jnp.max(jnp.where(own, b[2], -jnp.inf), axis=1), f_ref, S + s)
-    ent, raw_lse, cnt = rl
+    ent, raw_lse, cnt, given_t = rl
     if spec.lse:
       mx, total, ent = _merged_lse(*lse, ent if spec.entropy else None, axis=1,
                                    expand=bcast)
@@ -416,6 +430,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       put(rtotal, f_ref, spec.f_rl + int(spec.entropy) + 1)
     if spec.finite:
       put(jnp.sum(cnt, axis=1), i_ref, spec.i_rows - 1)
+    if spec.given:   # one slot of one warpgroup holds it, the rest -inf
+      put(jnp.max(given_t, axis=1), f_ref, spec.f_given)
     if spec.lists:
       vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
       # Values that fell off a full slot list are <= its last entry.
@@ -672,6 +688,8 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
     out = out._replace(raw_max=raw_max, raw_sum=raw_sum)
   if spec.finite:
     out = out._replace(finite_count=jnp.sum(io[:, spec.i_rows - 1], axis=1))
+  if spec.given:
+    out = out._replace(given_t=jnp.max(fo[:, spec.f_given], axis=1))
   if spec.lists:
     bound = jnp.max(maxima[:, S + int(spec.lse):], axis=1)
     # Listed values at or below the bound leave before the sort (the lists'
@@ -697,7 +715,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
 
 def _prepare(hidden, weight, offset, *, layout: str, samples: int, lists: bool,
              n: int, total_rows: int, logit_bias, allowed_mask, penalties,
-             history):
+             history, given: bool = False):
   """What every launch of one call shares: ``(w, rows_k, cfg, bias, planes,
   penalties, step)``: the padded weight and its rows, the config, the bias
   and bit-plane arrays, the penalties if they change something, and the
@@ -713,7 +731,7 @@ def _prepare(hidden, weight, offset, *, layout: str, samples: int, lists: bool,
   n_planes = 0 if planes is None else planes.shape[2]
   cfg = config(dim, rows_k, jnp.dtype(hidden.dtype).itemsize, n, planes=n_planes,
                row_rows=max(16, RowLayout(min(samples, MAX_KERNEL_SAMPLES),
-                                          penalties is not None).rows),
+                                          penalties is not None, given).rows),
                w_itemsize=jnp.dtype(weight.dtype).itemsize)
   step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
   bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
@@ -752,6 +770,8 @@ def _launch_operands(hidden, rows, planes, b0: int, b1: int, n: int, g0: int,
   if spec.penalties is not None:
     pen0 = call_rows.penalty_rows[0]
     fields.append(rows[pen0:pen0 + 4])
+  if spec.given:
+    fields.append(rows[call_rows.given_row][None])
   rowdata = jnp.concatenate(fields)
   rowdata = jnp.pad(rowdata, [(0, spec.rows.rows - rowdata.shape[0]), (0, 0)])
   return by_block(pad_rows(rowdata.T)), h_chunk, planes_t
@@ -765,7 +785,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    lists_by_id: bool = False,
                    target: common.Target = common.Target(),
                    scale=None, entropy: bool = False, raw: bool = False,
-                   finite: bool = False, batch_invariant: bool = False) -> ControlsState:
+                   finite: bool = False, given: bool = False,
+                   batch_invariant: bool = False) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
@@ -812,6 +833,9 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
     entropy, raw, finite: also the RL fields of the state: the entropy
       terms (``ent_sum``), the raw logits' log-sum-exp (``raw_max``,
       ``raw_sum``), the count of finite ``t`` (``finite_count``).
+    given: also the ``t`` of each row's given id (``given_t``, ``-inf``
+      where this weight does not hold it); ``rows`` then has its given row
+      (``RowLayout(S, given=True)``).
     batch_invariant: a row's state, bit for bit, whatever the batch around
       it: blocks of :data:`BATCH` rows for every ``B``, each split over
       the vocabulary as one block alone is (:func:`_fixed_split`), and the
@@ -825,9 +849,9 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   w, rows_k, cfg, bias, planes, penalties, step = _prepare(
       hidden, weight, offset, layout=layout, samples=samples, lists=lists, n=n,
       total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
-      penalties=penalties, history=history)
+      penalties=penalties, history=history, given=given)
   scale, mode = common.scale_operand(scale, rows_k)
-  call_rows = RowLayout(samples, penalties is not None)
+  call_rows = RowLayout(samples, penalties is not None, given)
   # The log-sum-exp feeds log-probabilities and the truncation rules; the
   # entropy terms are relative to its max.
   need_lse = return_logprobs or lists or entropy
@@ -848,7 +872,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                   candidates=_wg_candidates(1 if batch_invariant else blocks),
                   scale=mode,
                   entropy=first and entropy, raw=first and raw,
-                  finite=first and finite)
+                  finite=first and finite, given=first and given)
       rowdata, h_chunk, planes_t = _launch_operands(
           hidden, rows, planes, b0, b1, n, g0, g1, call_rows, spec)
       fo, io = _launch(offset.reshape((1,)), rowdata, h_chunk, w, bias,

@@ -215,6 +215,28 @@ class BackendSuite:
       np.testing.assert_allclose(getattr(out, name), getattr(want, name), rtol=1e-5,
                                  atol=1e-5, err_msg=name)
 
+  # Cases whose scores test_score_tokens_is_what_sample_returned checks here.
+  score_cases = ("k_p_minp", "all", "penalties")
+
+  @pytest.mark.parametrize("case", ["k_p_minp", "all", "penalties"])
+  def test_score_tokens_is_what_sample_returned(self, case):
+    # fs.score_tokens on the tokens fs.sample drew, on the same backend and
+    # batch: the same bits in every field (docs/design.md, "Determinism and
+    # RL"), each token in its row's kept set; per-row keys.
+    if case not in self.score_cases:
+      pytest.skip(f"scores run with cases {list(self.score_cases)} here")
+    kw = cases.CASES[case]
+    out = self.run(cases.H, cases.W, cases.KEYS["per_row"], temperature=cases.T,
+                   return_logprobs=True, return_entropy=True, return_raw_logprobs=True, **kw)
+    sc = fs.score_tokens(cases.H, cases.W, out.tokens, temperature=cases.T,
+                         backend=self.backend, **kw)
+    differ = [name for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+                                "entropy_truncated")
+              if np.any(np.asarray(getattr(out, name)).view(np.uint32)
+                        != np.asarray(getattr(sc, name)).view(np.uint32))]
+    assert not differ, differ
+    assert np.all(np.asarray(sc.in_kept))
+
   # -- random inputs: >= 99.9% agreement ------------------------------------
 
   random_shapes = [(64, 128, 4099), (32, 256, 3000)]

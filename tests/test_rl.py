@@ -150,15 +150,12 @@ def test_bad_arguments_name_them():
   with pytest.raises(TypeError, match=r"return_raw_logprobs=1 must be a bool"):
     fs.sample(cases.H, cases.W, key, return_raw_logprobs=1)
   # What a backend does not compute it refuses by name (the mosaic kernels:
-  # raw top-N lists and given tokens' t); auto takes one that does.
+  # raw top-N lists); auto takes one that does.
   from flashsample_jax.backends.mosaic import MosaicBackend
   mosaic = MosaicBackend(interpret=True)
   with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet list the raw"):
     fs.sample(cases.H, cases.W, key, top_logprobs=5, top_logprobs_mode="raw",
               backend=mosaic)
-  with pytest.raises(NotImplementedError, match=r"mosaic backend does not yet score given"):
-    fs.score_tokens(cases.H, cases.W, jnp.zeros((cases.H.shape[0],), jnp.int32),
-                    backend=mosaic)
   assert fs.backends.get(fs.which_backend(cases.H, cases.W, key, return_kept=4)).rl_outputs()
 
 

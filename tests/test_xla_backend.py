@@ -24,6 +24,9 @@ class TestXlaBackend(BackendSuite):
                              "top_logprobs_truncated", "penalties_all"})
   # Several samples with logprobs: every truncation rule together ("all").
   covered_sample_cases = {"top_k": "all", "top_p": "all"}
+  # Scores of the tokens sample drew, bit for bit, on one case (CI time;
+  # the GPU suites run every score case).
+  score_cases = ("k_p_minp",)
 
 
 @pytest.mark.parametrize("chunk", [128, 384, 1000, 4096])

@@ -105,17 +105,12 @@ class SamplerBackend(abc.ABC):
 
   def rl_outputs(self) -> bool:
     """Whether :meth:`controls_state` fills the state fields of the RL
-    outputs (entropy terms, raw log-sum-exp, finite counts:
+    outputs (entropy terms, raw log-sum-exp, finite counts, the given ids'
+    ``t`` for :func:`flashsample_jax.score_tokens`:
     :attr:`~flashsample_jax.controls.Controls.rl_outputs`). Where not,
     :func:`resolve` refuses such calls (``auto`` then takes a backend that
     does)."""
     return False
-
-  def given_tokens(self) -> bool:
-    """Whether :meth:`controls_state` reports the ``t`` of each row's given
-    id (``ControlsState.given_t``: :func:`flashsample_jax.score_tokens`).
-    By default where it fills the RL fields."""
-    return self.rl_outputs()
 
   def raw_top_lists(self) -> bool:
     """Whether :meth:`controls_state` keeps lists of the raw logits
@@ -145,10 +140,10 @@ def _check(impl: SamplerBackend, p: Problem, c: Controls) -> None:
         f"the {impl.name} backend does not yet compute entropies, raw "
         "log-probabilities or kept sets (return_entropy, return_raw_logprobs, "
         "return_kept); the xla and dense backends do")
-  if c.given_ids is not None and not impl.given_tokens():
+  if c.given_ids is not None and not impl.rl_outputs():
     raise NotImplementedError(
         f"the {impl.name} backend does not yet score given tokens "
-        "(score_tokens); the xla, dense and triton backends do")
+        "(score_tokens); the xla and dense backends do")
   if c.raw_top and not impl.raw_top_lists():
     raise NotImplementedError(
         f"the {impl.name} backend does not yet list the raw logits "

@@ -172,7 +172,7 @@ class MosaicBackend(SamplerBackend):
 
   def controls_state(self, p, c, *, vocab_offset=0):
     _, _, _, controls_kernel = _kernels()
-    rows, penalties, history = _kernel_rows(p, c, c.samples)
+    rows, penalties, history = _kernel_rows(p, c, c.samples, given=c.given_ids)
     return controls_kernel.controls_state(
         p.hidden, p.weight, rows, vocab_offset, samples=c.samples,
         layout=p.layout, vocab_size=p.vocab_size, total_rows=p.total_rows,
@@ -182,17 +182,14 @@ class MosaicBackend(SamplerBackend):
         penalties=penalties, history=history,
         lists_by_id=self._offers_exact_top(p, c), target=self._target(),
         scale=p.weight_scale, entropy=c.return_entropy, raw=c.raw_lse,
-        finite=c.return_kept > 0,
+        finite=c.return_kept > 0, given=c.given_ids is not None,
         batch_invariant=self.batch_invariant and c.reports_floats)
 
   def rl_outputs(self):
-    # Entropy terms, the raw logits' log-sum-exp and the finite count in
-    # the controls kernel's pass; raw top-N lists and given tokens' t not
-    # (raw_top_lists, given_tokens).
+    # Entropy terms, the raw logits' log-sum-exp, the finite count and the
+    # given ids' t in the controls kernel's pass; raw top-N lists not
+    # (raw_top_lists).
     return True
-
-  def given_tokens(self):
-    return False
 
   def exact_top(self, p, c):
     # Early-exit kernels instead of XLA's conditional for top_logprobs'
@@ -258,10 +255,11 @@ class MosaicBackend(SamplerBackend):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
 
 
-def _kernel_rows(p, c, samples: int):
-  """The controls kernel's per-row data for ``samples`` samples, and the
-  penalties' ``(Penalties, (ids, flags))`` history planes (None, None
-  without penalties)."""
+def _kernel_rows(p, c, samples: int, given=None):
+  """The controls kernel's per-row data for ``samples`` samples (and each
+  row's ``given`` id, int ``[B]``, or None), and the penalties'
+  ``(Penalties, (ids, flags))`` history planes (None, None without
+  penalties)."""
   ctr_hi, ctr_lo = p.counters(samples)
   penalties = history = None
   if c.penalizes:
@@ -269,7 +267,8 @@ def _kernel_rows(p, c, samples: int):
   rows = rowdata.pack_rows(
       k0=p.k0, k1=p.k1, temperature=p.temperature, ctr_hi=ctr_hi, ctr_lo=ctr_lo,
       softcap=c.softcap,
-      penalties=stage2.penalty_rows(c, p.batch) if c.penalizes else None)
+      penalties=stage2.penalty_rows(c, p.batch) if c.penalizes else None,
+      given=given)
   return rows, penalties, history
 
 
