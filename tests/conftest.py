@@ -210,14 +210,14 @@ SLOW = (
 
 # Of the long tests, those CI runs too (:func:`is_deep`: the others, marked
 # ``deep``, run in ``./run test-long`` alone): what users read and run (the
-# README's snippets, the notebooks, the examples) and the statistical
-# checks of distributions. The deep tests re-run, with more cases, shard
-# counts, kernel programs and tools (the benchmarks' smoke modes, the Flax
-# heads' every option), paths that ``./run test`` covers once on the CPU
-# (and the GPU suite in full), so that CI (.ci/run) stays under 20 minutes
-# on a 2-core machine: with them it took 24. Run ``./run test-long`` (all
-# of them) before a change to the kernels, stage 2, sharding or the
-# benchmarks lands.
+# README's snippets, the notebooks, the examples), the statistical checks
+# of distributions, every kernel in interpret mode, and FOR_TEN_MINUTES.
+# The deep tests re-run, with more cases, shard counts, kernel programs and
+# tools (the benchmarks' smoke modes, the Flax heads' every option), paths
+# that ``./run test`` covers once on the CPU (and the GPU suite in full),
+# so that CI (.ci/run) stays under 20 minutes on a 2-core machine: with
+# them it took 24. Run ``./run test-long`` (all of them) before a change to
+# the kernels, stage 2, sharding or the benchmarks lands.
 CI_LONG = (
     # Every long test of these files.
     "tests/test_readme.py",
@@ -228,6 +228,11 @@ CI_LONG = (
     "tests/test_speculative.py::test_one_hot_emits_the_target_distribution",
     "tests/test_speculative.py::test_probabilistic_emits_the_target_distribution",
     "tests/test_params.py::test_vllm_order_on_a_known_row",
+    # Every kernel in interpret mode in CI: the Triton kernels under
+    # Triton's interpreter, the mosaic top-lists kernel (the others' run in
+    # ./run test).
+    "tests/test_triton_kernels.py::test_interpreter_suite",
+    "tests/test_mosaic.py::test_top_lists_kernel_equals_the_two_key_sort",
 ) + FOR_TEN_MINUTES
 
 
