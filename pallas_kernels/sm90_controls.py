@@ -790,7 +790,7 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
-  with one sample and no candidate lists), up to :data:`MAX_BLOCKS` blocks
+  with one sample, no candidate lists and not ``batch_invariant``), up to :data:`MAX_BLOCKS` blocks
   per launch (``TuningConfig.batch_blocks``: one pass over W from HBM for
   all of them), and samples in groups of :data:`MAX_KERNEL_SAMPLES`; each
   group re-reads W.
