@@ -150,7 +150,7 @@ class Spec:
     """f32 outputs per warpgroup: scores, t of the best, lse max and sum,
     bound, candidates, then the entropy terms, the raw lse's max and sum
     and the given id's t where asked for (:attr:`f_rl`)."""
-    return self.f_rl + int(self.entropy) + 2 * int(self.raw) + int(self.given)
+    return self.f_given + int(self.given)
 
   @property
   def f_given(self) -> int:
@@ -790,10 +790,10 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
-  with one sample, no candidate lists and not ``batch_invariant``), up to :data:`MAX_BLOCKS` blocks
-  per launch (``TuningConfig.batch_blocks``: one pass over W from HBM for
-  all of them), and samples in groups of :data:`MAX_KERNEL_SAMPLES`; each
-  group re-reads W.
+  with one sample, no candidate lists and not ``batch_invariant``), up to
+  :data:`MAX_BLOCKS` blocks per launch (``TuningConfig.batch_blocks``: one
+  pass over W from HBM for all of them), and samples in groups of
+  :data:`MAX_KERNEL_SAMPLES`; each group re-reads W.
 
   Args:
     hidden: ``[B, D]`` in the weight's dtype (bf16/f16; for an 8-bit

@@ -157,6 +157,19 @@ def test_bad_arguments_name_them():
     fs.sample(cases.H, cases.W, key, top_logprobs=5, top_logprobs_mode="raw",
               backend=mosaic)
   assert fs.backends.get(fs.which_backend(cases.H, cases.W, key, return_kept=4)).rl_outputs()
+  # A backend without the RL fields (a user's own) refuses them and scores.
+  from flashsample_jax.backends.xla import XlaBackend
+
+  class NoRl(XlaBackend):
+    def rl_outputs(self):
+      return False
+
+  for call in (lambda: fs.sample(cases.H, cases.W, key, return_entropy=True, backend=NoRl()),
+               lambda: fs.score_tokens(cases.H, cases.W, jnp.zeros((cases.B,), jnp.int32),
+                                       backend=NoRl())):
+    with pytest.raises(NotImplementedError, match=r"does not yet compute entropies, raw "
+                                                  r"log-probabilities, kept sets or scores"):
+      call()
 
 
 @pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")

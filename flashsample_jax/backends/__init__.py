@@ -138,12 +138,9 @@ def _check(impl: SamplerBackend, p: Problem, c: Controls) -> None:
   if c.rl_outputs and not impl.rl_outputs():
     raise NotImplementedError(
         f"the {impl.name} backend does not yet compute entropies, raw "
-        "log-probabilities or kept sets (return_entropy, return_raw_logprobs, "
-        "return_kept); the xla and dense backends do")
-  if c.given_ids is not None and not impl.rl_outputs():
-    raise NotImplementedError(
-        f"the {impl.name} backend does not yet score given tokens "
-        "(score_tokens); the xla and dense backends do")
+        "log-probabilities, kept sets or scores (return_entropy, "
+        "return_raw_logprobs, return_kept, score_tokens); the xla and dense "
+        "backends do")
   if c.raw_top and not impl.raw_top_lists():
     raise NotImplementedError(
         f"the {impl.name} backend does not yet list the raw logits "
