@@ -61,12 +61,14 @@ def differing_rows(part, full, b: int) -> dict:
 def measure(w, h, keys, backend: str, mode: str, batches) -> list[dict]:
   """One row of counts per B (the full call: every row of ``h``)."""
   kw = MODES[mode]
-  run = jax.jit(lambda h, k: fs.sample(h, w, k, temperature=TEMPERATURE, backend=backend,
-                                       **kw))
-  full = run(h, keys)
+  # The weight is an argument: a closure would make it a constant of the
+  # program, which XLA then compiles in (minutes for a 2 GB head).
+  run = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=TEMPERATURE,
+                                          backend=backend, **kw))
+  full = run(h, w, keys)
   out = []
   for b in batches:
-    part = run(h[:b], keys[:b])
+    part = run(h[:b], w, keys[:b])
     out.append(dict(backend=backend, mode=mode, B=b, **differing_rows(part, full, b)))
     print(json.dumps(out[-1]), flush=True)
   return out

@@ -64,17 +64,17 @@ def main(argv=None):
 
     def run(b):
       backend = TritonBackend(controls_config=family(b))
-      return jax.jit(lambda h, k: fs.sample(h, w, k, temperature=TEMPERATURE,
-                                            backend=backend, return_logprobs=True))
+      return jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=TEMPERATURE,
+                                               backend=backend, return_logprobs=True))
 
     full_f = run(args.full)
-    full = full_f(h, keys)
+    full = full_f(h, w, keys)
     for b in args.batches + [args.full]:
       f = full_f if b == args.full else run(b)
       rec = dict(family=name, B=b, config=str(family(b)))
       if b != args.full:
-        rec.update(differing_rows(f(h[:b], keys[:b]), full, b))
-      rec["us"] = round(median_us(f, h[:b], keys[:b], reps=7, inner=20)[0], 1)
+        rec.update(differing_rows(f(h[:b], w, keys[:b]), full, b))
+      rec["us"] = round(median_us(f, h[:b], w, keys[:b], reps=7, inner=20)[0], 1)
       print(json.dumps(rec), flush=True)
 
 
