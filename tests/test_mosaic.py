@@ -585,6 +585,10 @@ def test_auto_picks_xla_on_cpu_and_mosaic_raises():
     (256, 8192, dict(top_k=5), True),      # truncation: the kernel at every B
     (256, 4096, dict(softcap=30.0), False),  # other controls: <= ROUTE_MAX_ROWS
     (192, 4096, dict(softcap=30.0), True),
+    # Floats at every B: only the kernel's fixed split is batch invariant.
+    (512, 4096, dict(return_logprobs=True), True),
+    (1024, 8192, dict(return_entropy=True, softcap=30.0), True),
+    (320, 8192, dict(top_logprobs=5), True),
 ])
 def test_mosaic_route_preferences(b, d, ctl, want):
   h = jnp.zeros((b, d), jnp.bfloat16)
@@ -592,6 +596,17 @@ def test_mosaic_route_preferences(b, d, ctl, want):
   p = problem.prepare(h, w, jax.random.key(0))
   c = controls.prepare_controls(batch=b, vocab_size=256, rows=256, **ctl)
   assert LOWER.prefers(p, c) is want
+
+
+def test_float_calls_past_the_row_bound_follow_batch_invariant():
+  # Opting out of invariance gives the measured route back: the dense one
+  # past ROUTE_MAX_ROWS rows.
+  h = jnp.zeros((512, 4096), jnp.bfloat16)
+  w = jnp.zeros((256, 4096), jnp.bfloat16)
+  p = problem.prepare(h, w, jax.random.key(0))
+  c = controls.prepare_controls(batch=512, vocab_size=256, rows=256, return_logprobs=True)
+  assert LOWER.prefers(p, c) is True
+  assert dataclasses.replace(LOWER, batch_invariant=False).prefers(p, c) is False
 
 
 def test_plain_dense_points_per_gpu():

@@ -192,6 +192,29 @@ def test_check_takes_quantized_heads_with_their_scale(monkeypatch):
     backend.check(problem.prepare(h, w, jax.random.key(0)), c)
 
 
+def test_float_calls_prefer_the_invariant_configs_at_every_batch():
+  # Past ROUTE_MAX_ROWS the dense route is faster, but its GEMM's bits
+  # follow the batch: calls that report floats stay on the kernel's
+  # batch-invariant configs unless the instance opts out or has none (an
+  # 8-bit [D, V] head, an explicit config).
+  b, d, v = 512, 64, 300
+  h, w = inputs.exact_inputs(b, d, v)
+  p = problem.prepare(h, w, jax.random.key(0))
+  backend = triton_backend.TritonBackend()
+  plain = controls.prepare_controls(batch=b, vocab_size=v, rows=v)
+  floats = controls.prepare_controls(batch=b, vocab_size=v, rows=v, return_logprobs=True)
+  assert backend.prefers(p, plain) is False
+  assert backend.prefers(p, floats) is True
+  assert dataclasses.replace(backend, batch_invariant=False).prefers(p, floats) is False
+  assert dataclasses.replace(backend, controls_config=object()).prefers(p, floats) is False
+  hq, wq, s = inputs.quantized_inputs(b, d, v, dtype=jnp.int8, per_row=True)
+  wq_dv = wq.T
+  pq = problem.prepare(hq, wq_dv, jax.random.key(0), weight_scale=s, weight_layout="dv")
+  assert backend.prefers(pq, floats) is False
+  pq = problem.prepare(hq, wq, jax.random.key(0), weight_scale=s)
+  assert backend.prefers(pq, floats) is True
+
+
 @pytest.mark.parametrize("per_row", [True, False])
 def test_scale_reaches_the_kernels_unbroadcast(monkeypatch, per_row):
   # A per-tensor scale reaches the kernels as the f32 scalar it is (the

@@ -173,9 +173,7 @@ class TritonBackend(SamplerBackend):
     # The entropy terms are relative to each tile's log-sum-exp max.
     need_lse = c.return_logprobs or c.lists or c.return_entropy
     given = c.given_ids is not None
-    # Calls that report floats run the batch-invariant configs: a row's
-    # bits then never depend on the batch around it (Controls.reports_floats).
-    invariant = self.batch_invariant and c.reports_floats
+    invariant = self._invariant(p, c)
     parts = []
     for g0 in range(0, c.samples, MAX_KERNEL_SAMPLES):
       g1 = min(c.samples, g0 + MAX_KERNEL_SAMPLES)
@@ -220,9 +218,20 @@ class TritonBackend(SamplerBackend):
     # with truncation always, otherwise up to ROUTE_MAX_ROWS rows per pass
     # over W; plain sampling of a quantized head through XLA's GEMM
     # ("Quantized heads").
+    # Calls that report floats at every batch where their bits are batch
+    # invariant here (the dense route's GEMM is not).
     if p.quantized and not c.active:
       return False
-    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
+    return (c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
+            or self._invariant(p, c))
+
+  def _invariant(self, p, c) -> bool:
+    # Calls that report floats run the batch-invariant configs, so a row's
+    # bits never depend on the batch around it (Controls.reports_floats);
+    # an 8-bit [D, V] head keeps its own table (docs/design.md,
+    # "Determinism and RL").
+    return (self.batch_invariant and c.reports_floats and self.controls_config is None
+            and not (jnp.dtype(p.weight.dtype).itemsize == 1 and p.layout == "dv"))
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
