@@ -189,6 +189,43 @@ def test_sharded_rl_outputs_on_1_2_8_shards():
     np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(has_gpu(), reason="needs 8 CPU devices as jax.devices()")
+def test_float_outputs_across_shard_counts_within_2_ulp():
+  # Shards merge their parts in shard order, so a row's float bits may move
+  # with the shard count (docs/design.md, "Determinism and RL"); the tokens
+  # may not. A log-probability is t - lse, so it carries the log-sum-exp's
+  # rounding: within 2 ulp of the log-sum-exp's magnitude (of the raw one
+  # for logprob_raw); entropies within 2 ulp of themselves. Random inputs,
+  # per-row keys, 1/2/4/8 shards.
+  b, v = 40, 4096
+  h, w = inputs.random_inputs(b, 128, v, seed=3, logit_std=3.0)
+  keys = inputs.row_keys(b, seed=1)
+  t = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, b), jnp.float32)
+  for kw in (dict(), dict(top_k=50, top_p=0.9), dict(min_p=0.05, softcap=20.0)):
+    outs = {}
+    for n in (1, 2, 4, 8):
+      mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
+                           devices=jax.devices()[:n])
+      outs[n] = fs.sample_sharded(h, w, keys, mesh=mesh, vocab_axis="tp", temperature=t,
+                                  return_logprobs=True, return_entropy=True,
+                                  return_raw_logprobs=True, **kw)
+    one = outs[1]
+    lse = np.abs(np.asarray(one.logsumexp))
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, softcap=kw.get("softcap"))
+    raw_l = np.asarray(reference.raw_logits(problem.prepare(h, w, keys), c))
+    raw_l = np.take_along_axis(raw_l, np.asarray(one.tokens)[:, None], 1)[:, 0]
+    raw_lse = np.abs(raw_l - np.asarray(one.logprob_raw))
+    scales = dict(logprob=lse, logprob_truncated=lse, logsumexp=lse, logprob_raw=raw_lse,
+                  entropy=0.0, entropy_truncated=0.0)
+    for n in (2, 4, 8):
+      np.testing.assert_array_equal(outs[n].tokens, one.tokens)
+      for name, scale in scales.items():
+        a, want = np.asarray(getattr(outs[n], name)), np.asarray(getattr(one, name))
+        ulp = np.spacing(np.maximum(np.abs(want), scale).astype(np.float32))
+        worst = float(np.max(np.abs(a - want) / ulp))
+        assert worst <= 2.0, (kw, n, name, worst)
+
+
 # -- score_tokens: the log-probabilities of given tokens ----------------------
 
 
