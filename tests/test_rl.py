@@ -196,14 +196,15 @@ def test_float_outputs_across_shard_counts_within_2_ulp():
   # may not. A log-probability is t - lse, so it carries the log-sum-exp's
   # rounding: within 2 ulp of the log-sum-exp's magnitude (of the raw one
   # for logprob_raw); entropies within 2 ulp of themselves. Random inputs,
-  # per-row keys, 1/2/4/8 shards.
+  # per-row keys, 1/2/8 shards (CI time; 4 measured the same:
+  # docs/design.md, "Determinism and RL").
   b, v = 40, 4096
   h, w = inputs.random_inputs(b, 128, v, seed=3, logit_std=3.0)
   keys = inputs.row_keys(b, seed=1)
   t = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, b), jnp.float32)
   for kw in (dict(), dict(top_k=50, top_p=0.9), dict(min_p=0.05, softcap=20.0)):
     outs = {}
-    for n in (1, 2, 4, 8):
+    for n in (1, 2, 8):
       mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,),
                            devices=jax.devices()[:n])
       outs[n] = fs.sample_sharded(h, w, keys, mesh=mesh, vocab_axis="tp", temperature=t,
@@ -217,7 +218,7 @@ def test_float_outputs_across_shard_counts_within_2_ulp():
     raw_lse = np.abs(raw_l - np.asarray(one.logprob_raw))
     scales = dict(logprob=lse, logprob_truncated=lse, logsumexp=lse, logprob_raw=raw_lse,
                   entropy=0.0, entropy_truncated=0.0)
-    for n in (2, 4, 8):
+    for n in (2, 8):
       np.testing.assert_array_equal(outs[n].tokens, one.tokens)
       for name, scale in scales.items():
         a, want = np.asarray(getattr(outs[n], name)), np.asarray(getattr(one, name))
