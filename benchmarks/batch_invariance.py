@@ -3,15 +3,18 @@
 Run on the GPU (one process)::
 
     python3 -m benchmarks.batch_invariance [--heads S qwen3-1.7b] [--backends mosaic triton xla]
-        [--batches 1 16 48 ...] [--out DIR] [--smoke]
+        [--batches 1 16 48 ... | --schedule-edges] [--modes plain qwen3_topk_topp rl]
+        [--out DIR] [--smoke]
 
 Random bf16 inputs (the hidden states of the largest batch, ``--full`` rows,
 per-row keys, temperature 0.7), each backend: the first B rows sampled as a
 call of B rows against the same rows of the full call, for every B of
 ``--batches``. Counted per B: rows whose token differs, and rows whose
-log-probabilities (``logprob``, ``logprob_truncated``, ``logsumexp``)
-differ in any bit. Two modes: plain with ``return_logprobs``, and Qwen3's
-generation config (top-k 20, top-p 0.95) with ``return_logprobs``. A row's
+float outputs (the log-probabilities, ``logsumexp`` and, where the mode
+asks for them, entropies, raw log-probabilities and ``top_logprobs``)
+differ in any bit. Modes: plain with ``return_logprobs``; Qwen3's
+generation config (top-k 20, top-p 0.95) with ``return_logprobs``; ``rl``:
+that config with every float output. A row's
 noise depends only on its key, so a token can move only where the logits
 or a truncation edge do; log-probabilities move with the order in which a
 schedule adds each row's terms (docs/design.md, "Determinism and RL").
@@ -36,8 +39,13 @@ from benchmarks.shapes import HEADS, random_head
 MODES = {
     "plain": dict(return_logprobs=True),
     "qwen3_topk_topp": dict(top_k=20, top_p=0.95, return_logprobs=True),
+    # Every float field a call can report, with truncation.
+    "rl": dict(top_k=20, top_p=0.95, return_logprobs=True, return_entropy=True,
+               return_raw_logprobs=True, top_logprobs=5),
 }
-FIELDS = ("logprob", "logprob_truncated", "logsumexp")
+# The float fields compared where a call returns them (None otherwise).
+FIELDS = ("logprob", "logprob_truncated", "logsumexp", "logprob_raw", "entropy",
+          "entropy_truncated", "top_logprobs")
 TEMPERATURE = 0.7
 
 
@@ -52,7 +60,11 @@ def differing_rows(part, full, b: int) -> dict:
   bits = np.zeros(b, bool)
   per_field = {}
   for name in FIELDS:
+    if getattr(part, name, None) is None:
+      continue
     diff = _bits(getattr(part, name)) != _bits(getattr(full, name))[:b]
+    if diff.ndim > 1:   # top_logprobs: a row differs in any of its entries
+      diff = diff.any(axis=tuple(range(1, diff.ndim)))
     per_field[name + "_bit_rows"] = int(diff.sum())
     bits |= diff
   return dict(token_rows=int(tok.sum()), any_bit_rows=int(bits.sum()), **per_field)
@@ -74,6 +86,15 @@ def measure(w, h, keys, backend: str, mode: str, batches) -> list[dict]:
   return out
 
 
+def schedule_edges(full: int) -> list[int]:
+  """B = 1..16 and both sides of every multiple of 32 below ``full``: where
+  the kernels' schedules, batch blocks and launches change."""
+  edges = set(range(1, 17))
+  for m in range(32, full + 1, 32):
+    edges.update((m - 1, m, m + 1))
+  return sorted(b for b in edges if b < full)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--heads", nargs="+", default=["S"], choices=sorted(HEADS))
@@ -82,9 +103,12 @@ def main(argv=None):
   ap.add_argument("--batches", nargs="+", type=int,
                   default=[1, 2, 16, 48, 49, 64, 100, 128, 200, 256, 384, 511])
   ap.add_argument("--full", type=int, default=512, help="rows of the full call")
+  ap.add_argument("--schedule-edges", action="store_true",
+                  help="instead of --batches: 1..16 and both sides of every multiple of 32")
   ap.add_argument("--out", default="benchmarks/results/batch_invariance")
   ap.add_argument("--smoke", action="store_true", help="a tiny head, for a CPU")
   args = ap.parse_args(argv)
+  batches = schedule_edges(args.full) if args.schedule_edges else args.batches
   rows = []
   for head in args.heads:
     if args.smoke:
@@ -97,7 +121,7 @@ def main(argv=None):
     keys = jax.random.split(jax.random.key(3), args.full)
     for backend in args.backends:
       for mode in args.modes:
-        for r in measure(w, h, keys, backend, mode, [b for b in args.batches if b < args.full]):
+        for r in measure(w, h, keys, backend, mode, [b for b in batches if b < args.full]):
           rows.append(dict(r, head="smoke" if args.smoke else head))
   meta = dict(gpu=_timing.device_name(), jax=jax.__version__, full=args.full,
               temperature=TEMPERATURE,
@@ -113,14 +137,14 @@ def main(argv=None):
 
 def _table(meta, rows) -> str:
   """Per head, backend and mode: the B's with differing rows (tokens /
-  log-probability bits), out of every B measured."""
+  float-output bits), out of every B measured."""
   lines = [f"# Batch invariance on {meta['gpu']}\n",
            f"jax {meta['jax']}, {meta['date']}; random bf16 inputs, per-row keys, T "
            f"{meta['temperature']}; the first B rows of a call of B against the same "
-           f"rows of a call of {meta['full']}: rows whose token / any log-probability "
-           "bit differs.\n",
+           f"rows of a call of {meta['full']}: rows whose token / any bit of a float "
+           "output differs.\n",
            "| head | backend | mode | B measured | B with token rows | "
-           "B with log-probability bit rows (rows) |",
+           "B with float-output bit rows (rows) |",
            "|---|---|---|---|---|---|"]
   groups = {}
   for r in rows:

@@ -205,6 +205,15 @@ def test_batch_invariance_counts_rows_that_differ(tmp_path):
   (res,) = tmp_path.glob("batch_invariance_*.json")
   rows = json.loads(res.read_text())["rows"]
   assert [(r["B"], r["token_rows"]) for r in rows] == [(1, 0), (3, 0)]
+  # The schedule edges: 1..16, then both sides of each multiple of 32.
+  assert bi.schedule_edges(70) == list(range(1, 17)) + [31, 32, 33, 63, 64, 65]
+  # The rl mode compares every float field the call returns.
+  bi.main(["--smoke", "--backends", "xla", "--modes", "rl", "--schedule-edges",
+           "--full", "4", "--out", str(tmp_path)])
+  rows = json.loads(res.read_text())["rows"]
+  assert [r["B"] for r in rows] == [1, 2, 3]
+  for name in ("logprob_raw", "entropy", "entropy_truncated", "top_logprobs"):
+    assert name + "_bit_rows" in rows[0], name
 
 
 def test_score_benchmark_baseline_matches_score_tokens(tmp_path):
