@@ -446,6 +446,13 @@ def _fit_elements(block_v: int, block_b: int, num_warps: int,
   return block_b, num_warps
 
 
+def has_invariant_config(w_itemsize: int | None, layout: str) -> bool:
+  """Whether :func:`invariant_config` serves a weight of ``w_itemsize``
+  bytes (None: 2) stored in ``layout``: not an 8-bit ``[D, V]`` weight,
+  whose tiles on the M side would be transposed in registers."""
+  return not (w_itemsize == 1 and layout == "dv")
+
+
 def pick_controls_config(batch: int, dim: int, rows: int,
                          capability: tuple[int, int],
                          controls: Controls,
@@ -454,10 +461,10 @@ def pick_controls_config(batch: int, dim: int, rows: int,
                          batch_invariant: bool = False,
                          itemsize: int = 2) -> base.TritonConfig:
   """The plain sampler's config with fewer elements per thread, or with
-  ``batch_invariant`` :func:`invariant_config` (except for an 8-bit weight
-  stored ``[D, V]``, whose tiles on the M side would be transposed in
-  registers: its table's configs, not batch-invariant; ``itemsize``: the
-  hidden states' bytes, for its shared memory).
+  ``batch_invariant`` :func:`invariant_config` where
+  :func:`has_invariant_config` (else the table's configs, not
+  batch-invariant; ``itemsize``: the hidden states' bytes, for its shared
+  memory).
 
   The epilogue keeps every element of a thread live at once; each sample,
   the list passes and the log-sum-exp add to it. Compiled for sm90
@@ -473,7 +480,7 @@ def pick_controls_config(batch: int, dim: int, rows: int,
   # The RL fields that feed floats (entropy terms, raw log-sum-exp, given t)
   # count as heavy: they add per-element work. The finite count alone is not.
   rl = controls.entropy or controls.raw or controls.given
-  if batch_invariant and not (w_itemsize == 1 and layout == "dv"):
+  if batch_invariant and has_invariant_config(w_itemsize, layout):
     # Its tiles keep 128 registers at 32 elements with the log-sum-exp, the
     # best's t and the lists (sm90); several samples or the RL fields
     # spilled there and keep none at 16 (8 warps).

@@ -54,6 +54,7 @@ class _Controls:
   """``triton_controls.control_candidates``'s outputs, computed by XLA."""
 
   Controls = triton_controls.Controls
+  has_invariant_config = staticmethod(triton_controls.has_invariant_config)
 
   @staticmethod
   def control_candidates(hidden, weight, rows, vocab_offset=0, *, layout,
@@ -208,8 +209,7 @@ def test_float_calls_prefer_the_invariant_configs_at_every_batch():
   assert dataclasses.replace(backend, batch_invariant=False).prefers(p, floats) is False
   assert dataclasses.replace(backend, controls_config=object()).prefers(p, floats) is False
   hq, wq, s = inputs.quantized_inputs(b, d, v, dtype=jnp.int8, per_row=True)
-  wq_dv = wq.T
-  pq = problem.prepare(hq, wq_dv, jax.random.key(0), weight_scale=s, weight_layout="dv")
+  pq = problem.prepare(hq, wq.T, jax.random.key(0), weight_scale=s, weight_layout="dv")
   assert backend.prefers(pq, floats) is False
   pq = problem.prepare(hq, wq, jax.random.key(0), weight_scale=s)
   assert backend.prefers(pq, floats) is True

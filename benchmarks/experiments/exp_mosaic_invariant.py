@@ -49,23 +49,28 @@ MODES = {
 }
 
 
-BACKENDS = {"per_b": lambda: MosaicBackend(batch_invariant=False),
-            "dense": lambda: "dense"}
-
-
 class FixedSplitMosaic(MosaicBackend):
   """The fixed split for every call (tokens-only calls included)."""
 
-  def _fixed_split(self, c) -> bool:
+  def fixed_split(self, c) -> bool:
     del c
     return True
+
+
+# The variants that run fs.sample (the "xla" one is XLA's own program).
+BACKENDS = {"fixed": FixedSplitMosaic(), "per_b": MosaicBackend(batch_invariant=False),
+            "dense": "dense"}
+
+
+def _truncates(kw) -> bool:
+  return any(k in kw for k in ("top_k", "top_p"))
 
 
 def _xla_way(kw):
   """XLA's own way for plain rows: the logits, categorical per row, and the
   token's ``log_softmax`` when the mode asks for it (None with truncation:
   bench_controls has those baselines)."""
-  if any(k in kw for k in ("top_k", "top_p")):
+  if _truncates(kw):
     return None
 
   def run(h, w, keys):
@@ -87,21 +92,17 @@ def _variants(kw, names):
       if f is not None:
         out[name] = jax.jit(f)
       continue
-    out[name] = jax.jit(lambda h, w, k, be=_backend(name): fs.sample(
+    out[name] = jax.jit(lambda h, w, k, be=BACKENDS[name]: fs.sample(
         h, w, k, temperature=TEMPERATURE, backend=be, **kw))
   return out
 
 
-def _backend(name):
-  return FixedSplitMosaic() if name == "fixed" else BACKENDS[name]()
-
-
 def _exact_rows(w, h, keys, kw, names, **tags):
   """Prints the rows each kernel variant's call sends to the exact path."""
-  if not any(k in kw for k in ("top_k", "top_p")):
+  if not _truncates(kw):
     return
   rec = dict(tags, exact_rows={
-      name: exact_path_rows(h, w, keys, temperature=TEMPERATURE, backend=_backend(name),
+      name: exact_path_rows(h, w, keys, temperature=TEMPERATURE, backend=BACKENDS[name],
                             **kw)
       for name in names if name in ("fixed", "per_b")})
   print(json.dumps(rec), flush=True)

@@ -183,12 +183,13 @@ class MosaicBackend(SamplerBackend):
         lists_by_id=self._offers_exact_top(p, c), target=self._target(),
         scale=p.weight_scale, entropy=c.return_entropy, raw=c.raw_lse,
         finite=c.return_kept > 0, given=c.given_ids is not None,
-        batch_invariant=self._fixed_split(c))
+        batch_invariant=self.fixed_split(c))
 
-  def _fixed_split(self, c) -> bool:
-    # The batch-invariant split for calls that report floats; tokens and
-    # kept sets are the same on every split (docs/design.md, "Determinism
-    # and RL").
+  def fixed_split(self, c) -> bool:
+    """Whether the call ``c`` runs the controls kernel's batch-invariant
+    split: calls that report floats, unless ``batch_invariant`` is off;
+    tokens and kept sets are the same on every split (docs/design.md,
+    "Determinism and RL"). A subclass may widen it (experiments)."""
     return self.batch_invariant and c.reports_floats
 
   def rl_outputs(self):
@@ -234,7 +235,9 @@ class MosaicBackend(SamplerBackend):
     # points of PLAIN_DENSE, and so is a truncation rule (the dense route
     # sorts [B, V]); other controls up to ROUTE_MAX_ROWS rows per pass over
     # W (not measured in blocks), and calls that report floats at every
-    # batch (docs/performance.md, "Routes on the GPU").
+    # batch: their bits are batch invariant only on the kernel's fixed split,
+    # the dense route's GEMM picks its algorithm by the batch
+    # (docs/performance.md, "Routes on the GPU").
     if not c.active:
       # Quantized heads: XLA's GEMM reads the 8-bit weight and converts it
       # in its own kernel; plain sampling through it measured faster than
@@ -248,11 +251,8 @@ class MosaicBackend(SamplerBackend):
                                            p.hidden.dtype.itemsize, p.layout)
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
                      for d, lo, hi in plain_dense(devices.device_kind()))
-    # Calls that report floats at every batch: their bits are batch
-    # invariant only on the kernel's fixed split (the dense route's GEMM
-    # picks its algorithm by the batch).
     return (c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
-            or self._fixed_split(c))
+            or self.fixed_split(c))
 
   def fuses_penalties(self, p, c):
     # Bit-planes of the history beside the allowed mask: a few bits per id

@@ -217,9 +217,8 @@ class TritonBackend(SamplerBackend):
     # As the mosaic backend's (docs/performance.md, "Routes on the GPU"):
     # with truncation always, otherwise up to ROUTE_MAX_ROWS rows per pass
     # over W; plain sampling of a quantized head through XLA's GEMM
-    # ("Quantized heads").
-    # Calls that report floats at every batch where their bits are batch
-    # invariant here (the dense route's GEMM is not).
+    # ("Quantized heads"); calls that report floats at every batch where
+    # their bits are batch invariant here (the dense route's GEMM is not).
     if p.quantized and not c.active:
       return False
     return (c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
@@ -227,11 +226,12 @@ class TritonBackend(SamplerBackend):
 
   def _invariant(self, p, c) -> bool:
     # Calls that report floats run the batch-invariant configs, so a row's
-    # bits never depend on the batch around it (Controls.reports_floats);
-    # an 8-bit [D, V] head keeps its own table (docs/design.md,
-    # "Determinism and RL").
-    return (self.batch_invariant and c.reports_floats and self.controls_config is None
-            and not (jnp.dtype(p.weight.dtype).itemsize == 1 and p.layout == "dv"))
+    # bits never depend on the batch around it (Controls.reports_floats;
+    # docs/design.md, "Determinism and RL"), where the kernel has them.
+    if not (self.batch_invariant and c.reports_floats and self.controls_config is None):
+      return False
+    _, kernel = _kernels()
+    return kernel.has_invariant_config(jnp.dtype(p.weight.dtype).itemsize, p.layout)
 
   def samples_as_rows(self, p, c):
     return p.batch * c.samples <= SAMPLES_AS_ROWS_MAX
