@@ -70,8 +70,9 @@ def differing_rows(part, full, b: int) -> dict:
   return dict(token_rows=int(tok.sum()), any_bit_rows=int(bits.sum()), **per_field)
 
 
-def measure(w, h, keys, backend: str, mode: str, batches) -> list[dict]:
-  """One row of counts per B (the full call: every row of ``h``)."""
+def measure(w, h, keys, backend, mode: str, batches, label: str | None = None) -> list[dict]:
+  """One row of counts per B (the full call: every row of ``h``).
+  ``backend``: a name or a backend instance (then ``label`` names it)."""
   kw = MODES[mode]
   # The weight is an argument: a closure would make it a constant of the
   # program, which XLA then compiles in (minutes for a 2 GB head).
@@ -81,7 +82,8 @@ def measure(w, h, keys, backend: str, mode: str, batches) -> list[dict]:
   out = []
   for b in batches:
     part = run(h[:b], w, keys[:b])
-    out.append(dict(backend=backend, mode=mode, B=b, **differing_rows(part, full, b)))
+    out.append(dict(backend=label or backend, mode=mode, B=b,
+                    **differing_rows(part, full, b)))
     print(json.dumps(out[-1]), flush=True)
   return out
 

@@ -6,9 +6,11 @@ The kernel is the batch-major ping-pong of :mod:`pallas_kernels.sm90_sampler`
 without truncation and with one sample (:data:`BATCH_WIDE`), two compute
 warpgroups alternating tiles; a launch's blocks split its CTAs and share
 each weight tile through L2) with a longer epilogue. A batch-invariant
-call (``controls_state(..., batch_invariant=True)``) runs blocks of 64 rows
-at every B, each split over the vocabulary as one block alone is
-(:func:`_fixed_split`). Per element, in the
+call (``controls_state(..., batch_invariant=True)``) runs each block split
+over the vocabulary as one block alone is (:func:`_fixed_split`), with one
+epilogue for every B: without lists and with one sample, the 128-row
+blocks' chunks of 8 columns (in 64-row blocks up to B = 64), else 64-row
+blocks (:func:`_block_rows`). Per element, in the
 order of the package's controls (``flashsample_jax.controls``)::
 
     x = l                                   f32 accumulator
@@ -180,7 +182,7 @@ class Spec:
 
 def config(dim: int, rows: int, itemsize: int = 2, n: int = BATCH,
            planes: int = 1, row_rows: int = 16,
-           w_itemsize: int | None = None) -> TuningConfig:
+           w_itemsize: int | None = None, wide_epilogue: bool = False) -> TuningConfig:
   """The launch config for ``n`` rows per launch: batch-major ping-pong,
   tiles of 128 (64 when the weight has fewer rows). N = 64: chunks of
   [64, 16], Dt = 128 when D allows, one wgmma in flight. N = 128: chunks of
@@ -188,9 +190,12 @@ def config(dim: int, rows: int, itemsize: int = 2, n: int = BATCH,
   settings). As many slots as fit next to the bias tiles, ``planes``
   bit-plane tiles and a per-row block of ``row_rows`` rows (>= 2).
   ``itemsize``/``w_itemsize``: H's and W's bytes per element; an 8-bit
-  weight is staged (``WeightPath.STAGED``: no wgmma in flight)."""
+  weight is staged (``WeightPath.STAGED``: no wgmma in flight).
+  ``wide_epilogue``: N = 64 with N = 128's chunks of 8 columns and Dt =
+  64, so that a row's column slots and products are those of a 128-row
+  block (:func:`_block_rows`)."""
   tile_v = 128 if rows >= 128 else 64
-  wide = n > BATCH
+  wide = n > BATCH or wide_epilogue
   tile_d = 128 if dim % 128 == 0 and not wide else 64
   staged = w_itemsize == 1
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=tile_v,
@@ -715,7 +720,7 @@ def _merge_outputs(fo, io, spec: Spec, m: int, by_id: bool = False,
 
 def _prepare(hidden, weight, offset, *, layout: str, samples: int, lists: bool,
              n: int, total_rows: int, logit_bias, allowed_mask, penalties,
-             history, given: bool = False):
+             history, given: bool = False, wide_epilogue: bool = False):
   """What every launch of one call shares: ``(w, rows_k, cfg, bias, planes,
   penalties, step)``: the padded weight and its rows, the config, the bias
   and bit-plane arrays, the penalties if they change something, and the
@@ -732,7 +737,7 @@ def _prepare(hidden, weight, offset, *, layout: str, samples: int, lists: bool,
   cfg = config(dim, rows_k, jnp.dtype(hidden.dtype).itemsize, n, planes=n_planes,
                row_rows=max(16, RowLayout(min(samples, MAX_KERNEL_SAMPLES),
                                           penalties is not None, given).rows),
-               w_itemsize=jnp.dtype(weight.dtype).itemsize)
+               w_itemsize=jnp.dtype(weight.dtype).itemsize, wide_epilogue=wide_epilogue)
   step = n * max(1, min(MAX_LIST_BLOCKS if lists else MAX_BLOCKS, -(-batch // n)))
   bias = (_local_bias(logit_bias, offset, rows_k, total_rows, cfg.epi_cols)
           if logit_bias is not None else None)
@@ -777,6 +782,23 @@ def _launch_operands(hidden, rows, planes, b0: int, b1: int, n: int, g0: int,
   return by_block(pad_rows(rowdata.T)), h_chunk, planes_t
 
 
+def _block_rows(batch: int, *, samples: int, lists: bool, batch_invariant: bool,
+                invariant_rows: int) -> tuple[int, bool]:
+  """``(rows per batch block, wide epilogue)``: :data:`BATCH_WIDE` past
+  one block of :data:`BATCH` rows where one sample without candidate lists
+  leaves the registers for it, else :data:`BATCH`. A batch-invariant split
+  with ``invariant_rows`` = BATCH_WIDE does the same, its BATCH-row blocks
+  with the wide epilogue (:func:`config`): every row gets the same column
+  slots and products at every batch, so the same bits."""
+  if invariant_rows not in (BATCH, BATCH_WIDE):
+    raise ValueError(f"invariant_rows={invariant_rows} must be {BATCH} or {BATCH_WIDE}")
+  fits = samples == 1 and not lists
+  if batch_invariant and not (fits and invariant_rows == BATCH_WIDE):
+    return BATCH, False
+  wide_epilogue = batch_invariant
+  return (BATCH_WIDE if fits and batch > BATCH else BATCH), wide_epilogue
+
+
 def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    layout: str, vocab_size: int, total_rows: int, candidates: int,
                    lists: bool, return_logprobs: bool, softcap: bool,
@@ -786,7 +808,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
                    target: common.Target = common.Target(),
                    scale=None, entropy: bool = False, raw: bool = False,
                    finite: bool = False, given: bool = False,
-                   batch_invariant: bool = False) -> ControlsState:
+                   batch_invariant: bool = False,
+                   invariant_rows: int = BATCH_WIDE) -> ControlsState:
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
@@ -840,16 +863,24 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       it: blocks of :data:`BATCH` rows for every ``B``, each split over
       the vocabulary as one block alone is (:func:`_fixed_split`), and the
       one-block lists (docs/design.md, "Determinism and RL").
+    invariant_rows: the batch-invariant split's blocks: for one sample
+      without candidate lists, :data:`BATCH_WIDE` (the default: blocks of
+      BATCH_WIDE rows past BATCH, and BATCH rows with the same epilogue up
+      to it, :func:`_block_rows`) or :data:`BATCH` (BATCH rows at every
+      batch); BATCH rows for every other call. A row's bits depend on it
+      (the epilogue's chunks set the row's column slots), so a caller
+      keeps one value for every batch.
   """
   batch = hidden.shape[0]
   offset = jnp.asarray(vocab_offset, jnp.int32)
   n_rows = weight.shape[0 if layout == "vd" else 1]
-  wide = batch > BATCH and samples == 1 and not lists and not batch_invariant
-  n = BATCH_WIDE if wide else BATCH
+  n, wide_epilogue = _block_rows(batch, samples=samples, lists=lists,
+                                 batch_invariant=batch_invariant,
+                                 invariant_rows=invariant_rows)
   w, rows_k, cfg, bias, planes, penalties, step = _prepare(
       hidden, weight, offset, layout=layout, samples=samples, lists=lists, n=n,
       total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
-      penalties=penalties, history=history, given=given)
+      penalties=penalties, history=history, given=given, wide_epilogue=wide_epilogue)
   scale, mode = common.scale_operand(scale, rows_k)
   call_rows = RowLayout(samples, penalties is not None, given)
   # The log-sum-exp feeds log-probabilities and the truncation rules; the

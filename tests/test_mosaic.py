@@ -652,14 +652,16 @@ def test_unsupported_problems_raise_not_implemented():
                                allowed_mask=1, num_samples=6,
                                return_logprobs=True), [(64, 2)] * 2, [128] * 2),
     ("vd", 5, 8192, 128256, dict(softcap=30.0), [(64, 1)], [8]),
-    # Blocks of 128 rows (no truncation, one sample, tokens only), both
-    # layouts; log-probabilities take blocks of 64 rows (the batch-invariant
-    # split).
+    # Blocks of 128 rows (no truncation, one sample), both layouts, for
+    # tokens and, on the batch-invariant split, for log-probabilities; up
+    # to 64 rows those take one 64-row block with the 128-row epilogue.
     ("vd", 200, 4096, 151936, dict(softcap=30.0, logit_bias=1, allowed_mask=1),
      [(128, 2)], [256]),
     ("dv", 100, 192, 1000, dict(logit_bias=1), [(128, 1)], [104]),
-    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [(64, 2)],
-     [128]),
+    ("dv", 100, 192, 1000, dict(logit_bias=1, return_logprobs=True), [(128, 1)],
+     [104]),
+    ("vd", 40, 4096, 151936, dict(return_logprobs=True, return_entropy=True,
+                                  return_raw_logprobs=True), [(64, 1)], [40]),
     # 17 blocks of 64 with lists: 4 launches of MAX_LIST_BLOCKS, then one of 1.
     ("vd", 1030, 256, 1000, dict(top_k=5), [(64, 4)] * 4 + [(64, 1)], [256] * 4 + [8]),
     # Without lists: one launch of MAX_BLOCKS blocks of 64 rows (two samples).
@@ -959,26 +961,43 @@ def test_mosaic_wide_blocks_with_bias_mask_and_logprobs(monkeypatch):
   assert rows == [(128, 2)]
 
 
-@pytest.mark.parametrize("kw", [
-    dict(return_logprobs=True, return_entropy=True, return_raw_logprobs=True),
-    dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True)],
-    ids=["plain", "top_k_top_p"])
-def test_float_outputs_take_one_split_for_every_batch(kw, monkeypatch):
-  # A call that reports floats runs blocks of 64 rows, each split over the
-  # vocabulary as one block alone is, so a row's per-warpgroup outputs
-  # (scores, t, the log-sum-exp parts, lists, entropy terms, raw lse) are
-  # the same bits in a call of 64 rows and in one of 130 (three blocks;
-  # the per-B split runs one 128-row block without lists, and 4 // 3 CTAs
-  # per block with them: other shapes, other orders). Random inputs, so
-  # the sums round. Compared at the kernel's outputs: on the CPU XLA's exp
-  # rounds by an element's place in its vectorized loop, so the merged
-  # state's bits are compared on the GPU (tests/test_mosaic_gpu.py).
-  h, w = inputs.random_inputs(130, 64, 1000, seed=11)
-  keys = inputs.row_keys(130, seed=11)
+# Per case: the batches compared (a call of the first, the first rows of a
+# call of the second), and the launches of the two calls ((rows per block,
+# blocks, fixed split, the config's epilogue columns and Dt)).
+_ONE_SPLIT_CASES = {
+    # With lists: 64-row blocks at every B (the per-B split would run 4 // 3
+    # CTAs per block of a 130-row launch).
+    "top_k_top_p": (dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True),
+                    (64, 130), [(64, 1, True, 16, 128), (64, 3, True, 16, 128)]),
+    # Without: 64-row blocks up to B = 64 and 128-row ones past it, one
+    # epilogue (chunks of 8 columns, Dt = 64) for both.
+    "plain_narrow": (dict(return_logprobs=True, return_entropy=True,
+                          return_raw_logprobs=True),
+                     (40, 64), [(64, 1, True, 8, 64), (64, 1, True, 8, 64)]),
+    "plain_wide": (dict(return_logprobs=True, return_entropy=True, return_raw_logprobs=True),
+                   (130, 200), [(128, 2, True, 8, 64), (128, 2, True, 8, 64)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ONE_SPLIT_CASES))
+def test_float_outputs_take_one_split_for_every_batch(case, monkeypatch):
+  # A call that reports floats runs each block split over the vocabulary as
+  # one block alone is, so a row's per-warpgroup outputs (scores, t, the
+  # log-sum-exp parts, lists, entropy terms, raw lse) are the same bits in
+  # calls of two batch sizes. Random inputs, so the sums round. Compared at
+  # the kernel's outputs where both calls' blocks have one shape: on the CPU
+  # XLA's exp rounds by an element's place in its vectorized loop, so a
+  # 64-row block's bits against a 128-row block's, and the merged state's,
+  # are compared on the GPU (tests/test_mosaic_gpu.py); here the two
+  # blocks' configs agree in what sets a row's arithmetic.
+  kw, (small, large), want_launches = _ONE_SPLIT_CASES[case]
+  h, w = inputs.random_inputs(large, 128, 1000, seed=11)
+  keys = inputs.row_keys(large, seed=11)
   launches = []
   real = sm90_controls._launch
   monkeypatch.setattr(sm90_controls, "_launch", lambda *a, **k: (
-      launches.append((k["n"], k["cfg"].batch_blocks, k["fixed_split"])), real(*a, **k))[1])
+      launches.append((k["n"], k["cfg"].batch_blocks, k["fixed_split"],
+                       k["cfg"].epi_cols, k["cfg"].tile_d)), real(*a, **k))[1])
 
   @jax.jit
   def kernel_outputs(h, key):
@@ -992,13 +1011,42 @@ def test_float_outputs_take_one_split_for_every_batch(kw, monkeypatch):
 
   merge = sm90_controls._merge_outputs
   jax.clear_caches()
-  (one_fo, one_io), = kernel_outputs(h[:64], keys[:64])
+  (one_fo, one_io), = kernel_outputs(h[:small], keys[:small])
   (all_fo, all_io), = kernel_outputs(h, keys)
-  assert launches == [(64, 1, True), (64, 3, True)]
-  assert one_fo.shape == all_fo[:64].shape
-  np.testing.assert_array_equal(np.asarray(all_fo[:64]).view(np.uint32),
+  assert launches == want_launches
+  assert one_fo.shape == all_fo[:small].shape
+  np.testing.assert_array_equal(np.asarray(all_fo[:small]).view(np.uint32),
                                 np.asarray(one_fo).view(np.uint32))
-  np.testing.assert_array_equal(all_io[:64], one_io)
+  np.testing.assert_array_equal(all_io[:small], one_io)
+
+
+def test_wide_invariant_blocks_share_the_narrow_ones_arithmetic():
+  # A batch-invariant call without lists runs 64-row blocks up to B = 64 and
+  # 128-row ones past it: the two configs agree in the tile, Dt, the
+  # epilogue's chunks and passes, and the one-block grid, so a row meets the
+  # same column slots and products in both (bits checked on the GPU).
+  cfgs = [sm90_controls.config(4096, 151936, 2, n, wide_epilogue=wide)
+          for n, wide in ((sm90_controls.BATCH, True), (sm90_controls.BATCH_WIDE, True))]
+  fields = lambda c: (c.tile_v, c.tile_d, c.epi_cols, c.epi_passes, c.epi_unroll,
+                      c.num_ctas, c.schedule)
+  assert fields(cfgs[0]) == fields(cfgs[1])
+  n_tiles = -(-151936 // cfgs[0].tile_v)
+  target = sm90_common.Target(num_sms=132)
+  grids = [sm90_controls._fixed_split(c, target, n_tiles).num_ctas for c in cfgs]
+  assert grids[0] == grids[1]
+  assert sm90_controls._block_rows(64, samples=1, lists=False, batch_invariant=True,
+                                   invariant_rows=sm90_controls.BATCH_WIDE) == (64, True)
+  assert sm90_controls._block_rows(65, samples=1, lists=False, batch_invariant=True,
+                                   invariant_rows=sm90_controls.BATCH_WIDE) == (128, True)
+  # With lists, or asked for 64-row blocks: the 64-row epilogue at every B.
+  for b in (1, 64, 65, 1000):
+    assert sm90_controls._block_rows(b, samples=1, lists=True, batch_invariant=True,
+                                     invariant_rows=sm90_controls.BATCH_WIDE) == (64, False)
+    assert sm90_controls._block_rows(b, samples=1, lists=False, batch_invariant=True,
+                                     invariant_rows=sm90_controls.BATCH) == (64, False)
+  with pytest.raises(ValueError, match="invariant_rows"):
+    sm90_controls._block_rows(1, samples=1, lists=False, batch_invariant=True,
+                              invariant_rows=96)
 
 
 @pytest.mark.parametrize("key", sorted(KEYS))

@@ -5,8 +5,11 @@ For each head, mode and B, timed in alternating rounds
 (``_timing.timed_rounds``), random bf16 inputs, per-row keys, T 0.7:
 
 * ``fixed``: ``fs.sample(...)`` through a ``MosaicBackend`` that runs the
-  fixed split (blocks of 64 rows, each split over the vocabulary as one
-  block alone) for every call, tokens-only ones included;
+  fixed split (each block split over the vocabulary as one block alone;
+  without lists 128-row blocks past 64 rows, 64-row ones with the same
+  epilogue up to it) for every call, tokens-only ones included;
+* ``fixed_narrow``: the fixed split in blocks of 64 rows at every B (its
+  own epilogue: other bits);
 * ``per_b``: ``MosaicBackend(batch_invariant=False)`` (128-row blocks
   without lists, the SMs shared among a launch's blocks);
 * ``dense``: ``backend="dense"`` (XLA's GEMM, then the package's fused
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 import flashsample_jax as fs
 from benchmarks._fallback import exact_path_rows
 from benchmarks._timing import first_call_seconds, timed_rounds
+from benchmarks import batch_invariance
 from benchmarks.batch_invariance import TEMPERATURE
 from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.mosaic import MosaicBackend
@@ -46,6 +50,8 @@ MODES = {
     "topk_topp_logprobs": dict(top_k=50, top_p=0.9, return_logprobs=True),
     "rl_all": dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True,
                    return_raw_logprobs=True),
+    # fs.score_tokens of given ids (every ScoreOutput field), no truncation.
+    "score": dict(score=True),
 }
 
 
@@ -57,9 +63,19 @@ class FixedSplitMosaic(MosaicBackend):
     return True
 
 
+class NarrowFixedSplitMosaic(FixedSplitMosaic):
+  """The fixed split in blocks of 64 rows at every batch (the package's
+  split for calls with lists or several samples)."""
+
+  def invariant_rows(self, p, c) -> int:
+    del p, c
+    from pallas_kernels.sm90_controls import BATCH
+    return BATCH
+
+
 # The variants that run fs.sample (the "xla" one is XLA's own program).
-BACKENDS = {"fixed": FixedSplitMosaic(), "per_b": MosaicBackend(batch_invariant=False),
-            "dense": "dense"}
+BACKENDS = {"fixed": FixedSplitMosaic(), "fixed_narrow": NarrowFixedSplitMosaic(),
+            "per_b": MosaicBackend(batch_invariant=False), "dense": "dense"}
 
 
 def _truncates(kw) -> bool:
@@ -75,11 +91,28 @@ def _xla_way(kw):
 
   def run(h, w, keys):
     l = jnp.dot(h, w.T, preferred_element_type=jnp.float32) / TEMPERATURE
-    tok = jax.vmap(jax.random.categorical)(keys, l)
-    if not kw.get("return_logprobs"):
+    if kw.get("score"):
+      tok = given_ids(h.shape[0], w.shape[0])
+    else:
+      tok = jax.vmap(jax.random.categorical)(keys, l)
+    if not (kw.get("return_logprobs") or kw.get("score")):
       return tok
     return tok, jnp.take_along_axis(jax.nn.log_softmax(l), tok[:, None], 1)[:, 0]
   return run
+
+
+def given_ids(batch: int, vocab: int):
+  """The ids the score mode scores: spread over the vocabulary."""
+  return (jnp.arange(batch, dtype=jnp.int32) * 7919) % vocab
+
+
+def _call(kw, backend):
+  """``(h, w, keys) -> outputs`` of ``fs.sample`` (or ``fs.score_tokens``
+  for the score mode) through ``backend``."""
+  if kw.get("score"):
+    return lambda h, w, k: fs.score_tokens(h, w, given_ids(h.shape[0], w.shape[0]),
+                                           temperature=TEMPERATURE, backend=backend)
+  return lambda h, w, k: fs.sample(h, w, k, temperature=TEMPERATURE, backend=backend, **kw)
 
 
 def _variants(kw, names):
@@ -92,8 +125,7 @@ def _variants(kw, names):
       if f is not None:
         out[name] = jax.jit(f)
       continue
-    out[name] = jax.jit(lambda h, w, k, be=BACKENDS[name]: fs.sample(
-        h, w, k, temperature=TEMPERATURE, backend=be, **kw))
+    out[name] = jax.jit(_call(kw, BACKENDS[name]))
   return out
 
 
@@ -108,20 +140,39 @@ def _exact_rows(w, h, keys, kw, names, **tags):
   print(json.dumps(rec), flush=True)
 
 
+def _invariance(w, d: int, head: str, names, batches, full: int = 512):
+  """batch_invariance's bit check of each kernel variant (plain and rl
+  modes): one JSON line per B."""
+  h = jax.random.normal(jax.random.key(7), (full, d), jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(3), full)
+  for name in names:
+    if name not in ("fixed", "fixed_narrow", "per_b"):
+      continue
+    for mode in ("plain", "rl"):
+      # measure prints a JSON line per B.
+      batch_invariance.measure(w, h, keys, BACKENDS[name], mode,
+                               [b for b in batches if b < full], label=f"{head} {name}")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(HEADS))
-  ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 128, 256, 512])
+  ap.add_argument("--batches", nargs="*", type=int, default=[1, 16, 64, 128, 256, 512])
   ap.add_argument("--modes", nargs="+", default=["logprobs", "topk_topp_logprobs"],
                   choices=list(MODES))
   ap.add_argument("--variants", nargs="+", default=["fixed", "per_b"],
-                  choices=["fixed", "per_b", "dense", "xla"])
+                  choices=[*BACKENDS, "xla"])
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--exact-rows", action="store_true")
+  ap.add_argument("--invariance", nargs="*", type=int, default=None, metavar="B",
+                  help="first, for each kernel variant and batch_invariance mode "
+                       "(plain, rl), its bit check at these B against a call of 512")
   args = ap.parse_args(argv)
   for head in args.heads:
     d, _ = HEADS[head]
     w = random_head(head)
+    if args.invariance:
+      _invariance(w, d, head, args.variants, args.invariance)
     for mode in args.modes:
       for b in args.batches:
         h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)

@@ -183,7 +183,19 @@ class MosaicBackend(SamplerBackend):
         lists_by_id=self._offers_exact_top(p, c), target=self._target(),
         scale=p.weight_scale, entropy=c.return_entropy, raw=c.raw_lse,
         finite=c.return_kept > 0, given=c.given_ids is not None,
-        batch_invariant=self.fixed_split(c))
+        batch_invariant=self.fixed_split(c),
+        invariant_rows=self.invariant_rows(p, c))
+
+  def invariant_rows(self, p, c) -> int:
+    """The controls kernel's ``invariant_rows`` for the call: its
+    ``BATCH_WIDE`` (128-row blocks past 64 rows where the kernel allows
+    them, with one epilogue at every batch; at B = 1024 on an 8192-deep
+    head 0.82x the time of 64-row blocks, docs/performance.md, "RL outputs
+    and batch invariance"). A subclass may narrow it (experiments). One
+    value per head and controls, never per batch: a row's bits depend on
+    it."""
+    del p, c
+    return _kernels()[3].BATCH_WIDE
 
   def fixed_split(self, c) -> bool:
     """Whether the call ``c`` runs the controls kernel's batch-invariant
