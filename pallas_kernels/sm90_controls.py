@@ -860,9 +860,10 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       where this weight does not hold it); ``rows`` then has its given row
       (``RowLayout(S, given=True)``).
     batch_invariant: a row's state, bit for bit, whatever the batch around
-      it: blocks of :data:`BATCH` rows for every ``B``, each split over
-      the vocabulary as one block alone is (:func:`_fixed_split`), and the
-      one-block lists (docs/design.md, "Determinism and RL").
+      it: one block shape and epilogue for every ``B``
+      (``invariant_rows``), each block split over the vocabulary as one
+      block alone is (:func:`_fixed_split`), and the one-block lists
+      (docs/design.md, "Determinism and RL").
     invariant_rows: the batch-invariant split's blocks: for one sample
       without candidate lists, :data:`BATCH_WIDE` (the default: blocks of
       BATCH_WIDE rows past BATCH, and BATCH rows with the same epilogue up

@@ -207,11 +207,15 @@ def _mlir(dt):
 def test_controls_and_f16_lower_for_cuda():
   # The controls kernel (staged) with lists, bias and a mask; the exact
   # top-N path (its materializing launch); f16 hidden states; D = 2880
-  # (Dt = 64: 64-byte rows of 8-bit weights).
+  # (Dt = 64: 64-byte rows of 8-bit weights); float outputs without lists on
+  # the batch-invariant split (a 64-row block with the 128-row epilogue, or
+  # 128-row blocks).
   for i, dt in enumerate(DTYPES):
     layout = ("vd", "dv")[i % 2]
     _lower(16, 4096, 151936, layout, dt, top_k=50, top_p=0.9,
            logit_bias=jnp.zeros((151936,), jnp.float32), return_logprobs=True)
+    _lower((16, 100)[i % 2], 4096, 151936, layout, dt, return_logprobs=True,
+           return_entropy=True)
     _lower(8, 2048, 151936, layout, dt, per_row=False, top_logprobs=5)
     _lower(4, 2880, 201088, layout, dt, hidden=jnp.float16)
     _lower(100, 2880, 201088, layout, dt, top_k=20)

@@ -274,9 +274,11 @@ def test_score_tokens_of_any_token_against_float64():
 def test_score_tokens_under_jit_params_and_errors():
   params = fs.SamplingParams(temperature=0.7, top_k=30, return_kept=4)
   tok = jnp.arange(cases.B, dtype=jnp.int32)
-  f = jax.jit(lambda h, tk: fs.score_tokens(h, cases.W, tk, params))
-  got = f(cases.H, tok)
-  want = fs.score_tokens(cases.H, cases.W, tok, temperature=0.7, top_k=30)
+  # Both jitted: the params are the keywords, program for program (an
+  # eager call compiles its ops one by one, which may round otherwise).
+  got = jax.jit(lambda h, tk: fs.score_tokens(h, cases.W, tk, params))(cases.H, tok)
+  want = jax.jit(lambda h, tk: fs.score_tokens(h, cases.W, tk, temperature=0.7, top_k=30))(
+      cases.H, tok)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match=r"token_ids\[2\]=3001 must be in \[0, 3001\)"):

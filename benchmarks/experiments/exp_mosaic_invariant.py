@@ -24,7 +24,8 @@ For each head, mode and B, timed in alternating rounds
 
 Prints one JSON line per (head, mode, B, round); with ``--exact-rows``,
 for the truncation modes, one more with the rows each kernel variant sends
-to the exact path (``benchmarks._fallback.exact_path_rows``, un-timed).
+to the exact path and what their lists held
+(``benchmarks._fallback.exact_path_reasons``, un-timed).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 import flashsample_jax as fs
-from benchmarks._fallback import exact_path_rows
+from benchmarks._fallback import exact_path_reasons
 from benchmarks._timing import first_call_seconds, timed_rounds
 from benchmarks import batch_invariance
 from benchmarks.batch_invariance import TEMPERATURE
@@ -134,9 +135,9 @@ def _exact_rows(w, h, keys, kw, names, **tags):
   if not _truncates(kw):
     return
   rec = dict(tags, exact_rows={
-      name: exact_path_rows(h, w, keys, temperature=TEMPERATURE, backend=BACKENDS[name],
-                            **kw)
-      for name in names if name in ("fixed", "per_b")})
+      name: exact_path_reasons(h, w, keys, temperature=TEMPERATURE, backend=BACKENDS[name],
+                               **kw)
+      for name in names if name in ("fixed", "fixed_narrow", "per_b")})
   print(json.dumps(rec), flush=True)
 
 
