@@ -61,7 +61,7 @@ def exact_path_reasons(hidden, weight, key, *, weight_layout: str = "vd",
     return []
   p, c, impl, st = run
   rows = np.nonzero(_flagged(p, c, impl, st))[0]
-  lists = stage2._lists(p, c, st)  # pylint: disable=protected-access
+  lists = stage2.merged_lists(p, c, st)
   vals, last = np.asarray(lists.vals), np.asarray(lists.last)
   bound, complete = np.asarray(st.cand_bound), np.asarray(lists.complete)
   lse_max = np.asarray(st.lse_max)

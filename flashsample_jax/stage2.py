@@ -34,7 +34,7 @@ __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
            "History", "history", "history_bits", "penalty_planes", "penalty_rows",
            "pass_controls", "excluded_mask", "history_state", "finish",
-           "samples_as_rows", "per_sample"]
+           "samples_as_rows", "per_sample", "MergedLists", "merged_lists"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
 # largest tempered logits. Rows whose kept set the candidates cannot certify
@@ -599,7 +599,7 @@ class _Rows(NamedTuple):
                  pair(rows.kept))
 
 
-class _Lists(NamedTuple):
+class MergedLists(NamedTuple):
   """The merged candidate lists as :func:`_certify` reads them: ``vals``
   (descending) and ``ids`` ``[B, M]``, ``last [B]`` (no unlisted value is
   larger) and ``complete [B]`` (the lists hold the whole row)."""
@@ -641,7 +641,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   if axis:
     st = _gather_shards(st, axis, state_combine(c, candidate_count(p, c)))
   rows = _pass_rows(c, st)
-  lists = _lists(p, c, st) if c.lists else None
+  lists = merged_lists(p, c, st) if c.lists else None
   decision = None
   if c.truncates:
     rows, decision = _truncate_decision(p, c, st, lists, rows)
@@ -689,7 +689,7 @@ def _pass_rows(c: controls.Controls, st: ControlsState) -> _Rows:
                ent_all=ent, ent_kept=ent)
 
 
-def _lists(p: Problem, c: controls.Controls, st: ControlsState) -> _Lists:
+def merged_lists(p: Problem, c: controls.Controls, st: ControlsState) -> MergedLists:
   """The merged lists, with what is known of the values they do not hold.
   Values at or below the bound may have unlisted neighbours: only the
   values above it are known to be complete and in order; the lists hold
@@ -705,7 +705,7 @@ def _lists(p: Problem, c: controls.Controls, st: ControlsState) -> _Lists:
   last = jnp.maximum(bound, cand_t[:, -1])
   complete = (bound == -jnp.inf) & ((candidate_count(p, c) >= p.total_rows)
                                     | (last == -jnp.inf))
-  return _Lists(cand_t, st.cand_ids, last, complete)
+  return MergedLists(cand_t, st.cand_ids, last, complete)
 
 
 def _kept_entropy(keep, vals):
@@ -728,7 +728,7 @@ class _Decision(NamedTuple):
   pick: object
 
 
-def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: _Lists,
+def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: MergedLists,
               rows: _Rows) -> _Rows:
   """Decides the truncated rows on the candidates: each sample's token among
   the kept candidates, its t and the kept log-sum-exp; rows the candidates
@@ -737,7 +737,7 @@ def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: _Lists
 
 
 def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
-                       lists: _Lists, rows: _Rows) -> tuple[_Rows, _Decision]:
+                       lists: MergedLists, rows: _Rows) -> tuple[_Rows, _Decision]:
   """:func:`_truncate`, with how it decided."""
   certify = functools.partial(_certify, cand_t=lists.vals, lse=(st.lse_max, st.lse_sum),
                               complete=lists.complete, last=lists.last)
@@ -766,7 +766,7 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
           _Decision(keep=keep, use=use, active=active, pick=pick))
 
 
-def _pick_kept(p: Problem, samples: int, lists: _Lists, rows: _Rows, keep, *, use, active):
+def _pick_kept(p: Problem, samples: int, lists: MergedLists, rows: _Rows, keep, *, use, active):
   """Tokens, their t and the kept log-sum-exp of each sample with ``keep``
   (``[B, M]``, over the candidates) applied, in the rows ``use`` (sampled,
   a rule on); the pass's elsewhere."""
@@ -806,7 +806,7 @@ def _top_p_edge(c: controls.Controls, certify, pick, finite, tokens, t_tok, fall
           fallback & ~same)
 
 
-def _kept_sets(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
+def _kept_sets(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _Rows,
                decision: _Decision | None) -> _Rows:
   """Each row's kept set (``return_kept=N``): its N most likely ids and its
   size. Rows with a rule on read it off the kept candidates (certified with
@@ -850,7 +850,7 @@ def _raw_top_n(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows)
                        fallback=rows.fallback | ~certain)
 
 
-def _top_n(c: controls.Controls, st: ControlsState, lists: _Lists, rows: _Rows,
+def _top_n(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _Rows,
            exact_top) -> _Rows:
   """The N largest t by (t descending, id ascending), controls.top_n's
   order, read off the lists. Certified where the N-th lies above ``last``
@@ -1179,7 +1179,7 @@ def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> 
               logprob_raw=_raw_logprob(p, c, st, c.given_ids[None], axis)[0])
   if not c.truncates:
     return sc
-  lists = _lists(p, c, st)
+  lists = merged_lists(p, c, st)
   keep, decided, active = _certify(c, lists.vals, (st.lse_max, st.lse_sum),
                                    lists.complete, lists.last)
   certified = ~active | (decided & jnp.isfinite(st.lse_max))
@@ -1267,7 +1267,7 @@ def finish_drafts(p: Problem, c: controls.Controls, st_without: ControlsState,
   residual, t_residual = st_without.best_id[:, 0], st_without.best_t[:, 0]
   kept = t_draft > -jnp.inf
   if c.truncates:
-    lists = _lists(p, c, st)
+    lists = merged_lists(p, c, st)
     rows, dec = _truncate_decision(p, c, st, lists, rows)
     listed = lists.ids == draft[:, None]
     kept = jnp.where(dec.active, jnp.any(dec.keep & listed, axis=1), kept)

@@ -28,12 +28,11 @@ def _nvidia_gpu_present() -> bool:
 
 # On a CPU-only machine the suite's time is mostly XLA compiling thousands of
 # small programs, not running them: LLVM at -O0 without its expensive passes
-# compiles them ~1.5x faster (tests/test_params.py + test_controls.py: 121 s
-# -> 73 s on 2 cores). Both sides of every comparison (the kernels in
-# interpret mode, the reference, jax.random.categorical) compile alike; the
-# kernels' own arithmetic is the GPU's. Not on a GPU machine (the GPU
-# backend reads the same flags), nor with FSJ_TEST_FULL_XLA_OPT=1 or a level
-# the caller set.
+# compiles them much faster (README, "Install"). Both sides of every
+# comparison (the kernels in interpret mode, the reference,
+# jax.random.categorical) compile alike; the kernels' own arithmetic is the
+# GPU's. Not on a GPU machine (the GPU backend reads the same flags), nor
+# with FSJ_TEST_FULL_XLA_OPT=1 or a level the caller set.
 if (os.environ.get("FSJ_TEST_FULL_XLA_OPT") != "1"
     and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
     and not _nvidia_gpu_present()):

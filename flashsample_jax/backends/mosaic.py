@@ -189,9 +189,9 @@ class MosaicBackend(SamplerBackend):
   def invariant_rows(self, p, c) -> int:
     """The controls kernel's ``invariant_rows`` for the call: its
     ``BATCH_WIDE`` (128-row blocks past 64 rows where the kernel allows
-    them, with one epilogue at every batch; at B = 1024 on an 8192-deep
-    head 0.82x the time of 64-row blocks, docs/performance.md, "RL outputs
-    and batch invariance"). A subclass may narrow it (experiments). One
+    them, with one epilogue at every batch: faster than 64-row blocks at
+    large batches on deep heads, docs/performance.md, "RL outputs and
+    batch invariance"). A subclass may narrow it (experiments). One
     value per head and controls, never per batch: a row's bits depend on
     it."""
     del p, c
