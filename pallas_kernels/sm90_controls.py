@@ -362,7 +362,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
       if spec.lists:
         # Sorted insertion into each slot's list (strict >: NaN and -inf
         # never enter; an equal value goes after the earlier one).
-        vals, ids = lists[:_SLOT_DEPTH], lists[_SLOT_DEPTH:]
+        vals, ids = lists[:_SLOT_DEPTH], lists[_SLOT_DEPTH:2 * _SLOT_DEPTH]
         gt = [t > v for v in vals]
         nv, ni = [], []
         for j in range(_SLOT_DEPTH):
@@ -372,7 +372,13 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
           else:
             nv.append(jnp.where(gt[j - 1], vals[j - 1], jnp.where(gt[j], t, vals[j])))
             ni.append(jnp.where(gt[j - 1], ids[j - 1], jnp.where(gt[j], gid, ids[j])))
-        lists = tuple(nv) + tuple(ni)
+        # The value that falls off the list (t itself, or the last entry t
+        # displaces; -inf while the list has room): the bound is the
+        # largest of them, not the last entry of every full list, which
+        # would leave a row whose top values fill a slot exactly
+        # uncertified (docs/performance.md, "The controls kernel").
+        fell = jnp.minimum(t, vals[-1])
+        lists = tuple(nv) + tuple(ni) + (jnp.maximum(lists[-1], fell),)
       return tuple(new_best), lse, lists, rl
 
     def epilogue(acc, tile, start, first_new, state):
@@ -397,7 +403,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
                   for _ in range(S))
     lse0 = (neg(), full(0.0, jnp.float32)) if spec.lse else ()
     lists0 = (tuple(neg() for _ in range(_SLOT_DEPTH))
-              + tuple(big() for _ in range(_SLOT_DEPTH))) if spec.lists else ()
+              + tuple(big() for _ in range(_SLOT_DEPTH)) + (neg(),)) if spec.lists else ()
     rl0 = (full(0.0, jnp.float32) if spec.entropy else (),
            (neg(), full(0.0, jnp.float32)) if spec.raw else (),
            full(0, jnp.int32) if spec.finite else (),
@@ -438,9 +444,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
     if spec.given:   # one slot of one warpgroup holds it, the rest -inf
       put(jnp.max(given_t, axis=1), f_ref, spec.f_given)
     if spec.lists:
-      vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:])
-      # Values that fell off a full slot list are <= its last entry.
-      overflow = jnp.max(vals[-1], axis=1)
+      vals, ids = list(lists[:_SLOT_DEPTH]), list(lists[_SLOT_DEPTH:2 * _SLOT_DEPTH])
+      overflow = jnp.max(lists[-1], axis=1)   # what fell off the slot lists
       for r in range(spec.candidates):
         mx = jnp.max(vals[0], axis=1)
         hit = vals[0] == bcast(mx)

@@ -897,6 +897,36 @@ def test_mosaic_overflowing_slot_lists_take_the_exact_path(monkeypatch):
     assert above <= set(ids[b][vals[b] > bound[b]]), b
 
 
+def test_full_slot_lists_that_dropped_nothing_leave_the_row_certified():
+  # 64 ids in one tile: each of the 16 column slots sees exactly
+  # _SLOT_DEPTH = 4 ids, so every list fills and none drops a value. The
+  # row's top four sit in one slot (ids 0, 16, 32, 48); its last entry (the
+  # 4th value) is no bound on what the lists missed, which is the 8th value
+  # once the 7 candidates are popped. top_k = 6 is then decided from the
+  # candidates, with no exact path.
+  assert sm90_controls._SLOT_DEPTH == 4 and sm90_controls._WG_CANDIDATES == 7
+  v, d = 64, 128
+  top = [0, 16, 32, 48]
+  rest = [i for i in range(v) if i not in top]
+  logits = np.zeros(v, np.float32)
+  logits[top] = [60, 59, 58, 57]
+  logits[rest] = np.arange(56, 56 - len(rest), -1)
+  w = np.zeros((v, d), np.float32)
+  w[:, 0] = logits
+  h = np.zeros((2, d), np.float32)
+  h[:, 0] = 1
+  h, w = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  key = jax.random.key(5)
+  p = problem.prepare(h, w, key)
+  c = controls.prepare_controls(batch=2, vocab_size=v, rows=v, top_k=6)
+  st = jax.jit(lambda p, c: INTERPRET.controls_state(p, c))(p, c)
+  np.testing.assert_array_equal(np.asarray(st.cand_bound), [53, 53])
+  _, _, fallback = jax.jit(lambda p, c, st: stage2.finish(p, c, st))(p, c, st)
+  assert np.asarray(fallback).sum() == 0
+  got = fs.sample(h, w, key, top_k=6, backend=INTERPRET)
+  np.testing.assert_array_equal(got, fs.reference.sample(h, w, key, top_k=6))
+
+
 def _bias_mask_rows(b, seed):
   """Exact inputs of ``b`` rows with a bias and a random allowed mask:
   ``(h, w, t, controls kwargs)``."""
