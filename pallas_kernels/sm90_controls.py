@@ -191,17 +191,20 @@ def config(dim: int, rows: int, itemsize: int = 2, n: int = BATCH,
   bit-plane tiles and a per-row block of ``row_rows`` rows (>= 2).
   ``itemsize``/``w_itemsize``: H's and W's bytes per element; an 8-bit
   weight is staged (``WeightPath.STAGED``: no wgmma in flight).
-  ``wide_epilogue``: N = 64 with N = 128's chunks of 8 columns and Dt =
-  64, so that a row's column slots and products are those of a 128-row
-  block (:func:`_block_rows`)."""
+  ``wide_epilogue``: N = 64 with N = 128's chunks of 8 columns, so that a
+  row's column slots are those of a 128-row block (:func:`_block_rows`).
+  A bf16 / f16 weight keeps N = 64's Dt and wgmma in flight: the
+  accumulator sums the same k16 products in the same order at either Dt
+  (docs/performance.md, "RL outputs and batch invariance"); an 8-bit one
+  takes N = 128's Dt = 64."""
   tile_v = 128 if rows >= 128 else 64
-  wide = n > BATCH or wide_epilogue
-  tile_d = 128 if dim % 128 == 0 and not wide else 64
   staged = w_itemsize == 1
+  wide_k = n > BATCH or (wide_epilogue and staged)
+  tile_d = 128 if dim % 128 == 0 and not wide_k else 64
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=tile_v,
                      tile_d=tile_d, max_concurrent_steps=2,
-                     epi_cols=8 if wide else _EPI,
-                     mma_in_flight=0 if wide or staged else 1)
+                     epi_cols=8 if n > BATCH or wide_epilogue else _EPI,
+                     mma_in_flight=0 if n > BATCH or staged else 1)
   aux = (2 * tile_v * 4 + 2 * (tile_v // 32) * planes * n * 4
          + (row_rows - ROWDATA_ROWS) * n * 4)
   steps = most_steps(cfg, n, itemsize, w_itemsize, staged, extra=aux)

@@ -1000,10 +1000,11 @@ _ONE_SPLIT_CASES = {
     "top_k_top_p": (dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True),
                     (64, 130), [(64, 1, True, 16, 128), (64, 3, True, 16, 128)]),
     # Without: 64-row blocks up to B = 64 and 128-row ones past it, one
-    # epilogue (chunks of 8 columns, Dt = 64) for both.
+    # epilogue (chunks of 8 columns) for both; bf16's 64-row blocks keep
+    # their Dt = 128 (the same k16 products in the same order).
     "plain_narrow": (dict(return_logprobs=True, return_entropy=True,
                           return_raw_logprobs=True),
-                     (40, 64), [(64, 1, True, 8, 64), (64, 1, True, 8, 64)]),
+                     (40, 64), [(64, 1, True, 8, 128), (64, 1, True, 8, 128)]),
     "plain_wide": (dict(return_logprobs=True, return_entropy=True, return_raw_logprobs=True),
                    (130, 200), [(128, 2, True, 8, 64), (128, 2, True, 8, 64)]),
 }
@@ -1052,18 +1053,28 @@ def test_float_outputs_take_one_split_for_every_batch(case, monkeypatch):
 
 def test_wide_invariant_blocks_share_the_narrow_ones_arithmetic():
   # A batch-invariant call without lists runs 64-row blocks up to B = 64 and
-  # 128-row ones past it: the two configs agree in the tile, Dt, the
-  # epilogue's chunks and passes, and the one-block grid, so a row meets the
-  # same column slots and products in both (bits checked on the GPU).
-  cfgs = [sm90_controls.config(4096, 151936, 2, n, wide_epilogue=wide)
-          for n, wide in ((sm90_controls.BATCH, True), (sm90_controls.BATCH_WIDE, True))]
-  fields = lambda c: (c.tile_v, c.tile_d, c.epi_cols, c.epi_passes, c.epi_unroll,
-                      c.num_ctas, c.schedule)
-  assert fields(cfgs[0]) == fields(cfgs[1])
-  n_tiles = -(-151936 // cfgs[0].tile_v)
-  target = sm90_common.Target(num_sms=132)
-  grids = [sm90_controls._fixed_split(c, target, n_tiles).num_ctas for c in cfgs]
-  assert grids[0] == grids[1]
+  # 128-row ones past it: the two configs agree in the tile, the epilogue's
+  # chunks and passes, and the one-block grid, so a row meets the same
+  # column slots in both; Dt may differ for bf16 (the same k16 products in
+  # the same order; bits checked on the GPU), not for 8-bit weights.
+  for w_itemsize in (2, 1):
+    cfgs = [sm90_controls.config(4096, 151936, 2, n, w_itemsize=w_itemsize,
+                                 wide_epilogue=True)
+            for n in (sm90_controls.BATCH, sm90_controls.BATCH_WIDE)]
+    fields = lambda c: (c.tile_v, c.epi_cols, c.epi_passes, c.epi_unroll,
+                        c.num_ctas, c.schedule)
+    assert fields(cfgs[0]) == fields(cfgs[1])
+    narrow = sm90_controls.config(4096, 151936, 2, sm90_controls.BATCH,
+                                  w_itemsize=w_itemsize)
+    # The 64-row block keeps its own Dt and wgmma in flight where the
+    # weight is bf16 (staged 8-bit tiles have none in flight).
+    assert (cfgs[0].tile_d, cfgs[0].mma_in_flight) == (
+        (narrow.tile_d, narrow.mma_in_flight) if w_itemsize == 2 else (64, 0))
+    assert cfgs[0].epi_cols == 8 != narrow.epi_cols
+    n_tiles = -(-151936 // cfgs[0].tile_v)
+    target = sm90_common.Target(num_sms=132)
+    grids = [sm90_controls._fixed_split(c, target, n_tiles).num_ctas for c in cfgs]
+    assert grids[0] == grids[1]
   assert sm90_controls._block_rows(64, samples=1, lists=False, batch_invariant=True,
                                    invariant_rows=sm90_controls.BATCH_WIDE) == (64, True)
   assert sm90_controls._block_rows(65, samples=1, lists=False, batch_invariant=True,

@@ -10,9 +10,6 @@ For each head, mode and B, timed in alternating rounds
   epilogue up to it) for every call, tokens-only ones included;
 * ``fixed_narrow``: the fixed split in blocks of 64 rows at every B (its
   own epilogue: other bits);
-* ``fixed_dt128``: ``fixed`` with its 64-row blocks at the 64-row kernel's
-  Dt and wgmma in flight (an experiment: the same bits if the hardware
-  accumulates alike, ``--invariance`` checks);
 * ``per_b``: ``MosaicBackend(batch_invariant=False)`` (128-row blocks
   without lists, the SMs shared among a launch's blocks);
 * ``dense``: ``backend="dense"`` (XLA's GEMM, then the package's fused
@@ -34,8 +31,6 @@ to the exact path and what their lists held
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import sys
 
@@ -49,7 +44,6 @@ from benchmarks import batch_invariance
 from benchmarks.batch_invariance import TEMPERATURE
 from benchmarks.shapes import HEADS, random_head
 from flashsample_jax.backends.mosaic import MosaicBackend
-from pallas_kernels import sm90_controls
 
 MODES = {
     "logprobs": dict(return_logprobs=True),
@@ -80,38 +74,8 @@ class NarrowFixedSplitMosaic(FixedSplitMosaic):
     return BATCH
 
 
-@contextlib.contextmanager
-def _narrow_block_keeps_its_dt():
-  """While tracing: 64-row blocks with the 128-row epilogue keep the 64-row
-  kernel's Dt and wgmma in flight (its config with chunks of 8 columns)."""
-  real = sm90_controls.config
-
-  def config(dim, rows, itemsize=2, n=sm90_controls.BATCH, *args, wide_epilogue=False, **kw):
-    if wide_epilogue and n == sm90_controls.BATCH:
-      return dataclasses.replace(real(dim, rows, itemsize, n, *args, **kw), epi_cols=8)
-    return real(dim, rows, itemsize, n, *args, wide_epilogue=wide_epilogue, **kw)
-
-  sm90_controls.config = config
-  try:
-    yield
-  finally:
-    sm90_controls.config = real
-
-
-class Dt128FixedSplitMosaic(FixedSplitMosaic):
-  """The fixed split, its 64-row blocks with the 128-row epilogue's chunks
-  but the 64-row kernel's Dt (128 where D allows) and one wgmma in flight:
-  the same products in the same order, so, if the hardware agrees, the
-  same bits as the 128-row blocks (the bit check says)."""
-
-  def controls_state(self, p, c, *, vocab_offset=0):
-    with _narrow_block_keeps_its_dt():
-      return super().controls_state(p, c, vocab_offset=vocab_offset)
-
-
 # The variants that run fs.sample (the "xla" one is XLA's own program).
 BACKENDS = {"fixed": FixedSplitMosaic(), "fixed_narrow": NarrowFixedSplitMosaic(),
-            "fixed_dt128": Dt128FixedSplitMosaic(),
             "per_b": MosaicBackend(batch_invariant=False), "dense": "dense"}
 
 
@@ -173,7 +137,7 @@ def _exact_rows(w, h, keys, kw, names, **tags):
   rec = dict(tags, exact_rows={
       name: exact_path_reasons(h, w, keys, temperature=TEMPERATURE, backend=BACKENDS[name],
                                **kw)
-      for name in names if name in ("fixed", "fixed_narrow", "fixed_dt128", "per_b")})
+      for name in names if name in ("fixed", "fixed_narrow", "per_b")})
   print(json.dumps(rec), flush=True)
 
 
@@ -183,7 +147,7 @@ def _invariance(w, d: int, head: str, names, batches, full: int = 512):
   h = jax.random.normal(jax.random.key(7), (full, d), jnp.bfloat16)
   keys = jax.random.split(jax.random.key(3), full)
   for name in names:
-    if name not in ("fixed", "fixed_narrow", "fixed_dt128", "per_b"):
+    if name not in ("fixed", "fixed_narrow", "per_b"):
       continue
     for mode in ("plain", "rl"):
       # measure prints a JSON line per B.
