@@ -9,8 +9,9 @@ Assumed mapping (read from ``pallas_kernels/sm90_common.py`` and
 ``c`` of a block takes tiles ``c + i * ctas``; its two compute warpgroups
 alternate its tiles; a warpgroup's column slot is the id's column modulo
 16. A CTA's list holds ``_wg_candidates(nb)`` values, a slot
-``_SLOT_DEPTH`` (docs/performance.md, "RL outputs and batch invariance").
-Runs on a CPU (the logits of 512 rows of the S head: ~40 s).
+``_SLOT_DEPTH`` (docs/performance.md, "RL outputs and batch invariance"); a
+slot that holds exactly its depth drops nothing (the kernel's bound is what
+fell off, "The controls kernel"). Runs on a CPU (the logits of 512 rows of the S head: ~40 s).
 
   python3 -m benchmarks.experiments.exp_list_crowding [--batch 512] [--top 50]
 """
