@@ -98,8 +98,9 @@ MAX_KERNEL_SAMPLES = 4
 # MAX_BLOCKS x N take further launches. With candidate lists at most
 # MAX_LIST_BLOCKS: nb blocks leave each CTA nb times the ids, so a row's
 # kept set crowds into one CTA's list (and one slot's) more often; the lists
-# grow with nb (_wg_candidates), and past 4 blocks the slots would
-# overflow on ~1e-4 of the rows (each such row takes the exact path).
+# grow with nb (_wg_candidates), and past 4 blocks they would miss one of a
+# row's top 50 on 1e-5 to 1e-3 of the rows (each such row takes the exact
+# path; docs/design.md, "Performance: how it is measured").
 MAX_BLOCKS = 16
 MAX_LIST_BLOCKS = 4
 
@@ -380,6 +381,8 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, *refs, cfg, spec: Spec,
         # largest of them, not the last entry of every full list, which
         # would leave a row whose top values fill a slot exactly
         # uncertified (docs/performance.md, "The controls kernel").
+        # A NaN t makes the bound NaN: such a row's log-sum-exp is NaN too,
+        # and stage 2 sends it to the exact path on that.
         fell = jnp.minimum(t, vals[-1])
         lists = tuple(nv) + tuple(ni) + (jnp.maximum(lists[-1], fell),)
       return tuple(new_best), lse, lists, rl
