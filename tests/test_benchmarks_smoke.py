@@ -236,7 +236,9 @@ def test_score_benchmark_baseline_matches_score_tokens(tmp_path):
     np.testing.assert_allclose(ent, got.entropy_truncated, atol=2e-5)
   bs.main(["--smoke", "--rows", "4", "--reps", "1", "--configs", "topk_topp", "--no-plot",
            "--providers", "fused", "xla", "dot", "--out", str(tmp_path)])
-  (point,) = json.loads((tmp_path / "score_cpu.json").read_text())["points"]
+  # The files are named after the device (score_cpu, score_h200, ...).
+  (res,) = tmp_path.glob("score_*.json")
+  (point,) = json.loads(res.read_text())["points"]
   assert point["N"] == 4 and point["config"] == "topk_topp"
   assert {"fused_us", "xla_us", "dot_us", "fused_temp_mib", "xla_over_fused"} <= set(point)
-  assert "| topk_topp | 4 |" in (tmp_path / "score_cpu.md").read_text()
+  assert "| topk_topp | 4 |" in res.with_suffix(".md").read_text()
