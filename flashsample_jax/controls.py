@@ -543,21 +543,28 @@ def raw_logits(l, gid, c: Controls, vocab_size):
   return jnp.where(gid < vocab_size, softcapped(l, c), -jnp.inf)
 
 
-def entropy_terms(t, m):
+def _sum_last(x):
+  return jnp.sum(x, axis=-1)
+
+
+def entropy_terms(t, m, row_sum=_sum_last):
   """``sum(exp(t - m) * (t - m))`` over the last axis, ``m`` the rows' max
   (``[B]``, as ``t``'s leading axes): with ``s = sum(exp(t - m))`` the
   entropy of ``softmax(t)`` is ``log(s) - terms / s``. Ids with ``t = -inf``
-  (probability 0) add nothing; rows whose max is ``-inf`` add 0."""
+  (probability 0) add nothing; rows whose max is ``-inf`` add 0.
+  ``row_sum``: the sum over the last axis (a fixed-order one where the
+  bits must not follow the batch, :func:`flashsample_jax.stage2.fixed_logsumexp`)."""
   d = t - m[..., None]
-  return jnp.sum(jnp.where(t > -jnp.inf, jnp.exp(d) * d, 0.0), axis=-1)
+  return row_sum(jnp.where(t > -jnp.inf, jnp.exp(d) * d, 0.0))
 
 
-def entropy(t):
+def entropy(t, row_sum=_sum_last):
   """The entropy of ``softmax(t)`` over the last axis (NaN for a row of
-  ``-inf``): :func:`entropy_terms`' formula on materialized rows."""
+  ``-inf``): :func:`entropy_terms`' formula on materialized rows, its sums
+  by ``row_sum`` (as there)."""
   m = jnp.max(t, axis=-1)
-  s = jnp.sum(jnp.exp(t - m[..., None]), axis=-1)
-  return jnp.log(s) - entropy_terms(t, m) / s
+  s = row_sum(jnp.exp(t - m[..., None]))
+  return jnp.log(s) - entropy_terms(t, m, row_sum) / s
 
 
 def kept_list(kept, n: int, ids=None):

@@ -708,13 +708,35 @@ def merged_lists(p: Problem, c: controls.Controls, st: ControlsState) -> MergedL
   return MergedLists(cand_t, st.cand_ids, last, complete)
 
 
+def _fixed_row_sum(x):
+  return parts_sum(x, axis=-1)
+
+
+def fixed_logsumexp(x):
+  """``jax.nn.logsumexp(x, axis=1)``'s expression over ``x [B, M]`` (a row
+  of candidates), its sum in :func:`~pallas_kernels.state.parts_sum`'s
+  order: a row's bits do not follow the batch around it, as a ``jnp.sum``'s
+  do on a GPU (XLA picks the reduction's order for the whole array's shape;
+  docs/design.md, "Determinism and RL")."""
+  m = jnp.max(x, axis=1)
+  safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  return jnp.log(_fixed_row_sum(jnp.exp(x - safe[:, None]))) + safe
+
+
+def _kept_lse(keep_t):
+  """The kept candidates' log-sum-exp ``[B]`` (``keep_t [B, M]``: ``-inf``
+  where not kept): :func:`fixed_logsumexp`, fenced like
+  :func:`_kept_entropy`."""
+  return lax.optimization_barrier(fixed_logsumexp(lax.optimization_barrier(keep_t)))
+
+
 def _kept_entropy(keep, vals):
   """The entropy ``[B]`` of the kept candidates (``keep`` over ``vals``
-  ``[B, M]``), fenced so that it compiles alike in :func:`finish` and
-  :func:`score` (their bits must agree; docs/design.md, "Determinism and
-  RL")."""
+  ``[B, M]``), its sums in :func:`fixed_logsumexp`'s order, fenced so that
+  it compiles alike in :func:`finish` and :func:`score` (their bits must
+  agree; docs/design.md, "Determinism and RL")."""
   kept_t = lax.optimization_barrier(jnp.where(keep, vals, -jnp.inf))
-  return lax.optimization_barrier(controls.entropy(kept_t))
+  return lax.optimization_barrier(controls.entropy(kept_t, _fixed_row_sum))
 
 
 class _Decision(NamedTuple):
@@ -780,7 +802,7 @@ def _pick_kept(p: Problem, samples: int, lists: MergedLists, rows: _Rows, keep, 
                                 carry=lists.vals[:, None])          # [B, S]
   return (jnp.where(use[None], tok.T, rows.tokens),
           jnp.where(use[None], new_t.T, rows.t_tok),
-          jnp.where(active[None], jax.nn.logsumexp(kept_t, axis=1)[None], rows.lse_kept))
+          jnp.where(active[None], _kept_lse(kept_t)[None], rows.lse_kept))
 
 
 def _top_p_edge(c: controls.Controls, certify, pick, finite, tokens, t_tok, fallback):
@@ -1186,7 +1208,7 @@ def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> 
   kept_t = jnp.where(keep, lists.vals, -jnp.inf)
   listed = jnp.any(keep & (lists.vals > -jnp.inf) & (lists.ids == c.given_ids[:, None]),
                    axis=1)
-  sc = sc._replace(lse_kept=jnp.where(active, jax.nn.logsumexp(kept_t, axis=1), sc.lse_all),
+  sc = sc._replace(lse_kept=jnp.where(active, _kept_lse(kept_t), sc.lse_all),
                    in_kept=jnp.where(active, listed, in_kept),
                    ent_kept=jnp.where(active, _kept_entropy(keep, lists.vals), sc.ent_kept))
 

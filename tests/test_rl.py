@@ -422,3 +422,40 @@ def test_parts_sum_adds_in_a_fixed_pairwise_order():
                                   want[:b])
   # A sequential sum rounds differently on such rows: the order is pinned.
   assert (np.cumsum(x, axis=1, dtype=np.float32)[:, -1].view(np.uint32) != want).any()
+
+
+def test_kept_log_sum_exp_and_entropy_sum_in_the_fixed_order():
+  # stage2.fixed_logsumexp and the kept candidates' entropy sum a row in
+  # parts_sum's order, not jnp.sum's (which on a GPU follows the batch's
+  # shape: docs/design.md, "Determinism and RL"): the same bits as the
+  # float32 formula on each row with that tree, and jax.nn.logsumexp's
+  # value and special rows.
+  from flashsample_jax import stage2  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import state  # pylint: disable=import-outside-toplevel
+  r = np.random.default_rng(4)
+  x = (r.standard_normal((7, 300)) * 4).astype(np.float32)
+  x[:, 200:] = -np.inf                     # past a kept set's end
+  x[1] = -np.inf                           # nothing kept
+  x[2, 5] = np.inf
+  x[3, 7] = np.nan
+  got = np.asarray(jax.jit(stage2.fixed_logsumexp)(jnp.asarray(x)))
+  m = np.max(x, axis=1)
+  safe = jnp.asarray(np.where(np.isfinite(m), m, 0), jnp.float32)
+  want = np.asarray(jnp.log(state.parts_sum(jnp.exp(jnp.asarray(x) - safe[:, None]))) + safe)
+  finite = np.isfinite(want)
+  np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+  np.testing.assert_allclose(got, jax.nn.logsumexp(jnp.asarray(x), axis=1), rtol=2e-7)
+  assert got[1] == -np.inf and got[2] == np.inf and np.isnan(got[3])
+  for b in (1, 2, 5):   # a row's bits alone as in the batch
+    part = np.asarray(stage2.fixed_logsumexp(jnp.asarray(x[:b])))
+    np.testing.assert_array_equal(part[finite[:b]].view(np.uint32),
+                                  got[:b][finite[:b]].view(np.uint32))
+  # The kept entropy takes the same tree for both of its sums.
+  keep = np.isfinite(x[4:5])
+  ent = float(np.asarray(stage2._kept_entropy(jnp.asarray(keep), jnp.asarray(x[4:5])))[0])
+  t = x[4][keep[0]].astype(np.float64)
+  p = np.exp(t - t.max()) / np.exp(t - t.max()).sum()
+  np.testing.assert_allclose(ent, -(p * np.log(p)).sum(), rtol=1e-5)
+  ent_tree = np.asarray(controls.entropy(jnp.asarray(np.where(keep, x[4:5], -np.inf)),
+                                         lambda v: state.parts_sum(v, axis=-1)))
+  np.testing.assert_array_equal(np.float32(ent).view(np.uint32), ent_tree.view(np.uint32))

@@ -80,6 +80,17 @@ def test_float_outputs_are_batch_invariant():
   cases.check_batch_invariance("triton")
 
 
+def test_kept_log_probabilities_are_batch_invariant_on_a_qwen3_head():
+  # Qwen3-1.7B's head with its top-k 20 + top-p 0.95: the kept set's
+  # log-sum-exp and entropy over the candidates are summed in a fixed
+  # order (stage2.fixed_logsumexp); with jnp.sum, XLA's reduction on a
+  # GPU followed the batch's shape and 1-2 rows in 100 lost bits of
+  # logprob_truncated (docs/performance.md, "RL outputs and batch
+  # invariance").
+  cases.check_batch_invariance("triton", batches=(64, 100), full=512, dim=2048,
+                               vocab=151936, modes=("qwen3_topk_topp",))
+
+
 @pytest.mark.parametrize("b", [48, 100])
 def test_score_tokens_is_bit_for_bit_what_sample_returned(b):
   # tests/test_rl.py's test on the triton backend: random bf16 inputs, so
