@@ -34,7 +34,7 @@ __all__ = ["ControlsState", "CANDIDATES", "candidate_count", "tempered",
            "perturbed", "pass_scores", "state_combine", "state_from_parts", "topm_merge",
            "History", "history", "history_bits", "penalty_planes", "penalty_rows",
            "pass_controls", "excluded_mask", "history_state", "finish",
-           "samples_as_rows", "per_sample", "MergedLists", "merged_lists"]
+           "samples_as_rows", "per_sample", "MergedLists", "merged_lists", "fixed_logsumexp"]
 
 # Candidates per row kept for truncation (top-k / top-p / min-p): the M
 # largest tempered logits. Rows whose kept set the candidates cannot certify
