@@ -530,10 +530,18 @@ def transform(l, gid, c: Controls, vocab_size, history=None):
 
 
 def softcapped(l, c: Controls):
-  """Step 2 of the module docstring: ``c * tanh(l / c)``, or ``l``."""
+  """Step 2 of the module docstring: ``c * tanh(l / c)``, or ``l``.
+
+  Its own fusion (optimization barriers on both sides): on a GPU XLA's
+  f32 ``tanh`` takes the bits of the fusion it is emitted in, and the
+  same soft-cap computed inside a pass's reductions and inside stage 2's
+  history scoring came out an ulp apart (docs/design.md, "Division",
+  soft-capping). Alone it is one elementwise loop, the same in every
+  program, the reference's included."""
   if c.softcap is None:
     return l
-  return c.softcap * jnp.tanh(l / c.softcap)
+  l = lax.optimization_barrier(l)
+  return lax.optimization_barrier(c.softcap * jnp.tanh(l / c.softcap))
 
 
 def raw_logits(l, gid, c: Controls, vocab_size):

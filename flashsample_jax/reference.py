@@ -34,10 +34,16 @@ def _logits(p: problem.Problem):
 
 def raw_logits(p: problem.Problem, c: _controls.Controls):
   """The raw logits ``[B, vocab_size]``: :func:`_logits`, soft-capped."""
-  x = _logits(p)[:, :p.vocab_size]
-  if c.softcap is not None:
-    x = c.softcap * jnp.tanh(x / c.softcap)
-  return x
+  return _softcapped(_logits(p)[:, :p.vocab_size], c)
+
+
+def _softcapped(x, c: _controls.Controls):
+  """``c * tanh(x / c)`` (or ``x``) in a fusion of its own, as every
+  backend's XLA code computes it (docs/design.md, "Division")."""
+  if c.softcap is None:
+    return x
+  x = jax.lax.optimization_barrier(x)
+  return jax.lax.optimization_barrier(c.softcap * jnp.tanh(x / c.softcap))
 
 
 def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
@@ -50,8 +56,7 @@ def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   x = l[:, :p.vocab_size]
   if c is None:
     return x
-  if c.softcap is not None:
-    x = c.softcap * jnp.tanh(x / c.softcap)
+  x = _softcapped(x, c)
   if c.logit_bias is not None:
     x = x + c.logit_bias[None, :]
   if c.penalizes:
