@@ -34,16 +34,7 @@ def _logits(p: problem.Problem):
 
 def raw_logits(p: problem.Problem, c: _controls.Controls):
   """The raw logits ``[B, vocab_size]``: :func:`_logits`, soft-capped."""
-  return _softcapped(_logits(p)[:, :p.vocab_size], c)
-
-
-def _softcapped(x, c: _controls.Controls):
-  """``c * tanh(x / c)`` (or ``x``) in a fusion of its own, as every
-  backend's XLA code computes it (docs/design.md, "Division")."""
-  if c.softcap is None:
-    return x
-  x = jax.lax.optimization_barrier(x)
-  return jax.lax.optimization_barrier(c.softcap * jnp.tanh(x / c.softcap))
+  return _controls.softcapped(_logits(p)[:, :p.vocab_size], c)
 
 
 def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
@@ -56,7 +47,7 @@ def transformed_logits(p: problem.Problem, c: _controls.Controls | None = None):
   x = l[:, :p.vocab_size]
   if c is None:
     return x
-  x = _softcapped(x, c)
+  x = _controls.softcapped(x, c)
   if c.logit_bias is not None:
     x = x + c.logit_bias[None, :]
   if c.penalizes:
