@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashsample_jax import controls, problem, stage2
+from flashsample_jax import controls, dense_lists, problem, stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from flashsample_jax.problem import Problem
 from pallas_kernels import rules
@@ -139,7 +139,7 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 
 
 def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
-                   chunk: int | None = None) -> ControlsState:
+                   chunk: int | None = None, list_select: str = "top_k") -> ControlsState:
   """The :class:`~pallas_kernels.state.ControlsState` of ``p``'s rows in one
   streaming pass over the vocabulary.
 
@@ -168,16 +168,28 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     st = stage2.rl_state(c, st, t, controls.raw_logits(l, gid, c, p.vocab_size)
                          if c.raw_lse else None, gid=gid, raw_m=stage2.raw_count(p, c))
     if c.lists:
-      vals, j = lax.top_k(t, min(m, width))
-      if width < m:
-        pad = ((0, 0), (0, m - width))
-        vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
-        j = jnp.pad(j, pad, constant_values=width - 1)
-      st = st._replace(cand_vals=vals, cand_ids=gid[j],
-                       cand_bound=jnp.full((p.batch,), -jnp.inf))
+      st = st._replace(**_block_lists(t, gid, m, width, list_select))
     return st
 
   return _stream(p, block, stage2.state_combine(c, m), vc)
+
+
+def _block_lists(t, gid, m: int, width: int, list_select: str) -> dict:
+  """A block's top-``m`` candidate list as ControlsState fields: exact by
+  ``lax.top_k`` (bound ``-inf``), or by :func:`dense_lists.slot_lists`
+  where the block is wide enough for its slots (``list_select=
+  "slots"``, :func:`dense_lists.slot_size`)."""
+  slot = dense_lists.slot_size(width, m) if list_select == "slots" else None
+  if slot is not None:
+    vals, ids, bound = dense_lists.slot_lists(t, gid, m, slot=slot)
+    return dict(cand_vals=vals, cand_ids=ids, cand_bound=bound)
+  vals, j = lax.top_k(t, min(m, width))
+  if width < m:
+    pad = ((0, 0), (0, m - width))
+    vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+    j = jnp.pad(j, pad, constant_values=width - 1)
+  return dict(cand_vals=vals, cand_ids=gid[j],
+              cand_bound=jnp.full((t.shape[0],), -jnp.inf))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,10 +198,19 @@ class XlaBackend(SamplerBackend):
 
   Attributes:
     chunk: vocabulary rows per step (None: :func:`chunk_size`).
+    list_select: how a chunk's candidate list (truncation, top-N, kept
+      sets) is read off its logits: ``"top_k"`` (``lax.top_k``) or
+      ``"slots"`` (:mod:`flashsample_jax.dense_lists`, for chunks of
+      at least ``64 M`` ids; the same results).
   """
 
   name: ClassVar[str] = "xla"
   chunk: int | None = None
+  list_select: str = "top_k"
+
+  def __post_init__(self):
+    if self.list_select not in ("top_k", "slots"):
+      raise ValueError(f"list_select={self.list_select!r} must be 'top_k' or 'slots'")
 
   def check(self, p, c):
     del p, c  # every checked problem
@@ -198,7 +219,8 @@ class XlaBackend(SamplerBackend):
     return candidates(p, vocab_offset=vocab_offset, chunk=self.chunk)
 
   def controls_state(self, p, c, *, vocab_offset=0):
-    return controls_state(p, c, vocab_offset=vocab_offset, chunk=self.chunk)
+    return controls_state(p, c, vocab_offset=vocab_offset, chunk=self.chunk,
+                          list_select=self.list_select)
 
   def rl_outputs(self):
     return True

@@ -1,0 +1,135 @@
+"""Candidate lists read off slots of ids (flashsample_jax.dense_lists): the
+lists' contract on random, tied, crowded and masked rows, and the xla /
+dense backends' results with them equal to the reference's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashsample_jax as fs
+from benchmarks._fallback import exact_path_rows
+from flashsample_jax import dense_lists
+from flashsample_jax.backends.xla import DenseBackend, XlaBackend
+from tests import inputs
+
+M, SLOT = 8, 16          # lists of 8 from slots of 16 ids: rows of >= 128 ids
+
+
+def _check_contract(t, vals, ids, bound):
+  """The lists' contract (pallas_kernels.state.ControlsState): listed values
+  lie above the bound, every unlisted value at or below it, each listed
+  value is its id's, and the listed ones are the row's largest."""
+  t, vals, ids, bound = map(np.asarray, (t, vals, ids, bound))
+  for r in range(t.shape[0]):
+    listed = np.isfinite(vals[r])
+    assert np.all(vals[r][listed] > bound[r])
+    np.testing.assert_array_equal(t[r, ids[r][listed]], vals[r][listed])
+    rest = np.delete(t[r], ids[r][listed])
+    assert np.all(rest <= bound[r])
+    np.testing.assert_array_equal(vals[r][listed], np.sort(t[r])[::-1][:listed.sum()])
+
+
+def _lists(t, **kw):
+  gid = jnp.arange(t.shape[1], dtype=jnp.int32)
+  return jax.jit(lambda t: dense_lists.slot_lists(t, gid, M, slot=SLOT, **kw))(t)
+
+
+def test_random_rows_list_their_top_m_exactly():
+  t = jax.random.normal(jax.random.key(0), (16, 1000)) * 3
+  vals, ids, bound = _lists(t)
+  _check_contract(t, vals, ids, bound)
+  assert np.all(np.isfinite(np.asarray(vals)))           # every row's whole top 8
+
+
+def test_ties_and_crowded_slots_keep_the_bound_above_what_is_unlisted():
+  # Integer logits in [-2, 2]: each top slot holds more 2s than its depth,
+  # so the bound is 2 and nothing is listed (stage 2's exact path takes such
+  # rows).
+  t = jnp.asarray(np.random.default_rng(1).integers(-2, 3, (4, 512)), jnp.float32)
+  vals, ids, bound = _lists(t)
+  _check_contract(t, vals, ids, bound)
+  np.testing.assert_array_equal(np.asarray(bound), 2.0)
+  # A row whose 6 largest values share one slot: listed down to the 4th
+  # (depth 4), the bound at the 5th.
+  r = np.random.default_rng(2).normal(size=(1, 512)).astype(np.float32)
+  r[0, 40:46] = 10.0 + np.arange(6)[::-1]
+  vals, ids, bound = _lists(jnp.asarray(r))
+  _check_contract(r, vals, ids, bound)
+  assert float(bound[0]) == 11.0
+  np.testing.assert_array_equal(np.asarray(ids)[0, :4], [40, 41, 42, 43])
+  # Depth 8 lists all six.
+  vals, ids, bound = _lists(jnp.asarray(r), depth=8)
+  _check_contract(r, vals, ids, bound)
+  assert np.isfinite(np.asarray(vals)[0]).sum() == M
+
+
+def test_masked_rows_with_few_finite_values():
+  r = np.random.default_rng(2)
+  t = np.full((3, 640), -np.inf, np.float32)
+  t[0, r.choice(640, 5, replace=False)] = r.normal(size=5)   # fewer finite than M
+  t[1, :] = r.normal(size=640)                               # a full row
+  # row 2: every id -inf
+  vals, ids, bound = _lists(jnp.asarray(t))
+  _check_contract(t, vals, ids, bound)
+  assert np.isfinite(np.asarray(vals)[0]).sum() == 5
+  assert np.asarray(bound)[0] == -np.inf and not np.any(np.isfinite(np.asarray(vals)[2]))
+
+
+def test_slot_size():
+  assert dense_lists.slot_size(151936, 128) == 128
+  assert dense_lists.slot_size(128256, 128) == 64
+  assert dense_lists.slot_size(16500, 128) == 16
+  assert dense_lists.slot_size(8191, 128) is None
+
+
+def test_top_slots_bound_every_other_slot():
+  t = jax.random.normal(jax.random.key(3), (8, 2048))
+  slots, top, below = dense_lists.top_slots(t, M, SLOT)
+  maxima = np.asarray(slots).max(axis=2)
+  for r in range(8):
+    others = np.delete(maxima[r], np.asarray(top)[r])
+    assert others.max() == float(below[r]) and np.all(maxima[r][np.asarray(top)[r]] >= others.max())
+
+
+# End to end: lists of M = stage2.CANDIDATES (128) need chunks of >= 64 x 128
+# ids (slots of 8); a vocabulary of 16500 has slots of 16 in one dense chunk,
+# and in two xla chunks of 16384 (slots of 16) and 116 (top_k).
+B, D, V = 6, 32, 16500
+
+
+@pytest.mark.parametrize("backend", [DenseBackend(list_select="slots"),
+                                     XlaBackend(chunk=16384, list_select="slots")],
+                         ids=["dense", "xla"])
+@pytest.mark.parametrize("logits, exact_rows", [("exact", 0), ("ties", "sampled"), ("random", 0)])
+def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows):
+  # "exact": integer logits of std ~20, a few ties near the top; "ties":
+  # integers in [-8, 8], so each top slot holds more of the row's largest
+  # value than its depth and every sampled row (greedy ones take the argmax)
+  # takes the exact path; "random": bf16 inputs. exact_rows: the rows stage 2
+  # sends to the exact path.
+  if logits == "random":
+    h = jax.random.normal(jax.random.key(5), (B, D), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(6), (V, D)) * 0.4).astype(jnp.bfloat16)
+  else:
+    h, w = inputs.exact_inputs(B, D if logits == "exact" else 8, V, seed=4,
+                               scale=3 if logits == "exact" else 1)
+  t = inputs.pow2_temperatures(B, greedy_every=4, seed=7)
+  kw = dict(temperature=t, top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5,
+            return_kept=20)
+  keys = inputs.row_keys(B, seed=8)
+  if exact_rows == "sampled":
+    exact_rows = int(np.sum(np.asarray(t) > 0))
+  assert exact_path_rows(h, w, keys, backend=backend, **kw) == exact_rows
+  got = fs.sample(h, w, keys, backend=backend, **kw)
+  want = fs.reference.sample(h, w, keys, **kw)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_array_equal(got.kept_count, want.kept_count)
+  np.testing.assert_array_equal(got.top_ids, want.top_ids)
+  np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_list_select_is_checked():
+  with pytest.raises(ValueError, match="list_select='sort'"):
+    XlaBackend(list_select="sort")
