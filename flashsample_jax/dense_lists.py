@@ -33,9 +33,10 @@ from pallas_kernels import rules
 # Slots per list entry: the lists come from the M slots of the largest
 # maxima, so the row's top values must spread over more slots than that. A
 # row's top K fall DEPTH + 1 into one of S slots with a chance of about
-# C(K, DEPTH + 1) / S^DEPTH: with S >= 8 M = 1024 slots and K = 50, 1e-6 at
-# depth 4 (1.4% at depth 2); such a row's bound then lies inside its top K,
-# and stage 2's exact path takes it.
+# C(K, DEPTH + 1) / S^DEPTH: with S >= 8 M = 1024 slots and K = 50, 2e-6 at
+# depth 4 (2% at depth 2); such a row's bound then lies inside its top K,
+# and stage 2's exact path takes it. The (M+1)-th candidate is read, so
+# DEPTH >= 2.
 SLOTS_PER_ENTRY = 8
 MIN_SLOT = 8
 DEPTH = 4

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import flashsample_jax as fs
-from benchmarks._fallback import exact_path_rows
-from flashsample_jax import dense_lists
+from flashsample_jax import controls, dense_lists, problem, stage2
 from flashsample_jax.backends.xla import DenseBackend, XlaBackend
 from tests import inputs
 
@@ -92,6 +91,14 @@ def test_top_slots_bound_every_other_slot():
     assert others.max() == float(below[r]) and np.all(maxima[r][np.asarray(top)[r]] >= others.max())
 
 
+def _exact_rows(h, w, keys, backend, temperature, **kw):
+  """Rows stage 2 sends to the exact path (its fallback flags)."""
+  p = problem.prepare(h, w, keys, temperature=temperature)
+  c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows, **kw)
+  fallback = jax.jit(lambda p, c: stage2.finish(p, c, backend.controls_state(p, c))[2])(p, c)
+  return int(np.asarray(fallback).sum())
+
+
 # End to end: lists of M = stage2.CANDIDATES (128) need chunks of >= 64 x 128
 # ids (slots of 8); a vocabulary of 16500 has slots of 16 in one dense chunk,
 # and in two xla chunks of 16384 (slots of 16) and 116 (top_k).
@@ -115,14 +122,13 @@ def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows):
     h, w = inputs.exact_inputs(B, D if logits == "exact" else 8, V, seed=4,
                                scale=3 if logits == "exact" else 1)
   t = inputs.pow2_temperatures(B, greedy_every=4, seed=7)
-  kw = dict(temperature=t, top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5,
-            return_kept=20)
+  kw = dict(top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5, return_kept=20)
   keys = inputs.row_keys(B, seed=8)
   if exact_rows == "sampled":
     exact_rows = int(np.sum(np.asarray(t) > 0))
-  assert exact_path_rows(h, w, keys, backend=backend, **kw) == exact_rows
-  got = fs.sample(h, w, keys, backend=backend, **kw)
-  want = fs.reference.sample(h, w, keys, **kw)
+  assert _exact_rows(h, w, keys, backend, t, **kw) == exact_rows
+  got = fs.sample(h, w, keys, backend=backend, temperature=t, **kw)
+  want = fs.reference.sample(h, w, keys, temperature=t, **kw)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
   np.testing.assert_array_equal(got.kept_count, want.kept_count)
