@@ -139,3 +139,27 @@ def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows):
 def test_list_select_is_checked():
   with pytest.raises(ValueError, match="list_select='sort'"):
     XlaBackend(list_select="sort")
+
+
+@pytest.mark.parametrize("backend", [DenseBackend(list_select="slots"), "auto"],
+                         ids=["dense", "auto"])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=["fp8", "int8"])
+def test_quantized_head_with_slot_lists_equals_reference(dtype, backend):
+  # On a GPU auto takes the dense route with slot lists for 8-bit heads with
+  # truncation (docs/performance.md, "Candidate lists of the dense route").
+  h, w, s = inputs.quantized_inputs(B, D, V, dtype=dtype, seed=9)
+  t = inputs.pow2_temperatures(B, greedy_every=3, seed=10)
+  keys = inputs.row_keys(B, seed=11)
+  kw = dict(temperature=t, weight_scale=s, top_k=50, top_p=0.8)
+  got = fs.sample(h, w, keys, backend=backend, **kw)
+  want = fs.reference.sample(h, w, keys, **kw)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_list_select_auto_takes_slots_on_a_gpu_only():
+  assert DenseBackend().list_select == "auto"
+  assert XlaBackend().list_select == "top_k"
+  want = "slots" if jax.default_backend() == "gpu" else "top_k"
+  assert DenseBackend().lists_by() == want
+  assert DenseBackend(list_select="slots").lists_by() == "slots"
+  assert XlaBackend(list_select="top_k").lists_by() == "top_k"

@@ -9,6 +9,8 @@ states, speculative verification and vocabulary sharding are covered.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -223,12 +225,14 @@ def test_quantize_weight_errors():
     fs.quantize_weight(w, "int8", weight_layout="x")
 
 
-def test_quantized_plain_sampling_prefers_xla_gemm_and_controls_the_kernels():
-  # Measured on an H200 (docs/performance.md, "Quantized heads"): XLA's GEMM
-  # reading the 8-bit weight beats the fused kernels for plain sampling but
-  # where the mosaic kernel runs its wide 8-bit steps (B <= 16, "vd", D a
-  # multiple of 256), while with truncation the kernels' pass beats the
-  # dense route's sort.
+def test_quantized_heads_prefer_xla_gemm_but_for_wide_steps_and_float_reports():
+  # Measured on an H200 (docs/performance.md, "Quantized heads", "Candidate
+  # lists of the dense route"): XLA's GEMM reading the 8-bit weight beats
+  # the fused kernels for plain sampling but where the mosaic kernel runs
+  # its wide 8-bit steps (B <= 16, "vd", D a multiple of 256), and with
+  # candidate lists (truncation) the dense route's lists from slots beat the
+  # controls kernel. Calls that report floats keep the kernels' invariant
+  # split; controls without lists stay on the kernels (not measured).
   from flashsample_jax import backends, controls, problem
   mosaic, triton = backends.get("mosaic"), backends.get("triton")
 
@@ -240,9 +244,16 @@ def test_quantized_plain_sampling_prefers_xla_gemm_and_controls_the_kernels():
     return p, plain, trunc
 
   p, plain, trunc = calls(16, 64)
+  floats = controls.prepare_controls(batch=16, vocab_size=256, rows=256, top_k=5,
+                                     return_logprobs=True)
+  bias = controls.prepare_controls(batch=16, vocab_size=256, rows=256,
+                                   logit_bias=jnp.zeros((256,)))
   for impl in (mosaic, triton):
     assert impl.prefers(p, plain) is False
-    assert impl.prefers(p, trunc) is True
+    assert impl.prefers(p, trunc) is False
+    assert impl.prefers(p, bias) is True
+  assert mosaic.prefers(p, floats) is True
+  assert dataclasses.replace(mosaic, batch_invariant=False).prefers(p, floats) is False
   for b, d, layout, want in ((1, 512, "vd", True), (16, 256, "vd", True),
                              (17, 256, "vd", False), (16, 256, "dv", False),
                              (16, 384, "vd", False)):
@@ -252,3 +263,4 @@ def test_quantized_plain_sampling_prefers_xla_gemm_and_controls_the_kernels():
   h, w, _ = inputs.quantized_inputs(16, 64, 256, seed=13)
   pb = problem.prepare(h, w.astype(jnp.bfloat16), jax.random.key(0))
   assert mosaic.prefers(pb, plain) is True
+  assert mosaic.prefers(pb, trunc) is True

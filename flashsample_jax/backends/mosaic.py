@@ -263,8 +263,15 @@ class MosaicBackend(SamplerBackend):
                                            p.hidden.dtype.itemsize, p.layout)
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
                      for d, lo, hi in plain_dense(devices.device_kind()))
-    return (c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
-            or self.fixed_split(c))
+    if self.fixed_split(c):
+      return True
+    if p.quantized and c.lists:
+      # The controls kernel stages an 8-bit tile into bf16 before its
+      # wgmma; XLA's GEMM and the dense route's lists from slots measured
+      # faster at every batch (docs/performance.md, "Candidate lists of the
+      # dense route").
+      return False
+    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def fuses_penalties(self, p, c):
     # Bit-planes of the history beside the allowed mask: a few bits per id

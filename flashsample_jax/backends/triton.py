@@ -221,8 +221,13 @@ class TritonBackend(SamplerBackend):
     # their bits are batch invariant here (the dense route's GEMM is not).
     if p.quantized and not c.active:
       return False
-    return (c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
-            or self._invariant(p, c))
+    if self._invariant(p, c):
+      return True
+    if p.quantized and c.lists:
+      # As the mosaic backend's: the dense route with lists from slots
+      # ("Candidate lists of the dense route").
+      return False
+    return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
 
   def _invariant(self, p, c) -> bool:
     # Calls that report floats run the batch-invariant configs, so a row's

@@ -44,6 +44,9 @@ _MIN_CHUNK = 512
 # memory bounded.
 DENSE_CPU_MAX_LOGIT_BYTES = 2**25  # 32 MiB: B <= 55 at V=151936
 
+# XlaBackend.list_select's values.
+LIST_SELECTS = ("top_k", "slots", "auto")
+
 
 def _platform() -> str:
   return jax.default_backend()
@@ -199,9 +202,11 @@ class XlaBackend(SamplerBackend):
   Attributes:
     chunk: vocabulary rows per step (None: :func:`chunk_size`).
     list_select: how a chunk's candidate list (truncation, top-N, kept
-      sets) is read off its logits: ``"top_k"`` (``lax.top_k``) or
+      sets) is read off its logits: ``"top_k"`` (``lax.top_k``),
       ``"slots"`` (:mod:`flashsample_jax.dense_lists`, for chunks of
-      at least ``64 M`` ids; the same results).
+      at least ``64 M`` ids; the same results), or ``"auto"``: slots on a
+      GPU, where ``lax.top_k`` sorts each row, ``lax.top_k`` elsewhere
+      (docs/performance.md, "Candidate lists of the dense route").
   """
 
   name: ClassVar[str] = "xla"
@@ -209,8 +214,14 @@ class XlaBackend(SamplerBackend):
   list_select: str = "top_k"
 
   def __post_init__(self):
-    if self.list_select not in ("top_k", "slots"):
-      raise ValueError(f"list_select={self.list_select!r} must be 'top_k' or 'slots'")
+    if self.list_select not in LIST_SELECTS:
+      raise ValueError(f"list_select={self.list_select!r} must be one of {LIST_SELECTS}")
+
+  def lists_by(self) -> str:
+    """``list_select`` with ``"auto"`` resolved for the default backend."""
+    if self.list_select != "auto":
+      return self.list_select
+    return "slots" if jax.default_backend() == "gpu" else "top_k"
 
   def check(self, p, c):
     del p, c  # every checked problem
@@ -220,15 +231,13 @@ class XlaBackend(SamplerBackend):
 
   def controls_state(self, p, c, *, vocab_offset=0):
     return controls_state(p, c, vocab_offset=vocab_offset, chunk=self.chunk,
-                          list_select=self.list_select)
+                          list_select=self.lists_by())
 
   def rl_outputs(self):
     return True
 
   def raw_top_lists(self):
     return True
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,11 +247,13 @@ class DenseBackend(XlaBackend):
   chunk). It holds ``B x V x 4`` bytes of logits, which the fused kernels
   never write: where the kernels lose to XLA (large batches on a GPU) it is
   the fastest exact route, and ``auto`` takes it there; on a CPU ``auto``
-  takes it up to :data:`DENSE_CPU_MAX_LOGIT_BYTES` of logits.
+  takes it up to :data:`DENSE_CPU_MAX_LOGIT_BYTES` of logits. Its candidate
+  lists come from slots on a GPU (``list_select="auto"``).
   """
 
   name: ClassVar[str] = "dense"
   chunk: int | None = 2**31 - 1
+  list_select: str = "auto"
 
   def prefers(self, p, c):
     # On a GPU, after the fused kernels (which come first in the registry
