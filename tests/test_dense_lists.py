@@ -91,9 +91,9 @@ def test_top_slots_bound_every_other_slot():
     assert others.max() == float(below[r]) and np.all(maxima[r][np.asarray(top)[r]] >= others.max())
 
 
-def _exact_rows(h, w, keys, backend, temperature, **kw):
+def _exact_rows(h, w, keys, backend, temperature, weight_scale=None, **kw):
   """Rows stage 2 sends to the exact path (its fallback flags)."""
-  p = problem.prepare(h, w, keys, temperature=temperature)
+  p = problem.prepare(h, w, keys, temperature=temperature, weight_scale=weight_scale)
   c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows, **kw)
   fallback = jax.jit(lambda p, c: stage2.finish(p, c, backend.controls_state(p, c))[2])(p, c)
   return int(np.asarray(fallback).sum())
@@ -163,3 +163,34 @@ def test_list_select_auto_takes_slots_on_a_gpu_only():
   assert DenseBackend().lists_by() == want
   assert DenseBackend(list_select="slots").lists_by() == "slots"
   assert XlaBackend(list_select="top_k").lists_by() == "top_k"
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs 8 CPU devices as jax.devices()")
+@pytest.mark.parametrize("logits", ["exact", "ties"])
+def test_slot_lists_of_vocabulary_shards_equal_reference(logits):
+  # Each shard reads its lists off its own slots (2 shards of 8250 ids:
+  # slots of 8; 4 of 4125: too narrow, lax.top_k) and the shards' bounds
+  # merge; with "ties" every sampled row takes the exact path, which
+  # gathers the shards' logits.
+  from jax.sharding import AxisType, PartitionSpec as P
+  h, w, s = inputs.quantized_inputs(B, D if logits == "exact" else 2, V, seed=12,
+                                    per_row=logits == "exact")
+  if logits == "ties":  # logits in {-2, ..., 2} times one scale: hundreds of 2s a row
+    h, w = (jnp.clip(x.astype(jnp.float32), -1, 1).astype(x.dtype) for x in (h, w))
+  t = inputs.pow2_temperatures(B, greedy_every=4, seed=13)
+  key = jax.random.key(14)
+  kw = dict(temperature=t, weight_scale=s, top_k=40, top_p=0.9)
+  want = np.asarray(fs.reference.sample(h, w, key, **kw))
+  # Two chunks of one shard's width read the same lists as two shards.
+  flagged = _exact_rows(h, w, key, XlaBackend(chunk=V // 2, list_select="slots"), **kw)
+  assert flagged == (int(np.sum(np.asarray(t) > 0)) if logits == "ties" else 0)
+  be = DenseBackend(list_select="slots")
+  for n in (2, 4):
+    mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    f = jax.shard_map(
+        lambda h, w, s: fs.sample(h, w, key, backend=be, vocab_axis="tp",
+                                  **dict(kw, weight_scale=s))[None],
+        mesh=mesh, in_specs=(P(), P("tp", None), P(*("tp",)[:s.ndim])), out_specs=P("tp"),
+        check_vma=False)
+    for row in np.asarray(jax.jit(f)(h, w, s)):
+      np.testing.assert_array_equal(row, want)
