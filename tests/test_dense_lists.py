@@ -156,13 +156,16 @@ def test_quantized_head_with_slot_lists_equals_reference(dtype, backend):
   np.testing.assert_array_equal(got, want)
 
 
-def test_list_select_auto_takes_slots_on_a_gpu_only():
+@pytest.mark.parametrize("platform, want", [("gpu", "slots"), ("cpu", "top_k"), ("tpu", "top_k")])
+def test_list_select_auto_takes_slots_on_a_gpu_only(platform, want, monkeypatch):
+  from flashsample_jax.backends import xla as xla_backend
+  monkeypatch.setattr(xla_backend, "_platform", lambda: platform)
   assert DenseBackend().list_select == "auto"
   assert XlaBackend().list_select == "top_k"
-  want = "slots" if jax.default_backend() == "gpu" else "top_k"
   assert DenseBackend().lists_by() == want
+  assert XlaBackend(list_select="auto").lists_by() == want
   assert DenseBackend(list_select="slots").lists_by() == "slots"
-  assert XlaBackend(list_select="top_k").lists_by() == "top_k"
+  assert DenseBackend(list_select="top_k").lists_by() == "top_k"
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs 8 CPU devices as jax.devices()")

@@ -221,7 +221,7 @@ class XlaBackend(SamplerBackend):
     """``list_select`` with ``"auto"`` resolved for the default backend."""
     if self.list_select != "auto":
       return self.list_select
-    return "slots" if jax.default_backend() == "gpu" else "top_k"
+    return "slots" if _platform() == "gpu" else "top_k"
 
   def check(self, p, c):
     del p, c  # every checked problem
