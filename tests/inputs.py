@@ -58,6 +58,19 @@ def random_inputs(batch, dim, vocab, *, dtype=jnp.bfloat16, layout="vd", seed=0,
   return jnp.asarray(h, dtype), jnp.asarray(np.ascontiguousarray(w), dtype)
 
 
+def list_inputs(kind, batch, dim, vocab):
+  """``(h, w)`` whose logits test candidate lists: ``"exact"`` (integer
+  logits of std ~20, a few ties near the top), ``"ties"`` (integers in
+  [-8, 8]: hundreds of ties at each row's largest value) or ``"random"``
+  (bf16 Gaussian inputs)."""
+  if kind == "random":
+    h = jax.random.normal(jax.random.key(5), (batch, dim), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(6), (vocab, dim)) * 0.4).astype(jnp.bfloat16)
+    return h, w
+  return exact_inputs(batch, dim if kind == "exact" else 8, vocab, seed=4,
+                      scale=3 if kind == "exact" else 1)
+
+
 def pow2_temperatures(batch, *, greedy_every=0, seed=0):
   """A ``[B]`` array of power-of-two temperatures, every k-th row greedy."""
   r = np.random.default_rng(seed)

@@ -95,7 +95,10 @@ def _exact_rows(h, w, keys, backend, temperature, weight_scale=None, **kw):
   """Rows stage 2 sends to the exact path (its fallback flags)."""
   p = problem.prepare(h, w, keys, temperature=temperature, weight_scale=weight_scale)
   c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows, **kw)
-  fallback = jax.jit(lambda p, c: stage2.finish(p, c, backend.controls_state(p, c))[2])(p, c)
+  # The pass as the API runs it (Controls.for_pass: no noise where every
+  # row truncates), which decides whether the list kernels serve.
+  fallback = jax.jit(lambda p, c: stage2.finish(p, c, stage2.per_sample(
+      backend.controls_state(p, c.for_pass()), c.samples))[2])(p, c)
   return int(np.asarray(fallback).sum())
 
 
@@ -105,9 +108,15 @@ def _exact_rows(h, w, keys, backend, temperature, weight_scale=None, **kw):
 B, D, V = 6, 32, 16500
 
 
+# The Triton list kernels (pallas_kernels.triton_lists) on a GPU; on the
+# CPU their contract is tested through stage 2 in tests/test_triton_lists.py.
+_KERNEL = pytest.param(DenseBackend(list_select="kernel"), id="dense-kernel",
+                       marks=pytest.mark.gpu)
+
+
 @pytest.mark.parametrize("backend", [DenseBackend(list_select="slots"),
-                                     XlaBackend(chunk=16384, list_select="slots")],
-                         ids=["dense", "xla"])
+                                     XlaBackend(chunk=16384, list_select="slots"), _KERNEL],
+                         ids=["dense", "xla", "dense-kernel"])
 @pytest.mark.parametrize("logits, exact_rows", [("exact", 0), ("ties", "sampled"), ("random", 0)])
 def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows):
   # "exact": integer logits of std ~20, a few ties near the top; "ties":
@@ -115,17 +124,16 @@ def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows):
   # value than its depth and every sampled row (greedy ones take the argmax)
   # takes the exact path; "random": bf16 inputs. exact_rows: the rows stage 2
   # sends to the exact path.
-  if logits == "random":
-    h = jax.random.normal(jax.random.key(5), (B, D), jnp.bfloat16)
-    w = (jax.random.normal(jax.random.key(6), (V, D)) * 0.4).astype(jnp.bfloat16)
-  else:
-    h, w = inputs.exact_inputs(B, D if logits == "exact" else 8, V, seed=4,
-                               scale=3 if logits == "exact" else 1)
+  h, w = inputs.list_inputs(logits, B, D, V)
   t = inputs.pow2_temperatures(B, greedy_every=4, seed=7)
   kw = dict(top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5, return_kept=20)
   keys = inputs.row_keys(B, seed=8)
   if exact_rows == "sampled":
-    exact_rows = int(np.sum(np.asarray(t) > 0))
+    # Slots: each sampled row's top slots hold more of its largest value
+    # than their depth. The kernels: more values reach tau than they
+    # gather, so every row is handed over (greedy ones too: the kept sets
+    # and log-probabilities need each row's kept set).
+    exact_rows = (B if backend.list_select == "kernel" else int(np.sum(np.asarray(t) > 0)))
   assert _exact_rows(h, w, keys, backend, t, **kw) == exact_rows
   got = fs.sample(h, w, keys, backend=backend, temperature=t, **kw)
   want = fs.reference.sample(h, w, keys, temperature=t, **kw)
@@ -141,8 +149,8 @@ def test_list_select_is_checked():
     XlaBackend(list_select="sort")
 
 
-@pytest.mark.parametrize("backend", [DenseBackend(list_select="slots"), "auto"],
-                         ids=["dense", "auto"])
+@pytest.mark.parametrize("backend", [DenseBackend(list_select="slots"), "auto", _KERNEL],
+                         ids=["dense", "auto", "dense-kernel"])
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=["fp8", "int8"])
 def test_quantized_head_with_slot_lists_equals_reference(dtype, backend):
   # On a GPU auto takes the dense route with slot lists for 8-bit heads with
@@ -158,8 +166,10 @@ def test_quantized_head_with_slot_lists_equals_reference(dtype, backend):
 
 @pytest.mark.parametrize("platform, want", [("gpu", "slots"), ("cpu", "top_k"), ("tpu", "top_k")])
 def test_list_select_auto_takes_slots_on_a_gpu_only(platform, want, monkeypatch):
+  # Without jax-triton (with it a GPU takes the kernels: test_triton_lists).
   from flashsample_jax.backends import xla as xla_backend
   monkeypatch.setattr(xla_backend, "_platform", lambda: platform)
+  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
   assert DenseBackend().list_select == "auto"
   assert XlaBackend().list_select == "top_k"
   assert DenseBackend().lists_by() == want

@@ -26,7 +26,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ from jax.extend.random import threefry2x32_p  # noqa: E402
 from pallas_kernels import triton_noise  # noqa: E402
 from pallas_kernels import triton_sampler as ts  # noqa: E402
 from pallas_kernels.rowdata import RowLayout  # noqa: E402
+from tests.triton_host import HostTensor, run_interpreter_tests  # noqa: E402
 
 INT_MAX = np.iinfo(np.int32).max
 TINY = np.finfo(np.float32).tiny
@@ -471,84 +471,9 @@ def test_noise_probe_ptx():
 # ----------------------------------------------------------------------------
 
 
-class _Storage:
-
-  def __init__(self, t):
-    self._t = t
-
-  def data_ptr(self):
-    return self._t.a.ctypes.data
-
-  def cpu(self):
-    return self
-
-  def copy_(self, other):
-    del other  # host memory already: nothing to copy back
-
-
-class _DType:
-
-  def __init__(self, d):
-    self._d = np.dtype(d)
-
-  def __str__(self):  # the torch-style name Triton's type mangling reads
-    return f"torch.{self._d.name}"
-
-
-_DTYPES: dict = {}
-
-
-class HostTensor:
-  """The slice of torch.Tensor that Triton 3.6's interpreter touches, over a
-  NumPy array (so the interpreter runs without torch)."""
-
-  def __init__(self, a):
-    self.a = np.require(np.array(a), requirements=["C", "W"])
-
-  @property
-  def dtype(self):
-    # One object per dtype, alive for the whole process: Triton's
-    # interpreter caches what it derives from a dtype object by the
-    # object's id, so a fresh (soon freed) object per call let a later
-    # array's dtype take a dead one's id and its cached type (a uint32 block
-    # read as bf16, in about one process in three).
-    return _DTYPES.setdefault(self.a.dtype, _DType(self.a.dtype))
-
-  def data_ptr(self):
-    return self.a.ctypes.data
-
-  def untyped_storage(self):
-    return _Storage(self)
-
-  def new_empty(self, *args, **kwargs):
-    del args, kwargs
-    return self
-
-  def set_(self, *args, **kwargs):
-    del args, kwargs
-    return self
-
-  def storage_offset(self):
-    return 0
-
-  def size(self):
-    return self.a.shape
-
-  def stride(self):
-    return tuple(s // self.a.itemsize for s in self.a.strides)
-
-
 @compiled_only
 def test_interpreter_suite():
-  env = dict(os.environ, TRITON_INTERPRET="1")
-  r = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "-k", "interpreter and not suite", __file__],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-      env=env, capture_output=True, text=True, timeout=600)
-  tail = (r.stdout + r.stderr)[-6000:]
-  assert r.returncode == 0, tail
-  assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2], tail
+  run_interpreter_tests(__file__)
 
 
 @pytest.fixture(scope="module")

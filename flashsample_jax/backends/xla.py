@@ -10,6 +10,7 @@ ever live. Runs on any JAX device and is the fallback for
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import ClassVar
 
 import jax
@@ -45,7 +46,7 @@ _MIN_CHUNK = 512
 DENSE_CPU_MAX_LOGIT_BYTES = 2**25  # 32 MiB: B <= 55 at V=151936
 
 # XlaBackend.list_select's values.
-LIST_SELECTS = ("top_k", "slots", "auto")
+LIST_SELECTS = ("top_k", "slots", "kernel", "auto")
 
 
 def _platform() -> str:
@@ -160,21 +161,61 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     l = problem.logits(hidden, w[0], p.layout, w[1])
     x = controls.transform(l, gid, c, p.vocab_size)
     t = stage2.tempered(p, x)
-    sc = stage2.pass_scores(p, c, x, t, gid)                       # [B, S, W]
-    j = jnp.argmax(sc, axis=2)                                     # [B, S]
-    mx = jnp.max(t, axis=1)
-    st = ControlsState(
-        best_score=jnp.take_along_axis(sc, j[:, :, None], axis=2)[:, :, 0],
-        best_id=gid[j], best_t=jnp.take_along_axis(t, j, axis=1), lse_max=mx,
-        lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0,
-                                  jnp.exp(t - mx[:, None])), axis=1))
+    slot = _kernel_slot(c, m, width, list_select)
+    if slot is None:
+      st = _pass_state(p, c, x, t, gid)
+    else:
+      st = _kernel_state(t, gid[0], m, slot)
     st = stage2.rl_state(c, st, t, controls.raw_logits(l, gid, c, p.vocab_size)
                          if c.raw_lse else None, gid=gid, raw_m=stage2.raw_count(p, c))
-    if c.lists:
+    if c.lists and slot is None:
       st = st._replace(**_block_lists(t, gid, m, width, list_select))
     return st
 
   return _stream(p, block, stage2.state_combine(c, m), vc)
+
+
+def _pass_state(p: Problem, c: controls.Controls, x, t, gid) -> ControlsState:
+  """A block's best of each sample and online log-sum-exp, by XLA."""
+  sc = stage2.pass_scores(p, c, x, t, gid)                         # [B, S, W]
+  j = jnp.argmax(sc, axis=2)                                       # [B, S]
+  mx = jnp.max(t, axis=1)
+  return ControlsState(
+      best_score=jnp.take_along_axis(sc, j[:, :, None], axis=2)[:, :, 0],
+      best_id=gid[j], best_t=jnp.take_along_axis(t, j, axis=1), lse_max=mx,
+      lse_sum=jnp.sum(jnp.where(mx[:, None] == -jnp.inf, 0.0, jnp.exp(t - mx[:, None])),
+                      axis=1))
+
+
+def _kernel_slot(c: controls.Controls, m: int, width: int, list_select: str) -> int | None:
+  """The slot size of :func:`_kernel_state` for a block, or None where it
+  does not serve: lists by ``"kernel"``, a pass without noise (its best is
+  the argmax of ``t``, read only for greedy rows, where ``t`` is ``x``;
+  ``Controls.for_pass``), lists of at most ``LISTS_MAX`` and a block wide
+  enough for slots (:func:`dense_lists.slot_size`)."""
+  if list_select != "kernel" or not c.lists or c.noise or c.samples != 1:
+    return None
+  from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
+  if m > triton_lists.LISTS_MAX:
+    return None
+  return dense_lists.slot_size(width, m)
+
+
+def _kernel_state(t, first_id, m: int, slot: int) -> ControlsState:
+  """A block's best, log-sum-exp and top-``m`` lists from the Triton list
+  kernels (:mod:`pallas_kernels.triton_lists`; ids ``first_id + column``).
+  The best's score is its ``t``: a pass without noise scores greedy rows
+  only, whose ``t`` is ``x``."""
+  from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
+  f = triton_lists.row_lists(t, first_id, m, slot=slot)
+  best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
+  return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
+
+
+def _lists_kernel_usable() -> bool:
+  """triton and jax-triton are installed (the list kernels' launch; the
+  caller knows the platform is a GPU)."""
+  return all(importlib.util.find_spec(name) is not None for name in ("triton", "jax_triton"))
 
 
 def _block_lists(t, gid, m: int, width: int, list_select: str) -> dict:
@@ -182,7 +223,7 @@ def _block_lists(t, gid, m: int, width: int, list_select: str) -> dict:
   ``lax.top_k`` (bound ``-inf``), or by :func:`dense_lists.slot_lists`
   where the block is wide enough for its slots (``list_select=
   "slots"``, :func:`dense_lists.slot_size`)."""
-  slot = dense_lists.slot_size(width, m) if list_select == "slots" else None
+  slot = dense_lists.slot_size(width, m) if list_select in ("slots", "kernel") else None
   if slot is not None:
     vals, ids, bound = dense_lists.slot_lists(t, gid, m, slot=slot)
     return dict(cand_vals=vals, cand_ids=ids, cand_bound=bound)
@@ -204,9 +245,13 @@ class XlaBackend(SamplerBackend):
     list_select: how a chunk's candidate list (truncation, top-N, kept
       sets) is read off its logits: ``"top_k"`` (``lax.top_k``),
       ``"slots"`` (:mod:`flashsample_jax.dense_lists`, for chunks of
-      at least ``64 M`` ids; the same results), or ``"auto"``: slots on a
-      GPU, where ``lax.top_k`` sorts each row, ``lax.top_k`` elsewhere
-      (docs/performance.md, "Candidate lists of the dense route").
+      at least ``64 M`` ids; the same results), ``"kernel"`` (the Triton
+      list kernels, :mod:`pallas_kernels.triton_lists`, which also give the
+      log-sum-exp and the best where the pass draws no noise; slots
+      elsewhere; a CUDA GPU with jax-triton), or ``"auto"``: the kernels on
+      a GPU with jax-triton, slots on one without, where ``lax.top_k``
+      sorts each row, ``lax.top_k`` elsewhere (docs/performance.md,
+      "Candidate lists of the dense route").
   """
 
   name: ClassVar[str] = "xla"
@@ -221,10 +266,16 @@ class XlaBackend(SamplerBackend):
     """``list_select`` with ``"auto"`` resolved for the default backend."""
     if self.list_select != "auto":
       return self.list_select
-    return "slots" if _platform() == "gpu" else "top_k"
+    if _platform() != "gpu":
+      return "top_k"
+    return "kernel" if _lists_kernel_usable() else "slots"
 
   def check(self, p, c):
     del p, c  # every checked problem
+    if self.list_select == "kernel" and not (_platform() == "gpu" and _lists_kernel_usable()):
+      raise NotImplementedError(
+          "list_select='kernel' launches Triton kernels: it needs a CUDA GPU, triton "
+          "and jax-triton (pip install 'flashsample-jax[triton]')")
 
   def candidates(self, p, *, vocab_offset=0):
     return candidates(p, vocab_offset=vocab_offset, chunk=self.chunk)
@@ -248,7 +299,8 @@ class DenseBackend(XlaBackend):
   never write: where the kernels lose to XLA (large batches on a GPU) it is
   the fastest exact route, and ``auto`` takes it there; on a CPU ``auto``
   takes it up to :data:`DENSE_CPU_MAX_LOGIT_BYTES` of logits. Its candidate
-  lists come from slots on a GPU (``list_select="auto"``).
+  lists come from the Triton list kernels on a GPU (slots without
+  jax-triton; ``list_select="auto"``).
   """
 
   name: ClassVar[str] = "dense"

@@ -1,0 +1,275 @@
+"""A row's candidate list, log-sum-exp and best from its materialized
+tempered logits, in two Triton kernels (launched through jax-triton).
+
+The dense route (XLA's GEMM writes ``t [B, W]``, f32) needs, per row, the
+top-M tempered logits for stage 2's truncation, the online log-sum-exp
+``(max, sum exp(t - max))`` and the best ``(t, id)`` (greedy rows' token).
+As XLA fusions that is some thirty kernels (docs/performance.md, "Candidate
+lists of the dense route"); here it is two:
+
+1. :func:`_slot_stats_kernel`, grid ``(B, slot blocks)``: per slot of
+   ``SLOT`` consecutive ids, its maximum (NaN if it holds a NaN), the sum of
+   ``exp(t - max)`` and the first id of its maximum (of its first NaN).
+   One read of ``t``.
+2. :func:`_row_lists_kernel`, grid ``(B,)``: the row's best and log-sum-exp
+   from its slots; ``tau``, the M-th largest slot maximum (a radix select
+   over the slots' order keys), which is at most the row's M-th largest
+   value, so every value of the row's top M is ``>= tau`` and lies in a slot
+   whose maximum is ``>= tau``; the values ``>= tau`` of those slots
+   (usually a few more than M) gathered, sorted by (value descending, id
+   ascending) and the first M written.
+
+The lists are exact (``bound = -inf``): the top M by that order, as
+``lax.top_k`` lists them. A row is handed to stage 2's exact path instead
+(``bound = +inf``, nothing listed) when it holds a NaN, or when more than
+``SLOT_CAP`` slots or ``CAP`` values reach ``tau`` (many equal values, or a
+row whose finite values crowd fewer than M slots); the best and the
+log-sum-exp are right in every row (the sum's order and ``exp`` differ from
+XLA's: the log-sum-exp feeds only what rounding may move, docs/design.md,
+"Backends").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from pallas_kernels import triton_noise as noise
+
+__all__ = ["LISTS_MAX", "row_lists", "caps", "slot_block", "constexprs", "lists_for_inspection"]
+
+_INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
+# The order key of -inf (keys of finite values are larger).
+_KEY_NEG_INF = tl.constexpr(0x007FFFFF)
+# Elements per program of the slot pass and per step of the gather.
+_SLOT_ELEMENTS = 4096
+_GATHER_ELEMENTS = 8192
+# Bits of tau's key decided per step of the radix select.
+_RADIX = 2
+# Warps of the two kernels, and the loops' stages.
+_STATS_WARPS = 4
+_LISTS_WARPS = 8
+_STAGES = 2
+# The longest list the kernels build (stage2.CANDIDATES).
+LISTS_MAX = 128
+
+
+def caps(m: int) -> tuple[int, int]:
+  """``(SLOT_CAP, CAP)`` for lists of ``m``: the slots at or above ``tau``
+  and the values gathered from them that a row may have before it is handed
+  to the exact path. Twice ``m`` each: a row of distinct values has ``m``
+  such slots and, with ``W / SLOT >= 8 m`` slots, about ``m + m^2 / (2 S)``
+  such values (each of the top values in a slot of its own but for a few)."""
+  return 2 * m, 2 * triton.next_power_of_2(m)
+
+
+def slot_block(slot: int) -> int:
+  """Slots per program of the slot pass."""
+  return max(1, _SLOT_ELEMENTS // slot)
+
+
+@triton.jit
+def order_key(x):
+  """f32 -> uint32 whose unsigned order is the float order (-0 < +0)."""
+  b = x.to(tl.uint32, bitcast=True)
+  return tl.where((b >> 31) == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
+
+
+@triton.jit
+def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr,
+                       W: tl.constexpr, S: tl.constexpr, SLOT: tl.constexpr,
+                       SPP: tl.constexpr):
+  r = tl.program_id(0)
+  slots = tl.program_id(1) * SPP + tl.arange(0, SPP)
+  col = slots[:, None] * SLOT + tl.arange(0, SLOT)[None, :]          # [SPP, SLOT]
+  ok = col < W
+  t = tl.load(t_ptr + r.to(tl.int64) * W + col, mask=ok, other=float("-inf"))
+  nan = t != t
+  has_nan = tl.max(nan.to(tl.int32), axis=1) > 0
+  mx = tl.max(tl.where(nan, float("-inf"), t), axis=1)
+  first = tl.min(tl.where(ok & (t == mx[:, None]), col, _INT_MAX), axis=1)
+  first_nan = tl.min(tl.where(nan, col, _INT_MAX), axis=1)
+  # A slot of -inf sums 0 (exp(-inf - -inf) would be NaN).
+  e = tl.where(mx[:, None] == float("-inf"), 0.0, tl.exp(t - mx[:, None]))
+  out = r * S + slots
+  keep = slots < S
+  tl.store(max_ptr + out, tl.where(has_nan, float("nan"), mx), mask=keep)
+  tl.store(sum_ptr + out, tl.sum(e, axis=1), mask=keep)
+  tl.store(arg_ptr + out, tl.where(has_nan, first_nan, first), mask=keep)
+
+
+@triton.jit
+def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
+                      vals_ptr, ids_ptr, bound_ptr, lse_max_ptr, lse_sum_ptr,
+                      best_t_ptr, best_id_ptr, slot_buf_ptr, cand_v_ptr, cand_i_ptr,
+                      W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                      SLOT: tl.constexpr, M: tl.constexpr, SLOT_CAP: tl.constexpr,
+                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr):
+  r = tl.program_id(0)
+  off = tl.load(off_ptr)
+  s = tl.arange(0, S_PAD)
+  valid = s < S
+  mx = tl.load(max_ptr + r * S + s, mask=valid, other=float("-inf"))
+  sm = tl.load(sum_ptr + r * S + s, mask=valid, other=0.0)
+  arg = tl.load(arg_ptr + r * S + s, mask=valid, other=_INT_MAX)
+  nan = mx != mx
+  row_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+  top = tl.max(tl.where(nan, float("-inf"), mx), axis=0)
+
+  # The best: the first slot holding a NaN, else the first attaining the
+  # maximum; that slot's first id of it.
+  hit = valid & tl.where(row_nan, nan, mx == top)
+  best_slot = tl.min(tl.where(hit, s, _INT_MAX), axis=0)
+  best_col = tl.min(tl.where(s == best_slot, arg, _INT_MAX), axis=0)
+  tl.store(best_t_ptr + r, tl.where(row_nan, float("nan"), top))
+  tl.store(best_id_ptr + r, off + best_col)
+
+  # The log-sum-exp (max, sum): a row of -inf sums 0; a NaN or +inf row
+  # gives NaN, as XLA's reductions do.
+  finite = (top > float("-inf")) & (top < float("inf"))
+  safe = tl.where(finite, top, 0.0)
+  total = tl.sum(tl.where(valid & (mx > float("-inf")), tl.exp(mx - safe) * sm, 0.0), axis=0)
+  tl.store(lse_max_ptr + r, tl.where(row_nan, float("nan"), top))
+  total = tl.where(finite, total, tl.where(top == float("-inf"), 0.0, float("nan")))
+  tl.store(lse_sum_ptr + r, tl.where(row_nan, float("nan"), total))
+
+  # tau's key: the largest k with at least M slot maxima of key >= k,
+  # RADIX bits a step: the count of keys >= each of the 2**RADIX probes of
+  # the step in one reduction (counts fall as the probe rises, so the step's
+  # digit is the number of probes above 0 that still count M).
+  key = order_key(mx)
+  counted = valid & ~nan
+  tau = tl.full([], 0, tl.uint32)
+  digit = tl.arange(0, 1 << RADIX).to(tl.uint32)
+  for i in tl.static_range(32 // RADIX):
+    probe = tau | (digit << (32 - RADIX * (i + 1)))                      # [2**RADIX]
+    n = tl.sum((counted[None, :] & (key[None, :] >= probe[:, None])).to(tl.int32), axis=1)
+    d = tl.sum((n >= M).to(tl.int32), axis=0) - 1
+    tau = tau | (d.to(tl.uint32) << (32 - RADIX * (i + 1)))
+
+  # The slots that may hold a value >= tau, in id order.
+  sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
+  pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+  n_sel = tl.sum(sel.to(tl.int32), axis=0)
+  tl.store(slot_buf_ptr + r * SLOT_CAP + pos, s, mask=sel & (pos < SLOT_CAP))
+  tl.debug_barrier()
+  over = n_sel > SLOT_CAP
+  n_gather = tl.minimum(n_sel, SLOT_CAP)
+
+  # Their values >= tau, gathered GROUP slots per step.
+  g = tl.arange(0, GROUP)
+  c = tl.arange(0, SLOT)
+  row = t_ptr + r.to(tl.int64) * W
+  count = 0
+  start = 0
+  while start < n_gather:
+    j = start + g
+    jm = j < n_gather
+    sl = tl.load(slot_buf_ptr + r * SLOT_CAP + j, mask=jm, other=0)
+    col = sl[:, None] * SLOT + c[None, :]                                 # [GROUP, SLOT]
+    ok = jm[:, None] & (col < W)
+    v = tl.load(row + col, mask=ok, other=float("-inf"))
+    vk = order_key(v)
+    take = ok & (v == v) & (vk >= tau) & (vk > _KEY_NEG_INF)
+    ti = take.to(tl.int32)
+    before = tl.cumsum(tl.sum(ti, axis=1), axis=0) - tl.sum(ti, axis=1)  # [GROUP]
+    at = count + before[:, None] + tl.cumsum(ti, axis=1) - 1
+    put = take & (at < CAP)
+    tl.store(cand_v_ptr + r * CAP + at, v, mask=put)
+    tl.store(cand_i_ptr + r * CAP + at, off + col, mask=put)
+    count += tl.sum(ti)
+    start += GROUP
+  tl.debug_barrier()
+  over = over | (count > CAP)
+
+  # Sorted by (value descending, id ascending) as one uint64 key.
+  k = tl.arange(0, CAP)
+  km = k < count
+  cv = tl.load(cand_v_ptr + r * CAP + k, mask=km, other=float("-inf"))
+  ci = tl.load(cand_i_ptr + r * CAP + k, mask=km, other=_INT_MAX)
+  packed = ((order_key(cv) ^ 0xFFFFFFFF).to(tl.uint64) << 32) | ci.to(tl.uint32).to(tl.uint64)
+  packed = tl.sort(packed, 0)
+  ok_key = (packed >> 32).to(tl.uint32) ^ 0xFFFFFFFF
+  bits = tl.where((ok_key >> 31) == 1, ok_key & 0x7FFFFFFF, ok_key ^ 0xFFFFFFFF)
+  out_v = bits.to(tl.float32, bitcast=True)
+  out_i = (packed & 0xFFFFFFFF).to(tl.uint32).to(tl.int32)
+  flag = over | row_nan
+  out_v = tl.where(flag, float("-inf"), out_v)
+  out_i = tl.where(flag | (out_v == float("-inf")), _INT_MAX, out_i)
+  tl.store(vals_ptr + r * M + k, out_v, mask=k < M)
+  tl.store(ids_ptr + r * M + k, out_i, mask=k < M)
+  tl.store(bound_ptr + r, tl.where(flag, float("inf"), float("-inf")))
+
+
+def row_lists(t, offset, m: int, *, slot: int):
+  """The top-``m`` list, log-sum-exp and best of each row of ``t [B, W]``
+  (f32 tempered logits; ids ``offset + column``, ``offset`` an int32
+  scalar, traced or not), with slots of ``slot`` ids (at least ``8 m``
+  slots: ``dense_lists.slot_size``).
+
+  Returns a dict of ControlsState fields: ``cand_vals [B, m]`` (descending),
+  ``cand_ids [B, m]``, ``cand_bound [B]`` (``-inf``: exact; ``+inf``: the
+  row takes the exact path), ``lse_max``, ``lse_sum``, ``best_t``,
+  ``best_id`` ``[B]``.
+  """
+  b, w = t.shape
+  if t.dtype != jnp.float32:
+    raise TypeError(f"t must be float32, got {t.dtype}")
+  if not 1 <= m <= LISTS_MAX:
+    raise ValueError(f"m={m} must be in [1, {LISTS_MAX}]")
+  s = -(-w // slot)
+  if s < 8 * m or slot & (slot - 1):
+    raise ValueError(f"slot={slot} must be a power of two leaving >= {8 * m} slots of {w} ids")
+  jt = noise.jax_triton_module()
+  first, second = constexprs(w, m, slot)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  mx, sm, arg = jt.triton_call(
+      t, kernel=_slot_stats_kernel, out_shape=(f32(b, s), f32(b, s), i32(b, s)),
+      grid=(b, triton.cdiv(s, first["SPP"])), num_warps=_STATS_WARPS, num_stages=_STAGES,
+      name="flashsample_slot_stats", **first)
+  off = jnp.asarray(offset, jnp.int32).reshape((1,))
+  vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _, _ = jt.triton_call(
+      mx, sm, arg, t, off, kernel=_row_lists_kernel,
+      out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
+                 i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"])),
+      grid=(b,), num_warps=_LISTS_WARPS, num_stages=_STAGES, name="flashsample_row_lists",
+      **second)
+  return dict(cand_vals=vals, cand_ids=ids, cand_bound=bound, lse_max=lse_max,
+              lse_sum=lse_sum, best_t=best_t, best_id=best_id)
+
+
+def constexprs(width: int, m: int, slot: int) -> tuple[dict, dict]:
+  """The two kernels' constexprs for rows of ``width`` ids, lists of ``m``
+  and slots of ``slot`` ids."""
+  s = -(-width // slot)
+  slot_cap, cap = caps(m)
+  return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot)),
+          dict(W=width, S=s, S_PAD=triton.next_power_of_2(s), SLOT=slot, M=m,
+               SLOT_CAP=slot_cap, CAP=cap, GROUP=max(1, _GATHER_ELEMENTS // slot),
+               RADIX=_RADIX))
+
+
+def lists_for_inspection(width: int, m: int, slot: int, *,
+                         capability: tuple[int, int] = (9, 0)):
+  """Both kernels compiled for ``capability`` without a GPU
+  (:func:`~pallas_kernels.triton_sampler.compile_for_inspection`):
+  ``(slot pass, row lists)``."""
+  from pallas_kernels.triton_sampler import compile_for_inspection  # pylint: disable=import-outside-toplevel
+  first, second = constexprs(width, m, slot)
+  stats = compile_for_inspection(
+      _slot_stats_kernel, {"t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                           "arg_ptr": "*i32"}, first,
+      capability=capability, num_warps=_STATS_WARPS, num_stages=_STAGES)
+  pointers = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32", "t_ptr": "*fp32",
+              "off_ptr": "*i32", "vals_ptr": "*fp32", "ids_ptr": "*i32",
+              "bound_ptr": "*fp32", "lse_max_ptr": "*fp32", "lse_sum_ptr": "*fp32",
+              "best_t_ptr": "*fp32", "best_id_ptr": "*i32", "slot_buf_ptr": "*i32",
+              "cand_v_ptr": "*fp32", "cand_i_ptr": "*i32"}
+  lists = compile_for_inspection(_row_lists_kernel, pointers, second,
+                                 capability=capability, num_warps=_LISTS_WARPS,
+                                 num_stages=_STAGES)
+  return stats, lists

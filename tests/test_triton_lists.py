@@ -1,0 +1,302 @@
+"""The Triton list kernels (pallas_kernels.triton_lists): a row's top-M
+list, log-sum-exp and best from its materialized tempered logits.
+
+* compile (CPU): both kernels lowered to cubin for sm80 and sm90 at the
+  heads' widths, without spills.
+* interpreter (CPU): the kernels under Triton's interpreter against
+  :func:`expected`, a NumPy statement of their contract, on random, tied,
+  crowded, masked, NaN and infinite rows (run in a child process by
+  ``test_interpreter_suite``, as in tests/test_triton_kernels.py).
+* the dense route with the kernels' contract (CPU): stage 2 fed
+  :func:`expected`'s lists through ``list_select="kernel"`` gives the
+  reference's tokens, rows the kernels hand over taking the exact path.
+* gpu (marked ``gpu``): the kernels through jax-triton against
+  :func:`expected`, on the same rows and on a 151936-id head's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+triton = pytest.importorskip("triton")
+
+import flashsample_jax as fs  # noqa: E402
+from flashsample_jax import controls, dense_lists, problem, stage2  # noqa: E402
+from flashsample_jax.backends import xla as xla_backend  # noqa: E402
+from flashsample_jax.backends.xla import DenseBackend  # noqa: E402
+from pallas_kernels import triton_lists as tls  # noqa: E402
+from tests import inputs  # noqa: E402
+from tests.test_triton_kernels import registers  # noqa: E402
+from tests.triton_host import HostTensor, run_interpreter_tests  # noqa: E402
+
+INT_MAX = np.iinfo(np.int32).max
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(
+    not INTERPRET, reason="runs in test_interpreter_suite's child process")
+compiled_only = pytest.mark.skipif(INTERPRET, reason="needs compiled kernels")
+
+
+def expected(t, first_id, m: int, slot: int) -> dict:
+  """What the kernels write for ``t [B, W]`` (ids ``first_id + column``),
+  lists of ``m`` and slots of ``slot`` ids (the module's docstring):
+  the top ``m`` by (value descending, id ascending), or, for a row holding a
+  NaN or more than ``caps(m)`` slots / values at or above ``tau``, nothing
+  listed and the bound +inf. ``lse_sum`` is NumPy's sum (compare it within
+  a tolerance)."""
+  t = np.asarray(t, np.float32)
+  b, w = t.shape
+  s = -(-w // slot)
+  slot_cap, cap = tls.caps(m)
+  out = dict(cand_vals=np.full((b, m), -np.inf, np.float32),
+             cand_ids=np.full((b, m), INT_MAX, np.int32),
+             cand_bound=np.full(b, -np.inf, np.float32), lse_max=np.zeros(b, np.float32),
+             lse_sum=np.zeros(b, np.float32), best_t=np.zeros(b, np.float32),
+             best_id=np.zeros(b, np.int32))
+  for r in range(b):
+    row = t[r]
+    nan = np.isnan(row)
+    clean = np.where(nan, -np.inf, row)
+    top = clean.max()
+    out["best_id"][r] = first_id + (np.argmax(nan) if nan.any() else np.argmax(clean == top))
+    out["best_t"][r] = out["lse_max"][r] = np.nan if nan.any() else top
+    with np.errstate(invalid="ignore", over="ignore"):
+      out["lse_sum"][r] = (np.nan if nan.any() or top == np.inf else
+                           0.0 if top == -np.inf else np.sum(np.exp(clean - top)))
+    padded = np.full(s * slot, -np.inf, np.float32)
+    padded[:w] = clean
+    maxima = padded.reshape(s, slot).max(axis=1)
+    tau = np.sort(maxima)[::-1][m - 1]
+    slots = (maxima >= tau) & (maxima > -np.inf)
+    values = padded.reshape(s, slot)[slots]
+    n_values = int(np.sum((values >= tau) & (values > -np.inf)))
+    if nan.any() or slots.sum() > slot_cap or n_values > cap:
+      out["cand_bound"][r] = np.inf
+      continue
+    finite = np.flatnonzero(clean > -np.inf)
+    order = finite[np.lexsort((finite, -clean[finite]))][:m]
+    out["cand_vals"][r, :len(order)] = clean[order]
+    out["cand_ids"][r, :len(order)] = first_id + order
+  return out
+
+
+M, SLOT = 16, 16
+W = 8 * M * SLOT + 37          # 131 slots, the last of 5 ids
+
+
+def rows() -> np.ndarray:
+  """One row per case the kernels tell apart."""
+  r = np.random.default_rng(0)
+  t = r.standard_normal((11, W)).astype(np.float32) * 3
+  t[1] = np.round(t[1] * 2) / 2                        # ties, inside the lists and at the M-th
+  t[2] = r.integers(-2, 3, W)                          # hundreds of 2s: handed over
+  t[3, [100, 7]] = np.nan                              # NaN: handed over; best = first NaN
+  t[4] = -np.inf                                       # nothing finite
+  t[5] = -np.inf
+  t[5, r.choice(W, 5, replace=False)] = r.standard_normal(5)  # fewer finite than M
+  t[6] = -np.inf
+  t[6, 300:348] = r.standard_normal(48)                # 48 values in 3 slots: > CAP, handed over
+  t[7] = -np.inf
+  t[7, 300:320] = r.standard_normal(20)                # 20 values in 2 slots: listed
+  t[8, 50] = np.inf                                    # +inf: listed; lse NaN
+  t[9, 32:40] = 20 + np.arange(8)                      # the top 8 in one slot
+  t[10, W - 3:] = 30.0                                 # ties at the top in the last, short slot
+  return t
+
+
+def check(got: dict, want: dict):
+  for name in ("cand_vals", "cand_ids", "cand_bound", "best_id", "best_t", "lse_max"):
+    np.testing.assert_array_equal(np.asarray(got[name]), want[name], err_msg=name)
+  np.testing.assert_allclose(np.asarray(got["lse_sum"]), want["lse_sum"], rtol=2e-5)
+
+
+def test_rows_cover_every_case():
+  # The cases above do what their comments say (else the tests below could
+  # pass without reaching the code they are about).
+  want = expected(rows(), 5, M, SLOT)
+  np.testing.assert_array_equal(np.isinf(want["cand_bound"]) & (want["cand_bound"] > 0),
+                                [0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0])
+  assert np.isfinite(want["cand_vals"][5]).sum() == 5
+  assert np.isfinite(want["cand_vals"][7]).sum() == M
+  assert want["best_id"][3] == 5 + 7 and want["cand_vals"][8, 0] == np.inf
+  assert np.isnan(want["lse_sum"][8]) and want["lse_sum"][4] == 0
+  np.testing.assert_array_equal(want["cand_ids"][10, :3], 5 + np.arange(W - 3, W))
+
+
+# ----------------------------------------------------------------------------
+# Compile (no GPU)
+# ----------------------------------------------------------------------------
+
+
+@compiled_only
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm90", "sm80"])
+@pytest.mark.parametrize("width, m", [(151936, 128), (128256, 128), (201088, 128),
+                                      (151936, 28)])
+def test_kernels_compile_without_spills(capability, width, m, tmp_path):
+  for k in tls.lists_for_inspection(width, m, dense_lists.slot_size(width, m),
+                                    capability=capability):
+    reg, stack = registers(k.asm["cubin"], tmp_path)
+    assert stack == 0, f"spills: {stack} bytes of stack, {reg} registers"
+
+
+def test_launcher_checks_its_arguments():
+  t = jnp.zeros((2, W), jnp.float32)
+  with pytest.raises(TypeError, match="float32"):
+    tls.row_lists(t.astype(jnp.bfloat16), 0, M, slot=SLOT)
+  with pytest.raises(ValueError, match="m=129"):
+    tls.row_lists(t, 0, 129, slot=SLOT)
+  with pytest.raises(ValueError, match="slot=32"):
+    tls.row_lists(t, 0, M, slot=32)
+
+
+# ----------------------------------------------------------------------------
+# Interpreter (CPU)
+# ----------------------------------------------------------------------------
+
+
+@compiled_only
+def test_interpreter_suite():
+  run_interpreter_tests(__file__)
+
+
+def interpret(t: np.ndarray, first_id: int, m: int, slot: int) -> dict:
+  """Both kernels under the interpreter, launched as :func:`tls.row_lists`
+  launches them."""
+  b, w = t.shape
+  first, second = tls.constexprs(w, m, slot)
+  s = first["S"]
+  stats = [HostTensor(x) for x in (t, np.zeros((b, s), np.float32),
+                                   np.zeros((b, s), np.float32), np.zeros((b, s), np.int32))]
+  tls._slot_stats_kernel[(b, triton.cdiv(s, first["SPP"]))](*stats, **first)  # pylint: disable=protected-access
+  names = ("cand_vals", "cand_ids", "cand_bound", "lse_max", "lse_sum", "best_t", "best_id")
+  outs = [np.zeros((b, m), np.float32), np.zeros((b, m), np.int32)]
+  outs += [np.zeros(b, np.float32)] * 4 + [np.zeros(b, np.int32)]
+  scratch = [np.zeros((b, second["SLOT_CAP"]), np.int32),
+             np.zeros((b, second["CAP"]), np.float32), np.zeros((b, second["CAP"]), np.int32)]
+  args = [*stats[1:], stats[0], HostTensor(np.array([first_id], np.int32)),
+          *(HostTensor(x) for x in outs + scratch)]
+  tls._row_lists_kernel[(b,)](*args, **second)  # pylint: disable=protected-access
+  return {name: args[5 + i].a for i, name in enumerate(names)}
+
+
+@interpreter_only
+@pytest.mark.parametrize("first_id", [0, 1000])
+def test_interpreter_lists_match_their_contract(first_id):
+  t = rows()
+  check(interpret(t, first_id, M, SLOT), expected(t, first_id, M, SLOT))
+
+
+@interpreter_only
+def test_interpreter_lists_of_a_short_list_and_wide_slots():
+  # top_logprobs-sized lists (m = 9: a CAP of 32) from slots of 64 ids.
+  t = rows()[:, :9 * 8 * 64]
+  check(interpret(t, 3, 9, 64), expected(t, 3, 9, 64))
+
+
+# ----------------------------------------------------------------------------
+# The dense route with the kernels' contract (CPU)
+# ----------------------------------------------------------------------------
+
+
+def _numpy_row_lists(t, first_id, m, *, slot):
+  """row_lists' contract, computed on the host (:func:`expected`)."""
+  b = t.shape[0]
+  shapes = dict(cand_vals=((b, m), jnp.float32), cand_ids=((b, m), jnp.int32),
+                cand_bound=((b,), jnp.float32), lse_max=((b,), jnp.float32),
+                lse_sum=((b,), jnp.float32), best_t=((b,), jnp.float32),
+                best_id=((b,), jnp.int32))
+  out = jax.pure_callback(
+      lambda t, f: expected(t, int(f), m, slot), {k: jax.ShapeDtypeStruct(*v)
+                                                  for k, v in shapes.items()},
+      t, first_id)
+  return dict(out)
+
+
+B, D, V = 6, 32, 16500      # lists of 128 from slots of 16 ids
+
+
+@pytest.fixture
+def kernel_contract(monkeypatch):
+  """``list_select="kernel"`` on the CPU, its kernels replaced by
+  :func:`expected`."""
+  monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
+  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: True)
+  monkeypatch.setattr(tls, "row_lists", _numpy_row_lists)
+
+
+def _flagged(h, w, keys, backend, temperature, **kw):
+  """Rows stage 2 hands to the exact path, the pass run as the API runs it
+  (``Controls.for_pass``)."""
+  p = problem.prepare(h, w, keys, temperature=temperature)
+  c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **kw)
+  st = stage2.per_sample(backend.controls_state(p, c.for_pass()), c.samples)
+  return int(np.sum(np.asarray(stage2.finish(p, c, st)[2])))
+
+
+@pytest.mark.parametrize("logits", ["exact", "ties", "random"])
+def test_dense_route_with_the_kernels_contract_equals_reference(kernel_contract, logits):
+  del kernel_contract
+  h, w = inputs.list_inputs(logits, B, D, V)
+  t = inputs.pow2_temperatures(B, greedy_every=4, seed=7)
+  keys = inputs.row_keys(B, seed=8)
+  kw = dict(temperature=t, top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5,
+            return_kept=20)
+  be = DenseBackend(list_select="kernel")
+  assert be.lists_by() == "kernel"
+  # "ties" (integers in [-8, 8]): more values reach tau than CAP holds, so
+  # every row is handed to the exact path (greedy ones too: kept sets and
+  # log-probabilities need each row's kept set).
+  assert _flagged(h, w, keys, be, **kw) == (B if logits == "ties" else 0)
+  got = fs.sample(h, w, keys, backend=be, **kw)
+  want = fs.reference.sample(h, w, keys, **kw)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+  np.testing.assert_array_equal(got.top_ids, want.top_ids)
+  np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
+  h, w = inputs.exact_inputs(B, D, V, seed=1)
+  monkeypatch.setattr(xla_backend, "_platform", lambda: "cpu")
+  with pytest.raises(NotImplementedError, match="list_select='kernel'"):
+    fs.sample(h, w, jax.random.key(0), backend=DenseBackend(list_select="kernel"), top_k=5)
+  monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
+  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
+  assert DenseBackend().lists_by() == "slots"
+  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: True)
+  assert DenseBackend().lists_by() == "kernel"
+
+
+# ----------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first_id", [0, 1000])
+def test_gpu_lists_match_their_contract(first_id):
+  t = rows()
+  got = jax.jit(lambda t, f: tls.row_lists(t, f, M, slot=SLOT))(jnp.asarray(t),
+                                                               jnp.int32(first_id))
+  check(got, expected(t, first_id, M, SLOT))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 16, 70])
+def test_gpu_lists_of_a_vocabulary_wide_row(b):
+  # The S head's width, lists of 128 from slots of 128: the logits of a
+  # bf16 product (ties among them), every 7th row masked
+  # down to every 100th id.
+  v, m = 151936, 128
+  r = np.random.default_rng(b)
+  t = (r.standard_normal((b, v)) * 2).astype(jnp.bfloat16).astype(np.float32)
+  t[::7] = np.where(np.arange(v) % 100 == 0, t[::7], -np.inf)
+  slot = dense_lists.slot_size(v, m)
+  got = jax.jit(lambda t: tls.row_lists(t, 0, m, slot=slot))(jnp.asarray(t))
+  want = expected(t, 0, m, slot)
+  check(got, want)
+  assert np.all(want["cand_bound"] == -np.inf)       # every row listed, none handed over
