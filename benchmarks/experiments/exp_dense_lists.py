@@ -16,6 +16,8 @@ per call of
 * ``dense_topk``: ``DenseBackend(list_select="top_k")`` (XLA's GEMM,
   ``lax.top_k`` lists);
 * ``dense_slots``: ``DenseBackend(list_select="slots")``;
+* ``dense_kernel``: ``DenseBackend(list_select="kernel")`` (the Triton list
+  kernels, ``pallas_kernels.triton_lists``);
 * ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
   denominator: top-k + top-p <= 1.2x plain);
 * ``dot``: XLA's GEMM alone.
@@ -33,6 +35,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import flashsample_jax as fs
 from benchmarks import shapes
@@ -43,7 +46,8 @@ from benchmarks.experiments.exp_small_b_timeline import timeline
 from flashsample_jax.backends.xla import DenseBackend
 
 _DENSE = {"dense_topk": DenseBackend(list_select="top_k"),
-          "dense_slots": DenseBackend(list_select="slots")}
+          "dense_slots": DenseBackend(list_select="slots"),
+          "dense_kernel": DenseBackend(list_select="kernel")}
 VARIANTS = ("auto", "mosaic", "triton", *_DENSE, "plain", "dot")
 DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 
@@ -71,6 +75,22 @@ def _variants(key, scale, names):
   return out
 
 
+def _same_tokens(h, w, key, scale, names):
+  """Per dense variant, the fraction of 16 keys' tokens equal to
+  ``dense_topk``'s (the lists' exactness at full size, not timed)."""
+  if len(names) < 2 or "dense_topk" not in names:
+    return {}
+  keys = jax.random.split(key, 16)
+  kw = dict(top_k=TOP_K, top_p=TOP_P, weight_scale=scale)
+
+  def tokens(be):
+    f = jax.jit(lambda k: fs.sample(h, w, k, backend=be, **kw))
+    return np.stack([np.asarray(f(k)) for k in keys])
+
+  want = tokens(_DENSE["dense_topk"])
+  return {n: float(np.mean(tokens(_DENSE[n]) == want)) for n in names if n != "dense_topk"}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--heads", nargs="+", default=["S"], choices=sorted(shapes.HEADS))
@@ -94,7 +114,8 @@ def main(argv=None):
         rows = {name: exact_path_rows(h, w, key, backend=be, weight_scale=scale,
                                       top_k=TOP_K, top_p=TOP_P)
                 for name, be in _DENSE.items() if name in variants}
-        print(json.dumps(dict(tags, exact_rows=rows)), flush=True)
+        same = _same_tokens(h, w, key, scale, [n for n in _DENSE if n in variants])
+        print(json.dumps(dict(tags, exact_rows=rows, same_tokens=same)), flush=True)
         if not args.timeline:
           timed_rounds(variants, h, w, rounds=args.rounds, **tags)
           continue
