@@ -39,7 +39,8 @@ import triton.language as tl
 
 from pallas_kernels import triton_noise as noise
 
-__all__ = ["LISTS_MAX", "row_lists", "caps", "slot_block", "constexprs", "lists_for_inspection"]
+__all__ = ["LISTS_MAX", "row_lists", "launch", "caps", "slot_block", "constexprs",
+           "lists_for_inspection"]
 
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 # The order key of -inf (keys of finite values are larger).
@@ -213,9 +214,10 @@ def row_lists(t, offset, m: int, *, slot: int):
   Returns a dict of ControlsState fields: ``cand_vals [B, m]`` (descending),
   ``cand_ids [B, m]``, ``cand_bound [B]`` (``-inf``: exact; ``+inf``: the
   row takes the exact path), ``lse_max``, ``lse_sum``, ``best_t``,
-  ``best_id`` ``[B]``.
+  ``best_id`` ``[B]``. Under ``jax.vmap`` the blocks' rows go through one
+  launch.
   """
-  b, w = t.shape
+  _, w = t.shape
   if t.dtype != jnp.float32:
     raise TypeError(f"t must be float32, got {t.dtype}")
   if not 1 <= m <= LISTS_MAX:
@@ -223,6 +225,44 @@ def row_lists(t, offset, m: int, *, slot: int):
   s = -(-w // slot)
   if s < 8 * m or slot & (slot - 1):
     raise ValueError(f"slot={slot} must be a power of two leaving >= {8 * m} slots of {w} ids")
+  return _batchable(m, slot)(t, jnp.asarray(offset, jnp.int32))
+
+
+def _batchable(m: int, slot: int):
+  """:func:`launch` for lists of ``m`` and slots of ``slot`` ids, with a
+  batching rule (jax-triton's call has none, so ``jax.vmap`` of a program
+  that reads lists would fail): the kernels work row by row, so a batch of
+  ``[B, W]`` blocks is one launch over their rows, and batched offsets one
+  launch per block (``lax.map``)."""
+
+  @jax.custom_batching.custom_vmap
+  def lists(t, offset):
+    return launch(t, offset, m, slot)
+
+  @lists.def_vmap
+  def _rule(axis_size, in_batched, t, offset):
+    t_batched, offset_batched = in_batched
+    if offset_batched:
+      if not t_batched:
+        t = jnp.broadcast_to(t, (axis_size, *t.shape))
+      out = jax.lax.map(lambda a: lists(*a), (t, offset))
+    elif t_batched:
+      n, b, w = t.shape
+      out = jax.tree.map(lambda x: x.reshape(n, b, *x.shape[1:]),
+                         lists(t.reshape(n * b, w), offset))
+    else:
+      out = lists(t, offset)
+      return out, jax.tree.map(lambda _: False, out)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return lists
+
+
+def launch(t, offset, m: int, slot: int) -> dict:
+  """Both kernels through jax-triton on ``t [B, W]`` (checked by
+  :func:`row_lists`; ``offset`` int32 ``()``)."""
+  b, w = t.shape
+  s = -(-w // slot)
   jt = noise.jax_triton_module()
   first, second = constexprs(w, m, slot)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -231,9 +271,8 @@ def row_lists(t, offset, m: int, *, slot: int):
       t, kernel=_slot_stats_kernel, out_shape=(f32(b, s), f32(b, s), i32(b, s)),
       grid=(b, triton.cdiv(s, first["SPP"])), num_warps=_STATS_WARPS, num_stages=_STAGES,
       name="flashsample_slot_stats", **first)
-  off = jnp.asarray(offset, jnp.int32).reshape((1,))
   vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _, _ = jt.triton_call(
-      mx, sm, arg, t, off, kernel=_row_lists_kernel,
+      mx, sm, arg, t, offset.reshape((1,)), kernel=_row_lists_kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"])),
       grid=(b,), num_warps=_LISTS_WARPS, num_stages=_STAGES, name="flashsample_row_lists",

@@ -8,8 +8,9 @@ list, log-sum-exp and best from its materialized tempered logits.
   crowded, masked, NaN and infinite rows (run in a child process by
   ``test_interpreter_suite``, as in tests/test_triton_kernels.py).
 * the dense route with the kernels' contract (CPU): stage 2 fed
-  :func:`expected`'s lists through ``list_select="kernel"`` gives the
-  reference's tokens, rows the kernels hand over taking the exact path.
+  :func:`expected`'s lists through ``list_select="kernel"`` (the launch
+  patched) gives the reference's tokens, rows the kernels hand over taking
+  the exact path; under ``jax.vmap`` the blocks' rows go through one launch.
 * gpu (marked ``gpu``): the kernels through jax-triton against
   :func:`expected`, on the same rows and on a 151936-id head's.
 """
@@ -202,17 +203,22 @@ def test_interpreter_lists_of_a_short_list_and_wide_slots():
 # ----------------------------------------------------------------------------
 
 
-def _numpy_row_lists(t, first_id, m, *, slot):
-  """row_lists' contract, computed on the host (:func:`expected`)."""
+LAUNCHED = []   # the rows of each patched launch the programs ran, in order
+
+
+def _numpy_launch(t, offset, m, slot):
+  """:func:`tls.launch`'s contract, computed on the host (:func:`expected`)."""
   b = t.shape[0]
   shapes = dict(cand_vals=((b, m), jnp.float32), cand_ids=((b, m), jnp.int32),
                 cand_bound=((b,), jnp.float32), lse_max=((b,), jnp.float32),
                 lse_sum=((b,), jnp.float32), best_t=((b,), jnp.float32),
                 best_id=((b,), jnp.int32))
-  out = jax.pure_callback(
-      lambda t, f: expected(t, int(f), m, slot), {k: jax.ShapeDtypeStruct(*v)
-                                                  for k, v in shapes.items()},
-      t, first_id)
+  def run(t, f):
+    LAUNCHED.append(t.shape[0])
+    return expected(t, int(f), m, slot)
+
+  out = jax.pure_callback(run, {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()},
+                          t, offset)
   return dict(out)
 
 
@@ -221,11 +227,12 @@ B, D, V = 6, 32, 16500      # lists of 128 from slots of 16 ids
 
 @pytest.fixture
 def kernel_contract(monkeypatch):
-  """``list_select="kernel"`` on the CPU, its kernels replaced by
+  """``list_select="kernel"`` on the CPU, its kernels' launch replaced by
   :func:`expected`."""
   monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
   monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: True)
-  monkeypatch.setattr(tls, "row_lists", _numpy_row_lists)
+  monkeypatch.setattr(tls, "launch", _numpy_launch)
+  LAUNCHED.clear()
 
 
 def _flagged(h, w, keys, backend, temperature, **kw):
@@ -257,6 +264,38 @@ def test_dense_route_with_the_kernels_contract_equals_reference(kernel_contract,
   np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
   np.testing.assert_array_equal(got.top_ids, want.top_ids)
   np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_lists_under_vmap_launch_once_over_the_blocks_rows(kernel_contract):
+  # jax-triton's call has no batching rule: row_lists' own puts a batch of
+  # blocks through one launch over their rows, and batched offsets through
+  # one launch per block.
+  del kernel_contract
+  t = rows().reshape(11, 1, W)[:10].reshape(5, 2, W)
+  f = lambda t, o: tls.row_lists(t, o, M, slot=SLOT)
+  got = jax.jit(jax.vmap(f, (0, None)))(jnp.asarray(t), jnp.int32(3))
+  assert LAUNCHED == [10]
+  offsets = np.arange(5, dtype=np.int32) * 100
+  by_block = jax.jit(jax.vmap(f))(jnp.asarray(t), jnp.asarray(offsets))
+  assert LAUNCHED == [10] + [2] * 5
+  for i in range(5):
+    check({k: v[i] for k, v in got.items()}, expected(t[i], 3, M, SLOT))
+    check({k: v[i] for k, v in by_block.items()}, expected(t[i], offsets[i], M, SLOT))
+
+
+def test_sample_under_vmap_takes_the_kernel_lists(kernel_contract):
+  del kernel_contract
+  h, w = inputs.list_inputs("exact", 3 * B, D, V)
+  kw = dict(temperature=inputs.pow2_temperatures(B, greedy_every=4, seed=7), top_k=40,
+            top_p=0.9)
+  be = DenseBackend(list_select="kernel")
+  keys = inputs.row_keys(B, seed=8)
+  got = jax.jit(jax.vmap(lambda h: fs.sample(h, w, keys, backend=be, **kw)))(
+      h.reshape(3, B, D))
+  assert LAUNCHED == [3 * B]
+  for i in range(3):
+    want = fs.reference.sample(h[i * B:(i + 1) * B], w, keys, **kw)
+    np.testing.assert_array_equal(got[i], want)
 
 
 def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
