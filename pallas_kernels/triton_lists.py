@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import triton_noise as noise
+from pallas_kernels.triton_sampler import best_along, compile_for_inspection
 
 __all__ = ["LISTS_MAX", "row_lists", "launch", "caps", "slot_block", "constexprs",
            "lists_for_inspection"]
@@ -88,18 +89,17 @@ def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr,
   col = slots[:, None] * SLOT + tl.arange(0, SLOT)[None, :]          # [SPP, SLOT]
   ok = col < W
   t = tl.load(t_ptr + r.to(tl.int64) * W + col, mask=ok, other=float("-inf"))
-  nan = t != t
-  has_nan = tl.max(nan.to(tl.int32), axis=1) > 0
-  mx = tl.max(tl.where(nan, float("-inf"), t), axis=1)
-  first = tl.min(tl.where(ok & (t == mx[:, None]), col, _INT_MAX), axis=1)
-  first_nan = tl.min(tl.where(nan, col, _INT_MAX), axis=1)
-  # A slot of -inf sums 0 (exp(-inf - -inf) would be NaN).
+  # The combine rule's best of each slot: NaN if it holds one (then its
+  # first NaN), else its maximum and the first id of it.
+  mx, arg = best_along(t, col, ok, 1)
+  # A slot of -inf sums 0 (exp(-inf - -inf) would be NaN); a NaN slot's
+  # sum is NaN, never read (its row's log-sum-exp is NaN).
   e = tl.where(mx[:, None] == float("-inf"), 0.0, tl.exp(t - mx[:, None]))
   out = r * S + slots
   keep = slots < S
-  tl.store(max_ptr + out, tl.where(has_nan, float("nan"), mx), mask=keep)
+  tl.store(max_ptr + out, mx, mask=keep)
   tl.store(sum_ptr + out, tl.sum(e, axis=1), mask=keep)
-  tl.store(arg_ptr + out, tl.where(has_nan, first_nan, first), mask=keep)
+  tl.store(arg_ptr + out, arg, mask=keep)
 
 
 @triton.jit
@@ -262,9 +262,9 @@ def launch(t, offset, m: int, slot: int) -> dict:
   """Both kernels through jax-triton on ``t [B, W]`` (checked by
   :func:`row_lists`; ``offset`` int32 ``()``)."""
   b, w = t.shape
-  s = -(-w // slot)
   jt = noise.jax_triton_module()
   first, second = constexprs(w, m, slot)
+  s = first["S"]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   mx, sm, arg = jt.triton_call(
@@ -297,7 +297,6 @@ def lists_for_inspection(width: int, m: int, slot: int, *,
   """Both kernels compiled for ``capability`` without a GPU
   (:func:`~pallas_kernels.triton_sampler.compile_for_inspection`):
   ``(slot pass, row lists)``."""
-  from pallas_kernels.triton_sampler import compile_for_inspection  # pylint: disable=import-outside-toplevel
   first, second = constexprs(width, m, slot)
   stats = compile_for_inspection(
       _slot_stats_kernel, {"t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",

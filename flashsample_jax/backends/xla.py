@@ -193,7 +193,7 @@ def _kernel_slot(c: controls.Controls, m: int, width: int, list_select: str) -> 
   the argmax of ``t``, read only for greedy rows, where ``t`` is ``x``;
   ``Controls.for_pass``), lists of at most ``LISTS_MAX`` and a block wide
   enough for slots (:func:`dense_lists.slot_size`)."""
-  if list_select != "kernel" or not c.lists or c.noise or c.samples != 1:
+  if list_select != "kernel" or not c.lists or c.noise:
     return None
   from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
   if m > triton_lists.LISTS_MAX:
@@ -271,7 +271,7 @@ class XlaBackend(SamplerBackend):
     return "kernel" if _lists_kernel_usable() else "slots"
 
   def check(self, p, c):
-    del p, c  # every checked problem
+    del p, c  # every checked problem; only list_select="kernel" needs more
     if self.list_select == "kernel" and not (_platform() == "gpu" and _lists_kernel_usable()):
       raise NotImplementedError(
           "list_select='kernel' launches Triton kernels: it needs a CUDA GPU, triton "
