@@ -31,6 +31,8 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
+from flashsample_jax import dense_lists
+from flashsample_jax.backends.xla import DenseBackend
 from benchmarks._timing import device_name, median_us, trace_events
 
 DTYPES = {"bf16": None, "fp8": "float8_e4m3fn", "int8": "int8"}
@@ -61,13 +63,29 @@ def traced(f, args, calls: int) -> dict:
 
 
 def programs():
-  """name -> function of ``(key, h, w, s)``."""
+  """name -> function of ``(key, h, w, s)``: plain sampling, the dot alone,
+  top-k 50 + top-p 0.9 through ``auto`` and on the dense route with slot
+  lists, and the dense route's two list kernels alone on the dot's output
+  (jax-triton calls: is their host cost what the device waits on?)."""
   def dot(k, h, w, s):
     del k
     w = w if s is None else w.astype(h.dtype)
     y = jnp.dot(h, w.T, preferred_element_type=jnp.float32)
     return y if s is None else y * s
-  return {"auto": lambda k, h, w, s: fs.sample(h, w, k, weight_scale=s), "dot": dot}
+
+  def topk_topp(backend):
+    return lambda k, h, w, s: fs.sample(h, w, k, weight_scale=s, top_k=50, top_p=0.9,
+                                        backend=backend)
+
+  def list_kernels(k, h, w, s):
+    from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
+    t = dot(k, h, w, s)
+    return triton_lists.row_lists(t, 0, 128, slot=dense_lists.slot_size(t.shape[1], 128))
+
+  return {"auto": lambda k, h, w, s: fs.sample(h, w, k, weight_scale=s), "dot": dot,
+          "auto_topk_topp": topk_topp("auto"),
+          "dense_slots_topk_topp": topk_topp(DenseBackend(list_select="slots")),
+          "dot_list_kernels": list_kernels}
 
 
 def main():
@@ -76,6 +94,7 @@ def main():
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--weight-dtypes", nargs="+", default=["bf16", "fp8"], choices=list(DTYPES))
   ap.add_argument("--calls", type=int, default=8)
+  ap.add_argument("--programs", nargs="+", default=["auto", "dot"], choices=list(programs()))
   ap.add_argument("--smoke", action="store_true", help="a tiny head, for a CPU")
   args = ap.parse_args()
   for head in args.heads:
@@ -86,7 +105,7 @@ def main():
       for b in args.batches:
         h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
         key = jax.random.key(7)
-        for name, fn in programs().items():
+        for name, fn in ((n, programs()[n]) for n in args.programs):
           f = jax.jit(fn)
           a = (key, h, w, s)
           rec = dict(gpu=device_name(), jax=jax.__version__, head=head, weight=wdt, B=b,
