@@ -339,3 +339,17 @@ def test_gpu_lists_of_a_vocabulary_wide_row(b):
   want = expected(t, 0, m, slot)
   check(got, want)
   assert np.all(want["cand_bound"] == -np.inf)       # every row listed, none handed over
+
+
+@pytest.mark.gpu
+def test_gpu_lists_under_vmap():
+  # The batching rule with the real launch (jax-triton's call alone raises
+  # under vmap): blocks with one offset, and blocks with their own.
+  t = rows().reshape(11, 1, W)[:10].reshape(5, 2, W)
+  f = lambda t, o: tls.row_lists(t, o, M, slot=SLOT)
+  offsets = np.arange(5, dtype=np.int32) * 100
+  one = jax.jit(jax.vmap(f, (0, None)))(jnp.asarray(t), jnp.int32(3))
+  own = jax.jit(jax.vmap(f))(jnp.asarray(t), jnp.asarray(offsets))
+  for i in range(5):
+    check({k: v[i] for k, v in one.items()}, expected(t[i], 3, M, SLOT))
+    check({k: v[i] for k, v in own.items()}, expected(t[i], offsets[i], M, SLOT))
