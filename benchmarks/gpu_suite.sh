@@ -8,7 +8,9 @@
 #
 # Groups: mosaic (tests/test_mosaic_gpu.py: the shared backend suite, plain
 # and controls, plus the kernel's own GPU tests), rest (everything else that
-# runs on a GPU: the xla backend's suite natively, controls, noise, API).
+# runs on a GPU: the xla backend's suite natively, controls, noise, API), or
+# that in two halves by file name, rest-a (test_a* to test_p*) and rest-b
+# (test_q* to test_z*).
 # N sets the pytest-xdist workers (default 14 of the 16 cores: compiling is
 # the bottleneck). Limits in seconds: T_MOSAIC, T_REST.
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -30,6 +32,12 @@ run_group() {
   grep " FAILED " "$OUT/gpu_$name.log" | sed 's/^/  /'
 }
 
+# The rest group's test files whose names after test_ start with one of $1.
+rest_files() {
+  ls tests/test_$1*.py | grep -v -e test_mosaic_gpu.py -e test_mosaic.py \
+    -e test_notebooks.py -e test_examples.py
+}
+
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 for g in $groups; do
@@ -38,6 +46,10 @@ for g in $groups; do
     rest)     run_group rest "${T_REST:-300}" tests --ignore=tests/test_mosaic_gpu.py \
                 --ignore=tests/test_mosaic.py --ignore=tests/test_notebooks.py \
                 --ignore=tests/test_examples.py ;;
+    # rest in two halves, one device call each: the whole no longer fits
+    # one call's 600 s with 14 workers on an H200.
+    rest-a)   run_group rest-a "${T_REST:-300}" $(rest_files '[a-p]') ;;
+    rest-b)   run_group rest-b "${T_REST:-300}" $(rest_files '[q-z]') ;;
     *) echo "unknown group $g" ;;
   esac
 done
