@@ -266,21 +266,26 @@ def test_dense_route_with_the_kernels_contract_equals_reference(kernel_contract,
   np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
 
 
+def lists_under_vmap_match_their_contract():
+  """Five blocks of two rows under ``jax.vmap``, with one offset and with
+  one each: every block's lists are its own."""
+  t = rows().reshape(11, 1, W)[:10].reshape(5, 2, W)
+  f = lambda t, o: tls.row_lists(t, o, M, slot=SLOT)
+  offsets = np.arange(5, dtype=np.int32) * 100
+  one = jax.jit(jax.vmap(f, (0, None)))(jnp.asarray(t), jnp.int32(3))
+  own = jax.jit(jax.vmap(f))(jnp.asarray(t), jnp.asarray(offsets))
+  for i in range(5):
+    check({k: v[i] for k, v in one.items()}, expected(t[i], 3, M, SLOT))
+    check({k: v[i] for k, v in own.items()}, expected(t[i], offsets[i], M, SLOT))
+
+
 def test_lists_under_vmap_launch_once_over_the_blocks_rows(kernel_contract):
   # jax-triton's call has no batching rule: row_lists' own puts a batch of
   # blocks through one launch over their rows, and batched offsets through
   # one launch per block.
   del kernel_contract
-  t = rows().reshape(11, 1, W)[:10].reshape(5, 2, W)
-  f = lambda t, o: tls.row_lists(t, o, M, slot=SLOT)
-  got = jax.jit(jax.vmap(f, (0, None)))(jnp.asarray(t), jnp.int32(3))
-  assert LAUNCHED == [10]
-  offsets = np.arange(5, dtype=np.int32) * 100
-  by_block = jax.jit(jax.vmap(f))(jnp.asarray(t), jnp.asarray(offsets))
+  lists_under_vmap_match_their_contract()
   assert LAUNCHED == [10] + [2] * 5
-  for i in range(5):
-    check({k: v[i] for k, v in got.items()}, expected(t[i], 3, M, SLOT))
-    check({k: v[i] for k, v in by_block.items()}, expected(t[i], offsets[i], M, SLOT))
 
 
 def test_sample_under_vmap_takes_the_kernel_lists(kernel_contract):
@@ -344,12 +349,5 @@ def test_gpu_lists_of_a_vocabulary_wide_row(b):
 @pytest.mark.gpu
 def test_gpu_lists_under_vmap():
   # The batching rule with the real launch (jax-triton's call alone raises
-  # under vmap): blocks with one offset, and blocks with their own.
-  t = rows().reshape(11, 1, W)[:10].reshape(5, 2, W)
-  f = lambda t, o: tls.row_lists(t, o, M, slot=SLOT)
-  offsets = np.arange(5, dtype=np.int32) * 100
-  one = jax.jit(jax.vmap(f, (0, None)))(jnp.asarray(t), jnp.int32(3))
-  own = jax.jit(jax.vmap(f))(jnp.asarray(t), jnp.asarray(offsets))
-  for i in range(5):
-    check({k: v[i] for k, v in one.items()}, expected(t[i], 3, M, SLOT))
-    check({k: v[i] for k, v in own.items()}, expected(t[i], offsets[i], M, SLOT))
+  # under vmap).
+  lists_under_vmap_match_their_contract()

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
+from benchmarks._timing import device_name, median_us, trace_events
 from flashsample_jax import dense_lists
 from flashsample_jax.backends.xla import DenseBackend
-from benchmarks._timing import device_name, median_us, trace_events
 
 DTYPES = {"bf16": None, "fp8": "float8_e4m3fn", "int8": "int8"}
 
@@ -97,6 +97,7 @@ def main():
   ap.add_argument("--programs", nargs="+", default=["auto", "dot"], choices=list(programs()))
   ap.add_argument("--smoke", action="store_true", help="a tiny head, for a CPU")
   args = ap.parse_args()
+  progs = programs()
   for head in args.heads:
     d, v = (256, 4096) if args.smoke else shapes.HEADS[head]
     w16 = shapes.random_weight(d, v, 3.0)
@@ -105,7 +106,7 @@ def main():
       for b in args.batches:
         h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
         key = jax.random.key(7)
-        for name, fn in ((n, programs()[n]) for n in args.programs):
+        for name, fn in ((n, progs[n]) for n in args.programs):
           f = jax.jit(fn)
           a = (key, h, w, s)
           rec = dict(gpu=device_name(), jax=jax.__version__, head=head, weight=wdt, B=b,
