@@ -4,11 +4,12 @@
 #
 #   bash benchmarks/ab_branch.sh prepare REV   (here: REV's package, benchmarks
 #                                               and tests into .ab/new)
-#   bash benchmarks/ab_branch.sh measure       (on the device; logs in $OUT)
+#   bash benchmarks/ab_branch.sh measure       (on the device; logs in $OUT;
+#                                               ROUNDS=1 for one round a call)
 #   bash benchmarks/ab_branch.sh test          (on the device: REV's GPU tests
 #                                               of the list kernels)
 #
-# measure alternates the two trees twice: the row program per phase
+# measure alternates the two trees ROUNDS times (default 2): the row program per phase
 # (exp_row_phases) and top-k + top-p on the dense route with the kernels
 # beside plain sampling (exp_dense_lists), FP8 S and L at B = 1, 16, 64. Each
 # line of its JSON logs says which tree ("tree": "base" or "new").
@@ -45,7 +46,7 @@ case ${1:-} in
     echo "$NEW: $(git rev-parse --short "$rev")" ;;
   measure)
     mkdir -p "$OUT"
-    for round in 1 2; do
+    for _ in $(seq "${ROUNDS:-2}"); do
       for tree in base new; do
         in_tree $tree python3 -m benchmarks.experiments.exp_row_phases --heads S L \
           --batches 1 16 64 2>&1 | tagged $tree "$OUT/ab_row_phases.jsonl"
