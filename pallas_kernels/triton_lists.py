@@ -9,15 +9,18 @@ lists of the dense route"); here it is two:
 
 1. :func:`_slot_stats_kernel`, grid ``(B, slot blocks)``: per slot of
    ``SLOT`` consecutive ids, its maximum (NaN if it holds a NaN), the sum of
-   ``exp(t - max)`` and the first id of its maximum (of its first NaN).
-   One read of ``t``.
+   ``exp(t - max)`` and the first id of its maximum (of its first NaN), and
+   its next two entries in the lists' order (the second's id, the third's
+   value). One read of ``t``.
 2. :func:`_row_lists_kernel`, grid ``(B,)``: the row's best and log-sum-exp
    from its slots; ``tau``, the M-th largest slot maximum (a radix select
    over the slots' order keys), which is at most the row's M-th largest
    value, so every value of the row's top M is ``>= tau`` and lies in a slot
    whose maximum is ``>= tau``; the values ``>= tau`` of those slots
-   (usually a few more than M) gathered, sorted by (value descending, id
-   ascending) and the first M written.
+   (usually a few more than M: the slots' first and second entries, and
+   every value of the rare slot whose third entry reaches tau, read again
+   from ``t``), sorted by (value descending, id ascending) and the first M
+   written.
 
 The lists are exact (``bound = -inf``): the top M by that order, as
 ``lax.top_k`` lists them. A row is handed to stage 2's exact path instead
@@ -81,8 +84,8 @@ def order_key(x):
 
 
 @triton.jit
-def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr,
-                       W: tl.constexpr, S: tl.constexpr, SLOT: tl.constexpr,
+def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr,
+                       third_ptr, W: tl.constexpr, S: tl.constexpr, SLOT: tl.constexpr,
                        SPP: tl.constexpr):
   r = tl.program_id(0)
   slots = tl.program_id(1) * SPP + tl.arange(0, SPP)
@@ -95,15 +98,26 @@ def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr,
   # A slot of -inf sums 0 (exp(-inf - -inf) would be NaN); a NaN slot's
   # sum is NaN, never read (its row's log-sum-exp is NaN).
   e = tl.where(mx[:, None] == float("-inf"), 0.0, tl.exp(t - mx[:, None]))
+  # The next two entries in the lists' order (value descending, id
+  # ascending): the row program reads a slot's values again only where its
+  # third reaches tau (a NaN slot's are never read: its row is handed over).
+  ok2 = ok & (col != arg[:, None])
+  second, arg2 = best_along(tl.where(ok2, t, float("-inf")), col, ok2, 1)
+  ok3 = ok2 & (col != arg2[:, None])
+  third = tl.max(tl.where(ok3, t, float("-inf")), axis=1)
   out = r * S + slots
   keep = slots < S
   tl.store(max_ptr + out, mx, mask=keep)
   tl.store(sum_ptr + out, tl.sum(e, axis=1), mask=keep)
   tl.store(arg_ptr + out, arg, mask=keep)
+  tl.store(second_ptr + out, second, mask=keep)
+  tl.store(second_arg_ptr + out, arg2, mask=keep)
+  tl.store(third_ptr + out, third, mask=keep)
 
 
 @triton.jit
-def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
+def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, third_ptr,
+                      t_ptr, off_ptr,
                       vals_ptr, ids_ptr, bound_ptr, lse_max_ptr, lse_sum_ptr,
                       best_t_ptr, best_id_ptr, slot_buf_ptr, cand_v_ptr, cand_i_ptr,
                       W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
@@ -151,20 +165,43 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
     d = tl.sum((n >= M).to(tl.int32), axis=0) - 1
     tau = tau | (d.to(tl.uint32) << (32 - RADIX * (i + 1)))
 
-  # The slots that may hold a value >= tau, in id order.
+  # The slots that may hold a value >= tau. Their values >= tau are the
+  # slot's first and second entries where its third is below tau (listed
+  # from the slot pass); where the third reaches tau (rare: three of the
+  # row's top values in one slot), all of them, read again below.
   sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
-  pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-  n_sel = tl.sum(sel.to(tl.int32), axis=0)
-  tl.store(slot_buf_ptr + r * SLOT_CAP + pos, s, mask=sel & (pos < SLOT_CAP))
+  k3 = order_key(tl.load(third_ptr + r * S + s, mask=valid, other=float("-inf")))
+  full = sel & (k3 >= tau) & (k3 > _KEY_NEG_INF)
+  one = sel & ~full
+  v2 = tl.load(second_ptr + r * S + s, mask=valid, other=float("-inf"))
+  k2 = order_key(v2)
+  two = one & (k2 >= tau) & (k2 > _KEY_NEG_INF)
+  # One scan for the three places, 16 bits a count (fewer than 2**16 slots).
+  packed_counts = (one.to(tl.int64) | (two.to(tl.int64) << 16) | (full.to(tl.int64) << 32))
+  at_all = tl.cumsum(packed_counts, axis=0)
+  n_all = tl.sum(packed_counts, axis=0)
+  p1 = (at_all & 0xFFFF).to(tl.int32) - 1
+  n1 = (n_all & 0xFFFF).to(tl.int32)
+  p2 = n1 + ((at_all >> 16) & 0xFFFF).to(tl.int32) - 1
+  n2 = ((n_all >> 16) & 0xFFFF).to(tl.int32)
+  pf = ((at_all >> 32) & 0xFFFF).to(tl.int32) - 1
+  n_full = ((n_all >> 32) & 0xFFFF).to(tl.int32)
+  n_sel = n1 + n_full
+  tl.store(cand_v_ptr + r * CAP + p1, mx, mask=one & (p1 < CAP))
+  tl.store(cand_i_ptr + r * CAP + p1, off + arg, mask=one & (p1 < CAP))
+  i2 = tl.load(second_arg_ptr + r * S + s, mask=two, other=0)
+  tl.store(cand_v_ptr + r * CAP + p2, v2, mask=two & (p2 < CAP))
+  tl.store(cand_i_ptr + r * CAP + p2, off + i2, mask=two & (p2 < CAP))
+  tl.store(slot_buf_ptr + r * SLOT_CAP + pf, s, mask=full & (pf < SLOT_CAP))
   tl.debug_barrier()
   over = n_sel > SLOT_CAP
-  n_gather = tl.minimum(n_sel, SLOT_CAP)
+  n_gather = tl.minimum(n_full, SLOT_CAP)
 
-  # Their values >= tau, gathered GROUP slots per step.
+  # The values >= tau of the slots read again, GROUP slots per step.
   g = tl.arange(0, GROUP)
   c = tl.arange(0, SLOT)
   row = t_ptr + r.to(tl.int64) * W
-  count = 0
+  count = n1 + n2
   start = 0
   while start < n_gather:
     j = start + g
@@ -223,8 +260,9 @@ def row_lists(t, offset, m: int, *, slot: int):
   if not 1 <= m <= LISTS_MAX:
     raise ValueError(f"m={m} must be in [1, {LISTS_MAX}]")
   s = -(-w // slot)
-  if s < 8 * m or slot & (slot - 1):
-    raise ValueError(f"slot={slot} must be a power of two leaving >= {8 * m} slots of {w} ids")
+  if s < 8 * m or s >= 1 << 16 or slot & (slot - 1):
+    raise ValueError(f"slot={slot} must be a power of two leaving >= {8 * m} and < 65536 "
+                     f"slots of {w} ids")
   return _batchable(m, slot)(t, jnp.asarray(offset, jnp.int32))
 
 
@@ -267,12 +305,14 @@ def launch(t, offset, m: int, slot: int) -> dict:
   s = first["S"]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  mx, sm, arg = jt.triton_call(
-      t, kernel=_slot_stats_kernel, out_shape=(f32(b, s), f32(b, s), i32(b, s)),
+  mx, sm, arg, second, second_arg, third = jt.triton_call(
+      t, kernel=_slot_stats_kernel,
+      out_shape=(f32(b, s), f32(b, s), i32(b, s), f32(b, s), i32(b, s), f32(b, s)),
       grid=(b, triton.cdiv(s, first["SPP"])), num_warps=_STATS_WARPS, num_stages=_STAGES,
       name="flashsample_slot_stats", **first)
   vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _, _ = jt.triton_call(
-      mx, sm, arg, t, offset.reshape((1,)), kernel=_row_lists_kernel,
+      mx, sm, arg, second, second_arg, third, t, offset.reshape((1,)),
+      kernel=_row_lists_kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"])),
       grid=(b,), num_warps=_LISTS_WARPS, num_stages=_STAGES, name="flashsample_row_lists",
@@ -300,9 +340,12 @@ def lists_for_inspection(width: int, m: int, slot: int, *,
   first, second = constexprs(width, m, slot)
   stats = compile_for_inspection(
       _slot_stats_kernel, {"t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-                           "arg_ptr": "*i32"}, first,
+                           "arg_ptr": "*i32", "second_ptr": "*fp32",
+                           "second_arg_ptr": "*i32", "third_ptr": "*fp32"}, first,
       capability=capability, num_warps=_STATS_WARPS, num_stages=_STAGES)
-  pointers = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32", "t_ptr": "*fp32",
+  pointers = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32",
+              "second_ptr": "*fp32", "second_arg_ptr": "*i32", "third_ptr": "*fp32",
+              "t_ptr": "*fp32",
               "off_ptr": "*i32", "vals_ptr": "*fp32", "ids_ptr": "*i32",
               "bound_ptr": "*fp32", "lse_max_ptr": "*fp32", "lse_sum_ptr": "*fp32",
               "best_t_ptr": "*fp32", "best_id_ptr": "*i32", "slot_buf_ptr": "*i32",

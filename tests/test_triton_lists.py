@@ -126,6 +126,20 @@ def test_rows_cover_every_case():
   assert want["best_id"][3] == 5 + 7 and want["cand_vals"][8, 0] == np.inf
   assert np.isnan(want["lse_sum"][8]) and want["lse_sum"][4] == 0
   np.testing.assert_array_equal(want["cand_ids"][10, :3], 5 + np.arange(W - 3, W))
+  # Listed rows take each slot's values >= tau from the slot pass's first
+  # two entries, or read the slot again where its third reaches tau: both.
+  depths = {int(d) for r in (0, 1, 7, 9, 10) for d in _slot_depths(rows()[r], M, SLOT)}
+  assert {1, 2} <= depths and max(depths) >= 3
+
+
+def _slot_depths(row: np.ndarray, m: int, slot: int) -> np.ndarray:
+  """Per slot whose maximum reaches tau (the m-th largest slot maximum of a
+  NaN-free row), how many of its values reach tau."""
+  pad = -(-row.size // slot) * slot - row.size
+  slots = np.concatenate([row, np.full(pad, -np.inf, np.float32)]).reshape(-1, slot)
+  tau = np.sort(slots.max(axis=1))[::-1][m - 1]
+  reach = slots[(slots.max(axis=1) >= tau) & (slots.max(axis=1) > -np.inf)]
+  return np.sum(reach >= tau, axis=1)
 
 
 # ----------------------------------------------------------------------------
@@ -170,8 +184,8 @@ def interpret(t: np.ndarray, first_id: int, m: int, slot: int) -> dict:
   b, w = t.shape
   first, second = tls.constexprs(w, m, slot)
   s = first["S"]
-  stats = [HostTensor(x) for x in (t, np.zeros((b, s), np.float32),
-                                   np.zeros((b, s), np.float32), np.zeros((b, s), np.int32))]
+  f32, i32 = (lambda: np.zeros((b, s), np.float32)), (lambda: np.zeros((b, s), np.int32))
+  stats = [HostTensor(x) for x in (t, f32(), f32(), i32(), f32(), i32(), f32())]
   tls._slot_stats_kernel[(b, triton.cdiv(s, first["SPP"]))](*stats, **first)  # pylint: disable=protected-access
   names = ("cand_vals", "cand_ids", "cand_bound", "lse_max", "lse_sum", "best_t", "best_id")
   outs = [np.zeros((b, m), np.float32), np.zeros((b, m), np.int32)]
@@ -181,7 +195,7 @@ def interpret(t: np.ndarray, first_id: int, m: int, slot: int) -> dict:
   args = [*stats[1:], stats[0], HostTensor(np.array([first_id], np.int32)),
           *(HostTensor(x) for x in outs + scratch)]
   tls._row_lists_kernel[(b,)](*args, **second)  # pylint: disable=protected-access
-  return {name: args[5 + i].a for i, name in enumerate(names)}
+  return {name: args[len(stats) + 1 + i].a for i, name in enumerate(names)}
 
 
 @interpreter_only

@@ -9,8 +9,9 @@ chain of block-wide steps; its wall time alone says nothing of which step
 bounds it. This script writes an instrumented copy of the kernel's source to
 a temporary module (the kernel itself is not changed): before each phase
 comment of the source (the best, the log-sum-exp, tau's radix select, the
-selected slots, the gather, the sort) and at its end, a barrier and the SM's
-``%clock64`` and ``%globaltimer`` stored per row. Each phase's cycles are the
+selected slots and their first entries, the slots read again, the sort) and
+at its end, a barrier and the SM's ``%clock64`` and ``%globaltimer`` stored
+per row. Each phase's cycles are the
 difference of consecutive stamps (median and max over rows); the clock rate
 is the row's cycles over its global-timer span. The instrumented kernel's
 lists are checked equal to the kernel's own, and the kernel's own time per
@@ -41,7 +42,7 @@ from pallas_kernels import triton_noise as noise
 
 # The phase comments of the kernel's source, in order: a stamp goes before each.
 PHASES = ("# The best:", "# The log-sum-exp", "# tau's key", "# The slots that may hold",
-          "# Their values", "# Sorted by")
+          "# The values >= tau of the slots read again", "# Sorted by")
 NAMES = ("load", "best", "lse", "radix", "select", "gather", "sort")
 _STAMPS = len(PHASES) + 2
 
@@ -108,12 +109,13 @@ def stamped_launch(kernel, t, m: int, slot: int):
   s = first["S"]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  mx, sm, arg = jt.triton_call(
-      t, kernel=tls._slot_stats_kernel, out_shape=(f32(b, s), f32(b, s), i32(b, s)),
+  stats = jt.triton_call(
+      t, kernel=tls._slot_stats_kernel,
+      out_shape=(f32(b, s), f32(b, s), i32(b, s), f32(b, s), i32(b, s), f32(b, s)),
       grid=(b, -(-s // first["SPP"])), num_warps=tls._STATS_WARPS,
       num_stages=tls._STAGES, **first)
   outs = jt.triton_call(
-      mx, sm, arg, t, jnp.zeros((1,), jnp.int32), kernel=kernel,
+      *stats, t, jnp.zeros((1,), jnp.int32), kernel=kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"]),
                  jax.ShapeDtypeStruct((b, 2 * _STAMPS), jnp.int64)),
