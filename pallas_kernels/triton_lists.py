@@ -43,8 +43,8 @@ import triton.language as tl
 from pallas_kernels import triton_noise as noise
 from pallas_kernels.triton_sampler import best_along, compile_for_inspection
 
-__all__ = ["LISTS_MAX", "row_lists", "launch", "caps", "slot_block", "constexprs",
-           "lists_for_inspection"]
+__all__ = ["LISTS_MAX", "row_lists", "launch", "caps", "tau_slack", "slot_block",
+           "constexprs", "lists_for_inspection"]
 
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 # The order key of -inf (keys of finite values are larger).
@@ -69,6 +69,12 @@ def caps(m: int) -> tuple[int, int]:
   such slots and, with ``W / SLOT >= 8 m`` slots, about ``m + m^2 / (2 S)``
   such values (each of the top values in a slot of its own but for a few)."""
   return 2 * m, 2 * triton.next_power_of_2(m)
+
+
+def tau_slack(m: int) -> int:
+  """How many slot maxima beyond ``m`` may reach ``tau`` when the radix
+  select stops early (the gathered values grow by about as many)."""
+  return max(1, m // 8)
 
 
 def slot_block(slot: int) -> int:
@@ -122,7 +128,8 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
                       best_t_ptr, best_id_ptr, slot_buf_ptr, cand_v_ptr, cand_i_ptr,
                       W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
                       SLOT: tl.constexpr, M: tl.constexpr, SLOT_CAP: tl.constexpr,
-                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr):
+                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr,
+                      SLACK: tl.constexpr):
   r = tl.program_id(0)
   off = tl.load(off_ptr)
   s = tl.arange(0, S_PAD)
@@ -151,19 +158,26 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
   total = tl.where(finite, total, tl.where(top == float("-inf"), 0.0, float("nan")))
   tl.store(lse_sum_ptr + r, tl.where(row_nan, float("nan"), total))
 
-  # tau's key: the largest k with at least M slot maxima of key >= k,
-  # RADIX bits a step: the count of keys >= each of the 2**RADIX probes of
-  # the step in one reduction (counts fall as the probe rises, so the step's
-  # digit is the number of probes above 0 that still count M).
+  # tau's key: the M-th largest slot maximum's key, RADIX bits a step from
+  # the top (the count of keys >= each of the 2**RADIX probes of the step
+  # in one reduction; counts fall as the probe rises, so the step's digit
+  # is the number of probes above 0 that still count M), stopped once at
+  # most M + SLACK slot maxima reach the bits decided so far (the rest 0).
+  # Any key at most the M-th largest keeps the lists exact; a lower one
+  # lists a few more values, and saves the steps that would not.
   key = order_key(mx)
   counted = valid & ~nan
   tau = tl.full([], 0, tl.uint32)
   digit = tl.arange(0, 1 << RADIX).to(tl.uint32)
-  for i in tl.static_range(32 // RADIX):
-    probe = tau | (digit << (32 - RADIX * (i + 1)))                      # [2**RADIX]
+  shift = 32 - RADIX
+  reach = tl.sum(counted.to(tl.int32), axis=0)
+  while (shift >= 0) & (reach > M + SLACK):
+    probe = tau | (digit << shift.to(tl.uint32))                          # [2**RADIX]
     n = tl.sum((counted[None, :] & (key[None, :] >= probe[:, None])).to(tl.int32), axis=1)
     d = tl.sum((n >= M).to(tl.int32), axis=0) - 1
-    tau = tau | (d.to(tl.uint32) << (32 - RADIX * (i + 1)))
+    tau = tau | (d.to(tl.uint32) << shift.to(tl.uint32))
+    reach = tl.sum(tl.where(digit == d.to(tl.uint32), n, 0), axis=0)
+    shift -= RADIX
 
   # The slots that may hold a value >= tau. Their values >= tau are the
   # slot's first and second entries where its third is below tau (listed
@@ -329,7 +343,7 @@ def constexprs(width: int, m: int, slot: int) -> tuple[dict, dict]:
   return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot)),
           dict(W=width, S=s, S_PAD=triton.next_power_of_2(s), SLOT=slot, M=m,
                SLOT_CAP=slot_cap, CAP=cap, GROUP=max(1, _GATHER_ELEMENTS // slot),
-               RADIX=_RADIX))
+               RADIX=_RADIX, SLACK=tau_slack(m)))
 
 
 def lists_for_inspection(width: int, m: int, slot: int, *,

@@ -71,10 +71,10 @@ def expected(t, first_id, m: int, slot: int) -> dict:
     padded = np.full(s * slot, -np.inf, np.float32)
     padded[:w] = clean
     maxima = padded.reshape(s, slot).max(axis=1)
-    tau = np.sort(maxima)[::-1][m - 1]
-    slots = (maxima >= tau) & (maxima > -np.inf)
+    tau = tau_key(order_key(maxima[~np.isnan(padded.reshape(s, slot)).any(axis=1)]), m)
+    slots = (order_key(maxima) >= tau) & (maxima > -np.inf)
     values = padded.reshape(s, slot)[slots]
-    n_values = int(np.sum((values >= tau) & (values > -np.inf)))
+    n_values = int(np.sum((order_key(values) >= tau) & (values > -np.inf)))
     if nan.any() or slots.sum() > slot_cap or n_values > cap:
       out["cand_bound"][r] = np.inf
       continue
@@ -83,6 +83,24 @@ def expected(t, first_id, m: int, slot: int) -> dict:
     out["cand_vals"][r, :len(order)] = clean[order]
     out["cand_ids"][r, :len(order)] = first_id + order
   return out
+
+
+def order_key(x) -> np.ndarray:
+  """uint32 keys whose order is the float order (the kernels' order_key)."""
+  b = np.asarray(x, np.float32).view(np.uint32)
+  return np.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def tau_key(keys: np.ndarray, m: int) -> int:
+  """The kernels' tau over the slot maxima's ``keys``: the m-th largest,
+  decided 2 bits a step from the top, stopped once at most ``m +
+  tau_slack(m)`` keys reach the bits decided (the rest 0)."""
+  tau, shift, reach = 0, 30, len(keys)
+  while shift >= 0 and reach > m + tls.tau_slack(m):
+    n = [int(np.sum(keys >= (tau | (d << shift)))) for d in range(4)]
+    d = sum(c >= m for c in n) - 1
+    tau, reach, shift = tau | (d << shift), n[d], shift - 2
+  return tau
 
 
 M, SLOT = 16, 16
@@ -133,13 +151,14 @@ def test_rows_cover_every_case():
 
 
 def _slot_depths(row: np.ndarray, m: int, slot: int) -> np.ndarray:
-  """Per slot whose maximum reaches tau (the m-th largest slot maximum of a
-  NaN-free row), how many of its values reach tau."""
+  """Per slot whose maximum reaches the kernels' tau (a NaN-free row), how
+  many of its values reach it."""
   pad = -(-row.size // slot) * slot - row.size
   slots = np.concatenate([row, np.full(pad, -np.inf, np.float32)]).reshape(-1, slot)
-  tau = np.sort(slots.max(axis=1))[::-1][m - 1]
-  reach = slots[(slots.max(axis=1) >= tau) & (slots.max(axis=1) > -np.inf)]
-  return np.sum(reach >= tau, axis=1)
+  maxima = slots.max(axis=1)
+  tau = tau_key(order_key(maxima), m)
+  reach = slots[(order_key(maxima) >= tau) & (maxima > -np.inf)]
+  return np.sum(order_key(reach) >= tau, axis=1)
 
 
 # ----------------------------------------------------------------------------
