@@ -53,6 +53,33 @@ def _platform() -> str:
   return jax.default_backend()
 
 
+# On a GPU, XLA's GEMM of an 8-bit head runs slower for one row than for 16
+# (the same weight read: H200, S head, FP8, device time 176 against 150 us;
+# docs/performance.md, "Candidate lists of the dense route"), so a block's
+# GEMM takes at least this many rows of hidden states, the extra ones zero
+# and dropped. Rows do not mix in a GEMM: each row's logits are the same
+# products and sums; only their order may follow the kernel XLA picks.
+MIN_GEMM_ROWS_8BIT = 16
+
+
+def _gemm_rows(p: Problem, rows: int) -> int:
+  """The rows :func:`_block_logits` gives XLA's GEMM for ``rows`` rows."""
+  if _platform() == "gpu" and problem.is_quantized(p.weight.dtype):
+    return max(rows, MIN_GEMM_ROWS_8BIT)
+  return rows
+
+
+def _block_logits(p: Problem, hidden, w):
+  """f32 logits of ``hidden`` against a chunk ``w = (weight, scale)``
+  (:func:`problem.logits`), the GEMM padded to :func:`_gemm_rows` rows."""
+  rows = hidden.shape[0]
+  pad = _gemm_rows(p, rows) - rows
+  if pad:
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+  l = problem.logits(hidden, w[0], p.layout, w[1])
+  return l[:rows] if pad else l
+
+
 def chunk_size(batch: int, rows: int) -> int:
   """Vocabulary rows per chunk: a fixed number of elements, a multiple of 128."""
   elements = _CHUNK_ELEMENTS.get(_platform(), _DEFAULT_CHUNK_ELEMENTS)
@@ -130,7 +157,7 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    l = problem.logits(hidden, w[0], p.layout, w[1])
+    l = _block_logits(p, hidden, w)
     s = stage2.perturbed(p, l, stage2.tempered(p, l), gid, 1)[:, 0]
     s = jnp.where(gid < p.vocab_size, s, -jnp.inf)
     return _row_best(s, gid)
@@ -158,7 +185,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    l = problem.logits(hidden, w[0], p.layout, w[1])
+    l = _block_logits(p, hidden, w)
     x = controls.transform(l, gid, c, p.vocab_size)
     t = stage2.tempered(p, x)
     slot = _kernel_slot(c, m, width, list_select)
