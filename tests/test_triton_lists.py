@@ -168,11 +168,11 @@ def _slot_depths(row: np.ndarray, m: int, slot: int) -> np.ndarray:
 
 @compiled_only
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm90", "sm80"])
-@pytest.mark.parametrize("width, m", [(151936, 128), (128256, 128), (201088, 128),
-                                      (151936, 28)])
-def test_kernels_compile_without_spills(capability, width, m, tmp_path):
+@pytest.mark.parametrize("width, m, per_id", [(151936, 128, True), (128256, 128, False),
+                                              (201088, 128, True), (151936, 28, False)])
+def test_kernels_compile_without_spills(capability, width, m, per_id, tmp_path):
   for k in tls.lists_for_inspection(width, m, dense_lists.slot_size(width, m),
-                                    capability=capability):
+                                    per_id=per_id, capability=capability):
     reg, stack = registers(k.asm["cubin"], tmp_path)
     assert stack == 0, f"spills: {stack} bytes of stack, {reg} registers"
 
@@ -185,6 +185,14 @@ def test_launcher_checks_its_arguments():
     tls.row_lists(t, 0, 129, slot=SLOT)
   with pytest.raises(ValueError, match="slot=32"):
     tls.row_lists(t, 0, M, slot=32)
+  with pytest.raises(TypeError, match="scale must be float32"):
+    tls.row_lists(t, 0, M, slot=SLOT, scale=jnp.ones((W,), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"scale.shape=\(7,\)"):
+    tls.row_lists(t, 0, M, slot=SLOT, scale=jnp.ones((7,), jnp.float32))
+  with pytest.raises(TypeError, match="inv_temperature must be float32"):
+    tls.row_lists(t, 0, M, slot=SLOT, inv_temperature=jnp.ones((2,), jnp.int32))
+  with pytest.raises(ValueError, match=r"inv_temperature.shape=\(3,\)"):
+    tls.row_lists(t, 0, M, slot=SLOT, inv_temperature=jnp.ones((3,), jnp.float32))
 
 
 # ----------------------------------------------------------------------------
@@ -197,24 +205,37 @@ def test_interpreter_suite():
   run_interpreter_tests(__file__)
 
 
-def interpret(t: np.ndarray, first_id: int, m: int, slot: int) -> dict:
+def tempered_rows(t, scale=None, inv_t=None) -> np.ndarray:
+  """The rows the kernels list: ``(t * scale) * inv_t`` in f32, two
+  roundings (:func:`tls.load_tempered`)."""
+  t = np.asarray(t, np.float32)
+  scale = np.float32(1) if scale is None else np.asarray(scale, np.float32)
+  inv_t = np.ones(t.shape[0], np.float32) if inv_t is None else np.asarray(inv_t, np.float32)
+  return (t * scale).astype(np.float32) * inv_t[:, None]
+
+
+def interpret(t: np.ndarray, first_id: int, m: int, slot: int, scale=None,
+              inv_t=None) -> dict:
   """Both kernels under the interpreter, launched as :func:`tls.row_lists`
   launches them."""
   b, w = t.shape
-  first, second = tls.constexprs(w, m, slot)
+  scale = np.ones(1, np.float32) if scale is None else np.asarray(scale, np.float32).reshape(-1)
+  inv_t = np.ones(b, np.float32) if inv_t is None else np.asarray(inv_t, np.float32)
+  first, second = tls.constexprs(w, m, slot, per_id=scale.shape[0] == w)
   s = first["S"]
   f32, i32 = (lambda: np.zeros((b, s), np.float32)), (lambda: np.zeros((b, s), np.int32))
-  stats = [HostTensor(x) for x in (t, f32(), f32(), i32(), f32(), i32(), f32())]
-  tls._slot_stats_kernel[(b, triton.cdiv(s, first["SPP"]))](*stats, **first)  # pylint: disable=protected-access
+  inputs = [HostTensor(x) for x in (t, scale, inv_t)]
+  stats = [HostTensor(x) for x in (f32(), f32(), i32(), f32(), i32(), f32())]
+  tls._slot_stats_kernel[(b, triton.cdiv(s, first["SPP"]))](*inputs, *stats, **first)  # pylint: disable=protected-access
   names = ("cand_vals", "cand_ids", "cand_bound", "lse_max", "lse_sum", "best_t", "best_id")
-  outs = [np.zeros((b, m), np.float32), np.zeros((b, m), np.int32)]
-  outs += [np.zeros(b, np.float32)] * 4 + [np.zeros(b, np.int32)]
+  outs = [HostTensor(np.zeros((b, m), np.float32)), HostTensor(np.zeros((b, m), np.int32))]
+  outs += [HostTensor(np.zeros(b, np.float32)) for _ in range(4)]
+  outs += [HostTensor(np.zeros(b, np.int32))]
   scratch = [np.zeros((b, second["SLOT_CAP"]), np.int32),
              np.zeros((b, second["CAP"]), np.float32), np.zeros((b, second["CAP"]), np.int32)]
-  args = [*stats[1:], stats[0], HostTensor(np.array([first_id], np.int32)),
-          *(HostTensor(x) for x in outs + scratch)]
-  tls._row_lists_kernel[(b,)](*args, **second)  # pylint: disable=protected-access
-  return {name: args[len(stats) + 1 + i].a for i, name in enumerate(names)}
+  tls._row_lists_kernel[(b,)](*stats, *inputs, HostTensor(np.array([first_id], np.int32)),  # pylint: disable=protected-access
+                              *outs, *(HostTensor(x) for x in scratch), **second)
+  return {name: o.a for name, o in zip(names, outs)}
 
 
 @interpreter_only
@@ -222,6 +243,21 @@ def interpret(t: np.ndarray, first_id: int, m: int, slot: int) -> dict:
 def test_interpreter_lists_match_their_contract(first_id):
   t = rows()
   check(interpret(t, first_id, M, SLOT), expected(t, first_id, M, SLOT))
+
+
+@interpreter_only
+@pytest.mark.parametrize("per_id", [True, False])
+def test_interpreter_lists_temper_as_xla(per_id):
+  # The kernels read a GEMM's raw output: (t * scale) * (1 / T) per row,
+  # with scales of either sign (masked ids stay -inf) and a greedy row (1).
+  t = rows()
+  r = np.random.default_rng(5)
+  scale = (r.uniform(0.5, 2.0, W) * np.where(np.arange(W) % 97 == 0, -1, 1)
+           if per_id else np.float32(0.37)).astype(np.float32)
+  inv_t = (1 / r.uniform(0.3, 1.5, len(t))).astype(np.float32)
+  inv_t[4] = 1
+  got = interpret(t, 1000, M, SLOT, scale=scale, inv_t=inv_t)
+  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
 
 
 @interpreter_only
@@ -239,19 +275,20 @@ def test_interpreter_lists_of_a_short_list_and_wide_slots():
 LAUNCHED = []   # the rows of each patched launch the programs ran, in order
 
 
-def _numpy_launch(t, offset, m, slot):
+def _numpy_launch(t, scale, inv_t, offset, m, slot):
   """:func:`tls.launch`'s contract, computed on the host (:func:`expected`)."""
   b = t.shape[0]
   shapes = dict(cand_vals=((b, m), jnp.float32), cand_ids=((b, m), jnp.int32),
                 cand_bound=((b,), jnp.float32), lse_max=((b,), jnp.float32),
                 lse_sum=((b,), jnp.float32), best_t=((b,), jnp.float32),
                 best_id=((b,), jnp.int32))
-  def run(t, f):
+  def run(t, scale, inv_t, f):
     LAUNCHED.append(t.shape[0])
-    return expected(t, int(f), m, slot)
+    return expected(tempered_rows(t, scale if scale.shape[0] > 1 else scale[0], inv_t),
+                    int(f), m, slot)
 
   out = jax.pure_callback(run, {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()},
-                          t, offset)
+                          t, scale, inv_t, offset)
   return dict(out)
 
 
@@ -310,6 +347,36 @@ def lists_under_vmap_match_their_contract():
   for i in range(5):
     check({k: v[i] for k, v in one.items()}, expected(t[i], 3, M, SLOT))
     check({k: v[i] for k, v in own.items()}, expected(t[i], offsets[i], M, SLOT))
+
+
+SCALED = []     # the shape of the scale each patched launch received ((1,): one value)
+
+
+@pytest.mark.parametrize("head", ["fp8_per_row", "int8_per_tensor", "bf16_biased"])
+def test_kernels_temper_the_gemm_output_as_the_reference(kernel_contract, monkeypatch, head):
+  # Without a transform the kernels read the GEMM's own product and scale
+  # it and divide by T themselves (the tempered logits are not written);
+  # with one (here a logit bias) they read x. Same tokens either way.
+  del kernel_contract
+  launched = tls.launch
+  def recording(t, scale, inv_t, offset, m, slot):
+    SCALED.append(tuple(scale.shape))
+    return launched(t, scale, inv_t, offset, m, slot)
+  monkeypatch.setattr(tls, "launch", recording)
+  SCALED.clear()
+  kw = dict(temperature=inputs.pow2_temperatures(B, greedy_every=4, seed=7), top_k=40,
+            top_p=0.9)
+  if head == "bf16_biased":
+    h, w = inputs.list_inputs("exact", B, D, V)
+    kw["logit_bias"] = jnp.asarray(np.random.default_rng(2).integers(-2, 3, V), jnp.float32)
+  else:
+    dtype = jnp.float8_e4m3fn if head.startswith("fp8") else jnp.int8
+    h, w, kw["weight_scale"] = inputs.quantized_inputs(
+        B, D, V, dtype=dtype, per_row=head.endswith("per_row"), seed=3)
+  keys = inputs.row_keys(B, seed=9)
+  got = fs.sample(h, w, keys, backend=DenseBackend(list_select="kernel"), **kw)
+  np.testing.assert_array_equal(got, fs.reference.sample(h, w, keys, **kw))
+  assert SCALED == [{"fp8_per_row": (V,), "int8_per_tensor": (1,), "bf16_biased": (1,)}[head]]
 
 
 def test_lists_under_vmap_launch_once_over_the_blocks_rows(kernel_contract):

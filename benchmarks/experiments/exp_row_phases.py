@@ -49,7 +49,7 @@ _STAMPS = len(PHASES) + 2
 _PRELUDE = '''
 import triton
 import triton.language as tl
-from pallas_kernels.triton_lists import order_key, _INT_MAX, _KEY_NEG_INF
+from pallas_kernels.triton_lists import order_key, load_tempered, _INT_MAX, _KEY_NEG_INF
 
 
 @triton.jit
@@ -107,15 +107,16 @@ def stamped_launch(kernel, t, m: int, slot: int):
   b, _ = t.shape
   first, second = tls.constexprs(t.shape[1], m, slot)
   s = first["S"]
+  scale, inv_t = jnp.ones((1,), jnp.float32), jnp.ones((b,), jnp.float32)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   stats = jt.triton_call(
-      t, kernel=tls._slot_stats_kernel,
+      t, scale, inv_t, kernel=tls._slot_stats_kernel,
       out_shape=(f32(b, s), f32(b, s), i32(b, s), f32(b, s), i32(b, s), f32(b, s)),
       grid=(b, -(-s // first["SPP"])), num_warps=tls._STATS_WARPS,
       num_stages=tls._STAGES, **first)
   outs = jt.triton_call(
-      *stats, t, jnp.zeros((1,), jnp.int32), kernel=kernel,
+      *stats, t, scale, inv_t, jnp.zeros((1,), jnp.int32), kernel=kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"]),
                  jax.ShapeDtypeStruct((b, 2 * _STAMPS), jnp.int64)),
@@ -152,10 +153,10 @@ def main(argv=None):
       t = jax.random.normal(jax.random.key(b), (b, v), jnp.float32) * 1.3
       vals, ids, stamps = jax.jit(stamped_launch, static_argnums=(0, 2, 3))(
           kernel, t, args.m, slot)
-      ref = jax.jit(tls.launch, static_argnums=(2, 3))(t, jnp.int32(0), args.m, slot)
+      ref = jax.jit(lambda x: tls.row_lists(x, 0, args.m, slot=slot))(t)
       same = bool(np.array_equal(np.asarray(vals), np.asarray(ref["cand_vals"]))
                   and np.array_equal(np.asarray(ids), np.asarray(ref["cand_ids"])))
-      own = jax.jit(lambda x: tls.launch(x, jnp.int32(0), args.m, slot))
+      own = jax.jit(lambda x: tls.row_lists(x, 0, args.m, slot=slot))
       row = dict(device=device_name(), head=head, B=b, V=v, m=args.m, slot=slot,
                  same_lists=same, launch_us=round(median_us(own, t, reps=9, inner=50)[0], 2),
                  **phases(np.asarray(stamps)))
