@@ -239,10 +239,10 @@ def interpret(t: np.ndarray, first_id: int, m: int, slot: int, scale=None,
 
 
 @interpreter_only
-@pytest.mark.parametrize("first_id", [0, 1000])
-def test_interpreter_lists_match_their_contract(first_id):
+def test_interpreter_lists_match_their_contract():
+  # Ids from 0; the tests below list from other first ids.
   t = rows()
-  check(interpret(t, first_id, M, SLOT), expected(t, first_id, M, SLOT))
+  check(interpret(t, 0, M, SLOT), expected(t, 0, M, SLOT))
 
 
 @interpreter_only
