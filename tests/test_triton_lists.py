@@ -447,6 +447,22 @@ def test_gpu_lists_of_a_vocabulary_wide_row(b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_id", [True, False])
+def test_gpu_lists_temper_as_xla(per_id):
+  # The interpreter test's rows and scales through the real launch.
+  t = rows()
+  r = np.random.default_rng(5)
+  scale = (r.uniform(0.5, 2.0, W) * np.where(np.arange(W) % 97 == 0, -1, 1)
+           if per_id else np.float32(0.37)).astype(np.float32)
+  inv_t = (1 / np.float32([0.6, 0.7, 1.3, 0.35, 1, 0.9, 0.6, 0.7, 0.45, 1.1, 0.8])).astype(
+      np.float32)
+  got = jax.jit(lambda t, s, i: tls.row_lists(t, 1000, M, slot=SLOT, scale=s,
+                                              inv_temperature=i))(
+      jnp.asarray(t), jnp.asarray(scale), jnp.asarray(inv_t))
+  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
+
+
+@pytest.mark.gpu
 def test_gpu_lists_under_vmap():
   # The batching rule with the real launch (jax-triton's call alone raises
   # under vmap).
