@@ -366,13 +366,13 @@ def launch(t, scale, inv_t, offset, m: int, slot: int) -> dict:
   s = first["S"]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  mx, sm, arg, second, second_arg, third = jt.triton_call(
+  mx, sm, arg, second_val, second_arg, third = jt.triton_call(
       t, scale, inv_t, kernel=_slot_stats_kernel,
       out_shape=(f32(b, s), f32(b, s), i32(b, s), f32(b, s), i32(b, s), f32(b, s)),
       grid=(b, triton.cdiv(s, first["SPP"])), num_warps=_STATS_WARPS, num_stages=_STAGES,
       name="flashsample_slot_stats", **first)
   vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _, _ = jt.triton_call(
-      mx, sm, arg, second, second_arg, third, t, scale, inv_t, offset.reshape((1,)),
+      mx, sm, arg, second_val, second_arg, third, t, scale, inv_t, offset.reshape((1,)),
       kernel=_row_lists_kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"])),

@@ -18,6 +18,8 @@ list, log-sum-exp and best from its materialized tempered logits.
 from __future__ import annotations
 
 import os
+import types
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +33,10 @@ from flashsample_jax import controls, dense_lists, problem, stage2  # noqa: E402
 from flashsample_jax.backends import xla as xla_backend  # noqa: E402
 from flashsample_jax.backends.xla import DenseBackend  # noqa: E402
 from pallas_kernels import triton_lists as tls  # noqa: E402
+from pallas_kernels import triton_noise as noise  # noqa: E402
 from tests import inputs  # noqa: E402
 from tests.test_triton_kernels import registers  # noqa: E402
-from tests.triton_host import HostTensor, run_interpreter_tests  # noqa: E402
+from tests.triton_host import interpreted_triton_call, run_interpreter_tests  # noqa: E402
 
 INT_MAX = np.iinfo(np.int32).max
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -216,26 +219,15 @@ def tempered_rows(t, scale=None, inv_t=None) -> np.ndarray:
 
 def interpret(t: np.ndarray, first_id: int, m: int, slot: int, scale=None,
               inv_t=None) -> dict:
-  """Both kernels under the interpreter, launched as :func:`tls.row_lists`
-  launches them."""
+  """:func:`tls.launch` itself, jax-triton's call replaced by Triton's
+  interpreter on host arrays."""
   b, w = t.shape
   scale = np.ones(1, np.float32) if scale is None else np.asarray(scale, np.float32).reshape(-1)
   inv_t = np.ones(b, np.float32) if inv_t is None else np.asarray(inv_t, np.float32)
-  first, second = tls.constexprs(w, m, slot, per_id=scale.shape[0] == w)
-  s = first["S"]
-  f32, i32 = (lambda: np.zeros((b, s), np.float32)), (lambda: np.zeros((b, s), np.int32))
-  inputs = [HostTensor(x) for x in (t, scale, inv_t)]
-  stats = [HostTensor(x) for x in (f32(), f32(), i32(), f32(), i32(), f32())]
-  tls._slot_stats_kernel[(b, triton.cdiv(s, first["SPP"]))](*inputs, *stats, **first)  # pylint: disable=protected-access
-  names = ("cand_vals", "cand_ids", "cand_bound", "lse_max", "lse_sum", "best_t", "best_id")
-  outs = [HostTensor(np.zeros((b, m), np.float32)), HostTensor(np.zeros((b, m), np.int32))]
-  outs += [HostTensor(np.zeros(b, np.float32)) for _ in range(4)]
-  outs += [HostTensor(np.zeros(b, np.int32))]
-  scratch = [np.zeros((b, second["SLOT_CAP"]), np.int32),
-             np.zeros((b, second["CAP"]), np.float32), np.zeros((b, second["CAP"]), np.int32)]
-  tls._row_lists_kernel[(b,)](*stats, *inputs, HostTensor(np.array([first_id], np.int32)),  # pylint: disable=protected-access
-                              *outs, *(HostTensor(x) for x in scratch), **second)
-  return {name: o.a for name, o in zip(names, outs)}
+  interpreted = types.SimpleNamespace(triton_call=interpreted_triton_call)
+  with mock.patch.object(noise, "jax_triton_module", lambda: interpreted):
+    got = tls.launch(np.asarray(t, np.float32), scale, inv_t, np.int32(first_id), m, slot)
+  return {name: np.asarray(x) for name, x in got.items()}
 
 
 @interpreter_only
