@@ -11,18 +11,19 @@ two, which temper what they read as XLA would (``t = (product * scale) *
 
 1. :func:`_slot_stats_kernel`, grid ``(B, slot blocks)``: per slot of
    ``SLOT`` consecutive ids, its maximum (NaN if it holds a NaN), the sum of
-   ``exp(t - max)`` and the first id of its maximum (of its first NaN), and
-   its next two entries in the lists' order (the second's id, the third's
-   value). One read of ``t``.
+   ``exp(t - max)`` and the first id of its maximum (of its first NaN), and,
+   in a launch of few rows (:func:`keeps_entries`), its next two entries in
+   the lists' order (the second's value and id, the third's value). One read
+   of ``t``.
 2. :func:`_row_lists_kernel`, grid ``(B,)``: the row's best and log-sum-exp
    from its slots; ``tau``, the M-th largest slot maximum (a radix select
    over the slots' order keys), which is at most the row's M-th largest
    value, so every value of the row's top M is ``>= tau`` and lies in a slot
    whose maximum is ``>= tau``; the values ``>= tau`` of those slots
-   (usually a few more than M: the slots' first and second entries, and
-   every value of the rare slot whose third entry reaches tau, read again
-   from ``t``), sorted by (value descending, id ascending) and the first M
-   written.
+   (usually a few more than M: read again from ``t``, or, with the slots'
+   entries, their first and second entries and every value of the rare slot
+   whose third entry reaches tau, read again), sorted by (value descending,
+   id ascending) and the first M written.
 
 The lists are exact (``bound = -inf``): the top M by that order, as
 ``lax.top_k`` lists them. A row is handed to stage 2's exact path instead
@@ -45,8 +46,8 @@ import triton.language as tl
 from pallas_kernels import triton_noise as noise
 from pallas_kernels.triton_sampler import best_along, compile_for_inspection, tempered
 
-__all__ = ["LISTS_MAX", "row_lists", "launch", "caps", "tau_slack", "slot_block",
-           "constexprs", "lists_for_inspection"]
+__all__ = ["LISTS_MAX", "ENTRIES_MAX_ROWS", "row_lists", "launch", "caps", "tau_slack",
+           "slot_block", "keeps_entries", "constexprs", "lists_for_inspection"]
 
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 # The order key of -inf (keys of finite values are larger).
@@ -62,6 +63,12 @@ _LISTS_WARPS = 8
 _STAGES = 2
 # The longest list the kernels build (stage2.CANDIDATES).
 LISTS_MAX = 128
+# The most rows for which the slot pass also keeps each slot's next two
+# entries (ENTRIES): they halve the row program, which bounds a launch of few
+# rows, but the pass's extra reductions make it compute-bound, so from some
+# tens of rows on they cost more than they save (docs/performance.md, "The
+# list kernels").
+ENTRIES_MAX_ROWS = 8
 
 
 def caps(m: int) -> tuple[int, int]:
@@ -77,6 +84,11 @@ def tau_slack(m: int) -> int:
   """How many slot maxima beyond ``m`` may reach ``tau`` when the radix
   select stops early (the gathered values grow by about as many)."""
   return max(1, m // 8)
+
+
+def keeps_entries(rows: int) -> bool:
+  """Whether a launch over ``rows`` rows keeps the slots' next two entries."""
+  return rows <= ENTRIES_MAX_ROWS
 
 
 def slot_block(slot: int) -> int:
@@ -109,7 +121,8 @@ def load_tempered(t_ptr, scale_ptr, inv_t, r, col, ok, W: tl.constexpr, PER_ID: 
 @triton.jit
 def _slot_stats_kernel(t_ptr, scale_ptr, inv_t_ptr, max_ptr, sum_ptr, arg_ptr, second_ptr,
                        second_arg_ptr, third_ptr, W: tl.constexpr, S: tl.constexpr,
-                       SLOT: tl.constexpr, SPP: tl.constexpr, PER_ID: tl.constexpr):
+                       SLOT: tl.constexpr, SPP: tl.constexpr, PER_ID: tl.constexpr,
+                       ENTRIES: tl.constexpr):
   r = tl.program_id(0)
   slots = tl.program_id(1) * SPP + tl.arange(0, SPP)
   col = slots[:, None] * SLOT + tl.arange(0, SLOT)[None, :]          # [SPP, SLOT]
@@ -121,21 +134,22 @@ def _slot_stats_kernel(t_ptr, scale_ptr, inv_t_ptr, max_ptr, sum_ptr, arg_ptr, s
   # A slot of -inf sums 0 (exp(-inf - -inf) would be NaN); a NaN slot's
   # sum is NaN, never read (its row's log-sum-exp is NaN).
   e = tl.where(mx[:, None] == float("-inf"), 0.0, tl.exp(t - mx[:, None]))
-  # The next two entries in the lists' order (value descending, id
-  # ascending): the row program reads a slot's values again only where its
-  # third reaches tau (a NaN slot's are never read: its row is handed over).
-  ok2 = ok & (col != arg[:, None])
-  second, arg2 = best_along(tl.where(ok2, t, float("-inf")), col, ok2, 1)
-  ok3 = ok2 & (col != arg2[:, None])
-  third = tl.max(tl.where(ok3, t, float("-inf")), axis=1)
   out = r * S + slots
   keep = slots < S
   tl.store(max_ptr + out, mx, mask=keep)
   tl.store(sum_ptr + out, tl.sum(e, axis=1), mask=keep)
   tl.store(arg_ptr + out, arg, mask=keep)
-  tl.store(second_ptr + out, second, mask=keep)
-  tl.store(second_arg_ptr + out, arg2, mask=keep)
-  tl.store(third_ptr + out, third, mask=keep)
+  if ENTRIES:
+    # The next two entries in the lists' order (value descending, id
+    # ascending): the row program reads a slot's values again only where its
+    # third reaches tau (a NaN slot's are never read: its row is handed over).
+    ok2 = ok & (col != arg[:, None])
+    second, arg2 = best_along(tl.where(ok2, t, float("-inf")), col, ok2, 1)
+    ok3 = ok2 & (col != arg2[:, None])
+    third = tl.max(tl.where(ok3, t, float("-inf")), axis=1)
+    tl.store(second_ptr + out, second, mask=keep)
+    tl.store(second_arg_ptr + out, arg2, mask=keep)
+    tl.store(third_ptr + out, third, mask=keep)
 
 
 @triton.jit
@@ -146,7 +160,7 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
                       W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
                       SLOT: tl.constexpr, M: tl.constexpr, SLOT_CAP: tl.constexpr,
                       CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr,
-                      SLACK: tl.constexpr, PER_ID: tl.constexpr):
+                      SLACK: tl.constexpr, PER_ID: tl.constexpr, ENTRIES: tl.constexpr):
   r = tl.program_id(0)
   off = tl.load(off_ptr)
   s = tl.arange(0, S_PAD)
@@ -196,15 +210,19 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
     reach = tl.sum(tl.where(digit == d.to(tl.uint32), n, 0), axis=0)
     shift -= RADIX
 
-  # The slots that may hold a value >= tau. Their values >= tau are the
-  # slot's first and second entries where its third is below tau (listed
-  # from the slot pass); where the third reaches tau (rare: three of the
-  # row's top values in one slot), all of them, read again below.
+  # The slots that may hold a value >= tau. With the slots' entries
+  # (ENTRIES), their values >= tau are the slot's first and second entries
+  # where its third is below tau (listed from the slot pass); where the
+  # third reaches tau (rare: three of the row's top values in one slot), all
+  # of them, read again below. Without, every such slot is read again.
   sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
-  k3 = order_key(tl.load(third_ptr + r * S + s, mask=valid, other=float("-inf")))
-  full = sel & (k3 >= tau) & (k3 > _KEY_NEG_INF)
+  if ENTRIES:
+    k3 = order_key(tl.load(third_ptr + r * S + s, mask=valid, other=float("-inf")))
+    full = sel & (k3 >= tau) & (k3 > _KEY_NEG_INF)
+  else:
+    full = sel
   one = sel & ~full
-  v2 = tl.load(second_ptr + r * S + s, mask=valid, other=float("-inf"))
+  v2 = tl.load(second_ptr + r * S + s, mask=one, other=float("-inf"))
   k2 = order_key(v2)
   two = one & (k2 >= tau) & (k2 > _KEY_NEG_INF)
   # One scan for the three places, 16 bits a count (fewer than 2**16 slots).
@@ -360,9 +378,8 @@ def launch(t, scale, inv_t, offset, m: int, slot: int) -> dict:
   ``[1]``, ``inv_t [B]`` (checked by :func:`row_lists`; ``offset`` int32
   ``()``)."""
   b, w = t.shape
-  per_id = scale.shape[0] == w
   jt = noise.jax_triton_module()
-  first, second = constexprs(w, m, slot, per_id=per_id)
+  first, second = constexprs(w, m, slot, per_id=scale.shape[0] == w, entries=keeps_entries(b))
   s = first["S"]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -382,23 +399,25 @@ def launch(t, scale, inv_t, offset, m: int, slot: int) -> dict:
               lse_sum=lse_sum, best_t=best_t, best_id=best_id)
 
 
-def constexprs(width: int, m: int, slot: int, *, per_id: bool = False) -> tuple[dict, dict]:
+def constexprs(width: int, m: int, slot: int, *, per_id: bool = False,
+               entries: bool = False) -> tuple[dict, dict]:
   """The two kernels' constexprs for rows of ``width`` ids, lists of ``m``,
-  slots of ``slot`` ids and a scale per id (``per_id``) or one."""
+  slots of ``slot`` ids, a scale per id (``per_id``) or one, and the slots'
+  next two entries kept (``entries``, :func:`keeps_entries`) or not."""
   s = -(-width // slot)
   slot_cap, cap = caps(m)
-  return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot), PER_ID=per_id),
+  return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot), PER_ID=per_id, ENTRIES=entries),
           dict(W=width, S=s, S_PAD=triton.next_power_of_2(s), SLOT=slot, M=m,
                SLOT_CAP=slot_cap, CAP=cap, GROUP=max(1, _GATHER_ELEMENTS // slot),
-               RADIX=_RADIX, SLACK=tau_slack(m), PER_ID=per_id))
+               RADIX=_RADIX, SLACK=tau_slack(m), PER_ID=per_id, ENTRIES=entries))
 
 
 def lists_for_inspection(width: int, m: int, slot: int, *, per_id: bool = False,
-                         capability: tuple[int, int] = (9, 0)):
+                         entries: bool = False, capability: tuple[int, int] = (9, 0)):
   """Both kernels compiled for ``capability`` without a GPU
   (:func:`~pallas_kernels.triton_sampler.compile_for_inspection`):
   ``(slot pass, row lists)``."""
-  first, second = constexprs(width, m, slot, per_id=per_id)
+  first, second = constexprs(width, m, slot, per_id=per_id, entries=entries)
   inputs = {"t_ptr": "*fp32", "scale_ptr": "*fp32", "inv_t_ptr": "*fp32"}
   stats = compile_for_inspection(
       _slot_stats_kernel, {**inputs, "max_ptr": "*fp32", "sum_ptr": "*fp32",

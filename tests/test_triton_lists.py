@@ -171,11 +171,12 @@ def _slot_depths(row: np.ndarray, m: int, slot: int) -> np.ndarray:
 
 @compiled_only
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm90", "sm80"])
-@pytest.mark.parametrize("width, m, per_id", [(151936, 128, True), (128256, 128, False),
-                                              (201088, 128, True), (151936, 28, False)])
-def test_kernels_compile_without_spills(capability, width, m, per_id, tmp_path):
-  for k in tls.lists_for_inspection(width, m, dense_lists.slot_size(width, m),
-                                    per_id=per_id, capability=capability):
+@pytest.mark.parametrize("width, m, per_id, entries",
+                         [(151936, 128, True, True), (128256, 128, False, False),
+                          (201088, 128, True, False), (151936, 28, False, True)])
+def test_kernels_compile_without_spills(capability, width, m, per_id, entries, tmp_path):
+  for k in tls.lists_for_inspection(width, m, dense_lists.slot_size(width, m), per_id=per_id,
+                                    entries=entries, capability=capability):
     reg, stack = registers(k.asm["cubin"], tmp_path)
     assert stack == 0, f"spills: {stack} bytes of stack, {reg} registers"
 
@@ -218,28 +219,31 @@ def tempered_rows(t, scale=None, inv_t=None) -> np.ndarray:
 
 
 def interpret(t: np.ndarray, first_id: int, m: int, slot: int, scale=None,
-              inv_t=None) -> dict:
+              inv_t=None, entries: bool = False) -> dict:
   """:func:`tls.launch` itself, jax-triton's call replaced by Triton's
-  interpreter on host arrays."""
+  interpreter on host arrays; the slots' entries kept or not (``entries``,
+  whatever the rows)."""
   b, w = t.shape
   scale = np.ones(1, np.float32) if scale is None else np.asarray(scale, np.float32).reshape(-1)
   inv_t = np.ones(b, np.float32) if inv_t is None else np.asarray(inv_t, np.float32)
   interpreted = types.SimpleNamespace(triton_call=interpreted_triton_call)
-  with mock.patch.object(noise, "jax_triton_module", lambda: interpreted):
+  with mock.patch.object(noise, "jax_triton_module", lambda: interpreted), \
+       mock.patch.object(tls, "ENTRIES_MAX_ROWS", b if entries else 0):
     got = tls.launch(np.asarray(t, np.float32), scale, inv_t, np.int32(first_id), m, slot)
   return {name: np.asarray(x) for name, x in got.items()}
 
 
 @interpreter_only
-def test_interpreter_lists_match_their_contract():
+@pytest.mark.parametrize("entries", [True, False])
+def test_interpreter_lists_match_their_contract(entries):
   # Ids from 0; the tests below list from other first ids.
   t = rows()
-  check(interpret(t, 0, M, SLOT), expected(t, 0, M, SLOT))
+  check(interpret(t, 0, M, SLOT, entries=entries), expected(t, 0, M, SLOT))
 
 
 @interpreter_only
-@pytest.mark.parametrize("per_id", [True, False])
-def test_interpreter_lists_temper_as_xla(per_id):
+@pytest.mark.parametrize("per_id, entries", [(True, True), (False, False)])
+def test_interpreter_lists_temper_as_xla(per_id, entries):
   # The kernels read a GEMM's raw output: (t * scale) * (1 / T) per row,
   # with scales of either sign (masked ids stay -inf) and a greedy row (1).
   t = rows()
@@ -248,7 +252,7 @@ def test_interpreter_lists_temper_as_xla(per_id):
            if per_id else np.float32(0.37)).astype(np.float32)
   inv_t = (1 / r.uniform(0.3, 1.5, len(t))).astype(np.float32)
   inv_t[4] = 1
-  got = interpret(t, 1000, M, SLOT, scale=scale, inv_t=inv_t)
+  got = interpret(t, 1000, M, SLOT, scale=scale, inv_t=inv_t, entries=entries)
   check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
 
 
@@ -413,8 +417,9 @@ def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("first_id", [0, 1000])
-def test_gpu_lists_match_their_contract(first_id):
+@pytest.mark.parametrize("first_id, entries", [(0, True), (1000, False)])
+def test_gpu_lists_match_their_contract(first_id, entries, monkeypatch):
+  monkeypatch.setattr(tls, "ENTRIES_MAX_ROWS", 64 if entries else 0)
   t = rows()
   got = jax.jit(lambda t, f: tls.row_lists(t, f, M, slot=SLOT))(jnp.asarray(t),
                                                                jnp.int32(first_id))
@@ -440,8 +445,10 @@ def test_gpu_lists_of_a_vocabulary_wide_row(b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_id", [True, False])
-def test_gpu_lists_temper_as_xla(per_id):
-  # The interpreter test's rows and scales through the real launch.
+def test_gpu_lists_temper_as_xla(per_id, monkeypatch):
+  # The interpreter test's rows and scales through the real launch (the
+  # slots' entries kept with per-id scales).
+  monkeypatch.setattr(tls, "ENTRIES_MAX_ROWS", 64 if per_id else 0)
   t = rows()
   r = np.random.default_rng(5)
   scale = (r.uniform(0.5, 2.0, W) * np.where(np.arange(W) % 97 == 0, -1, 1)

@@ -105,7 +105,7 @@ def stamped_launch(kernel, t, m: int, slot: int):
   """The slot pass, then the instrumented row kernel: its lists and stamps."""
   jt = noise.jax_triton_module()
   b, _ = t.shape
-  first, second = tls.constexprs(t.shape[1], m, slot)
+  first, second = tls.constexprs(t.shape[1], m, slot, entries=tls.keeps_entries(b))
   s = first["S"]
   scale, inv_t = jnp.ones((1,), jnp.float32), jnp.ones((b,), jnp.float32)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
