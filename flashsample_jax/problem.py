@@ -166,7 +166,13 @@ def logits(hidden, weight, layout: str, scale=None) -> jax.Array:
   l = lax.dot_general(hidden, weight.astype(hidden.dtype),
                       (((1,), (contract,)), ((), ())),
                       preferred_element_type=jnp.float32)
-  return l if scale is None else l * scale
+  return scaled(l, scale)
+
+
+def scaled(product, scale):
+  """The logits of an f32 product ``[B, Vc]``: times ``scale`` (``[Vc]``,
+  ``()`` or None for none), one f32 rounding (:func:`logits`)."""
+  return product if scale is None else product * scale
 
 
 def _is_concrete(x) -> bool:

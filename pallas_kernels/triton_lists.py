@@ -1,23 +1,29 @@
 """A row's candidate list, log-sum-exp and best from its materialized
-tempered logits, in two Triton kernels (launched through jax-triton).
+logits, in two Triton kernels (launched through jax-triton).
 
-The dense route (XLA's GEMM writes ``t [B, W]``, f32) needs, per row, the
-top-M tempered logits for stage 2's truncation, the online log-sum-exp
-``(max, sum exp(t - max))`` and the best ``(t, id)`` (greedy rows' token).
-As XLA fusions that is some thirty kernels (docs/performance.md, "Candidate
-lists of the dense route"); here it is two:
+The dense route (XLA's GEMM writes its f32 product ``[B, W]``) needs, per
+row, the top-M tempered logits ``t`` for stage 2's truncation, the online
+log-sum-exp ``(max, sum exp(t - max))`` and the best ``(t, id)`` (greedy
+rows' token). As XLA fusions that is some thirty kernels
+(docs/performance.md, "Candidate lists of the dense route"); here it is
+two, which temper what they read as XLA would (``t = (product * scale) *
+(1 / T)``, :func:`load_tempered`), so that ``t`` is never written:
 
 1. :func:`_slot_stats_kernel`, grid ``(B, slot blocks)``: per slot of
    ``SLOT`` consecutive ids, its maximum (NaN if it holds a NaN), the sum of
-   ``exp(t - max)`` and the first id of its maximum (of its first NaN).
-   One read of ``t``.
+   ``exp(t - max)`` and the first id of its maximum (of its first NaN), and,
+   in a launch of few rows (:func:`keeps_entries`), its next two entries in
+   the lists' order (the second's value and id, the third's value). One read
+   of ``t``.
 2. :func:`_row_lists_kernel`, grid ``(B,)``: the row's best and log-sum-exp
    from its slots; ``tau``, the M-th largest slot maximum (a radix select
    over the slots' order keys), which is at most the row's M-th largest
    value, so every value of the row's top M is ``>= tau`` and lies in a slot
    whose maximum is ``>= tau``; the values ``>= tau`` of those slots
-   (usually a few more than M) gathered, sorted by (value descending, id
-   ascending) and the first M written.
+   (usually a few more than M: read again from ``t``, or, with the slots'
+   entries, their first and second entries and every value of the rare slot
+   whose third entry reaches tau, read again), sorted by (value descending,
+   id ascending) and the first M written.
 
 The lists are exact (``bound = -inf``): the top M by that order, as
 ``lax.top_k`` lists them. A row is handed to stage 2's exact path instead
@@ -38,10 +44,10 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import triton_noise as noise
-from pallas_kernels.triton_sampler import best_along, compile_for_inspection
+from pallas_kernels.triton_sampler import best_along, compile_for_inspection, tempered
 
-__all__ = ["LISTS_MAX", "row_lists", "launch", "caps", "slot_block", "constexprs",
-           "lists_for_inspection"]
+__all__ = ["LISTS_MAX", "ENTRIES_MAX_ROWS", "row_lists", "launch", "caps", "tau_slack",
+           "slot_block", "keeps_entries", "constexprs", "lists_for_inspection"]
 
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 # The order key of -inf (keys of finite values are larger).
@@ -57,6 +63,12 @@ _LISTS_WARPS = 8
 _STAGES = 2
 # The longest list the kernels build (stage2.CANDIDATES).
 LISTS_MAX = 128
+# The most rows for which the slot pass also keeps each slot's next two
+# entries (ENTRIES): they halve the row program, which bounds a launch of few
+# rows, but the pass's extra reductions make it compute-bound, so from some
+# tens of rows on they cost more than they save (docs/performance.md, "The
+# list kernels").
+ENTRIES_MAX_ROWS = 8
 
 
 def caps(m: int) -> tuple[int, int]:
@@ -66,6 +78,17 @@ def caps(m: int) -> tuple[int, int]:
   such slots and, with ``W / SLOT >= 8 m`` slots, about ``m + m^2 / (2 S)``
   such values (each of the top values in a slot of its own but for a few)."""
   return 2 * m, 2 * triton.next_power_of_2(m)
+
+
+def tau_slack(m: int) -> int:
+  """How many slot maxima beyond ``m`` may reach ``tau`` when the radix
+  select stops early (the gathered values grow by about as many)."""
+  return max(1, m // 8)
+
+
+def keeps_entries(rows: int) -> bool:
+  """Whether a launch over ``rows`` rows keeps the slots' next two entries."""
+  return rows <= ENTRIES_MAX_ROWS
 
 
 def slot_block(slot: int) -> int:
@@ -81,14 +104,30 @@ def order_key(x):
 
 
 @triton.jit
-def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr,
-                       W: tl.constexpr, S: tl.constexpr, SLOT: tl.constexpr,
-                       SPP: tl.constexpr):
+def load_tempered(t_ptr, scale_ptr, inv_t, r, col, ok, W: tl.constexpr, PER_ID: tl.constexpr):
+  """Row ``r``'s tempered logits at ``col`` (``-inf`` where not ``ok``):
+  ``(t * scale) * inv_t``, XLA's ``f32(dot) * weight_scale`` and its
+  ``x / T`` in the same program (docs/design.md, "Division"); two roundings,
+  no fma (the kernels compile without contraction). ``scale`` per id
+  (``PER_ID``) or one value."""
+  x = tl.load(t_ptr + r.to(tl.int64) * W + col, mask=ok, other=0.0)
+  if PER_ID:
+    sc = tl.load(scale_ptr + col, mask=ok, other=1.0)
+  else:
+    sc = tl.load(scale_ptr)
+  return tl.where(ok, tempered(x * sc, inv_t), float("-inf"))
+
+
+@triton.jit
+def _slot_stats_kernel(t_ptr, scale_ptr, inv_t_ptr, max_ptr, sum_ptr, arg_ptr, second_ptr,
+                       second_arg_ptr, third_ptr, W: tl.constexpr, S: tl.constexpr,
+                       SLOT: tl.constexpr, SPP: tl.constexpr, PER_ID: tl.constexpr,
+                       ENTRIES: tl.constexpr):
   r = tl.program_id(0)
   slots = tl.program_id(1) * SPP + tl.arange(0, SPP)
   col = slots[:, None] * SLOT + tl.arange(0, SLOT)[None, :]          # [SPP, SLOT]
   ok = col < W
-  t = tl.load(t_ptr + r.to(tl.int64) * W + col, mask=ok, other=float("-inf"))
+  t = load_tempered(t_ptr, scale_ptr, tl.load(inv_t_ptr + r), r, col, ok, W, PER_ID)
   # The combine rule's best of each slot: NaN if it holds one (then its
   # first NaN), else its maximum and the first id of it.
   mx, arg = best_along(t, col, ok, 1)
@@ -100,15 +139,28 @@ def _slot_stats_kernel(t_ptr, max_ptr, sum_ptr, arg_ptr,
   tl.store(max_ptr + out, mx, mask=keep)
   tl.store(sum_ptr + out, tl.sum(e, axis=1), mask=keep)
   tl.store(arg_ptr + out, arg, mask=keep)
+  if ENTRIES:
+    # The next two entries in the lists' order (value descending, id
+    # ascending): the row program reads a slot's values again only where its
+    # third reaches tau (a NaN slot's are never read: its row is handed over).
+    ok2 = ok & (col != arg[:, None])
+    second, arg2 = best_along(tl.where(ok2, t, float("-inf")), col, ok2, 1)
+    ok3 = ok2 & (col != arg2[:, None])
+    third = tl.max(tl.where(ok3, t, float("-inf")), axis=1)
+    tl.store(second_ptr + out, second, mask=keep)
+    tl.store(second_arg_ptr + out, arg2, mask=keep)
+    tl.store(third_ptr + out, third, mask=keep)
 
 
 @triton.jit
-def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
+def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, third_ptr,
+                      t_ptr, scale_ptr, inv_t_ptr, off_ptr,
                       vals_ptr, ids_ptr, bound_ptr, lse_max_ptr, lse_sum_ptr,
                       best_t_ptr, best_id_ptr, slot_buf_ptr, cand_v_ptr, cand_i_ptr,
                       W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
                       SLOT: tl.constexpr, M: tl.constexpr, SLOT_CAP: tl.constexpr,
-                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr):
+                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr,
+                      SLACK: tl.constexpr, PER_ID: tl.constexpr, ENTRIES: tl.constexpr):
   r = tl.program_id(0)
   off = tl.load(off_ptr)
   s = tl.arange(0, S_PAD)
@@ -137,34 +189,68 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
   total = tl.where(finite, total, tl.where(top == float("-inf"), 0.0, float("nan")))
   tl.store(lse_sum_ptr + r, tl.where(row_nan, float("nan"), total))
 
-  # tau's key: the largest k with at least M slot maxima of key >= k,
-  # RADIX bits a step: the count of keys >= each of the 2**RADIX probes of
-  # the step in one reduction (counts fall as the probe rises, so the step's
-  # digit is the number of probes above 0 that still count M).
+  # tau's key: the M-th largest slot maximum's key, RADIX bits a step from
+  # the top (the count of keys >= each of the 2**RADIX probes of the step
+  # in one reduction; counts fall as the probe rises, so the step's digit
+  # is the number of probes above 0 that still count M), stopped once at
+  # most M + SLACK slot maxima reach the bits decided so far (the rest 0).
+  # Any key at most the M-th largest keeps the lists exact; a lower one
+  # lists a few more values, and saves the steps that would not.
   key = order_key(mx)
   counted = valid & ~nan
   tau = tl.full([], 0, tl.uint32)
   digit = tl.arange(0, 1 << RADIX).to(tl.uint32)
-  for i in tl.static_range(32 // RADIX):
-    probe = tau | (digit << (32 - RADIX * (i + 1)))                      # [2**RADIX]
+  shift = 32 - RADIX
+  reach = tl.sum(counted.to(tl.int32), axis=0)
+  while (shift >= 0) & (reach > M + SLACK):
+    probe = tau | (digit << shift.to(tl.uint32))                          # [2**RADIX]
     n = tl.sum((counted[None, :] & (key[None, :] >= probe[:, None])).to(tl.int32), axis=1)
     d = tl.sum((n >= M).to(tl.int32), axis=0) - 1
-    tau = tau | (d.to(tl.uint32) << (32 - RADIX * (i + 1)))
+    tau = tau | (d.to(tl.uint32) << shift.to(tl.uint32))
+    reach = tl.sum(tl.where(digit == d.to(tl.uint32), n, 0), axis=0)
+    shift -= RADIX
 
-  # The slots that may hold a value >= tau, in id order.
+  # The slots that may hold a value >= tau. With the slots' entries
+  # (ENTRIES), their values >= tau are the slot's first and second entries
+  # where its third is below tau (listed from the slot pass); where the
+  # third reaches tau (rare: three of the row's top values in one slot), all
+  # of them, read again below. Without, every such slot is read again.
   sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
-  pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-  n_sel = tl.sum(sel.to(tl.int32), axis=0)
-  tl.store(slot_buf_ptr + r * SLOT_CAP + pos, s, mask=sel & (pos < SLOT_CAP))
+  if ENTRIES:
+    k3 = order_key(tl.load(third_ptr + r * S + s, mask=valid, other=float("-inf")))
+    full = sel & (k3 >= tau) & (k3 > _KEY_NEG_INF)
+  else:
+    full = sel
+  one = sel & ~full
+  v2 = tl.load(second_ptr + r * S + s, mask=one, other=float("-inf"))
+  k2 = order_key(v2)
+  two = one & (k2 >= tau) & (k2 > _KEY_NEG_INF)
+  # One scan for the three places, 16 bits a count (fewer than 2**16 slots).
+  packed_counts = (one.to(tl.int64) | (two.to(tl.int64) << 16) | (full.to(tl.int64) << 32))
+  at_all = tl.cumsum(packed_counts, axis=0)
+  n_all = tl.sum(packed_counts, axis=0)
+  p1 = (at_all & 0xFFFF).to(tl.int32) - 1
+  n1 = (n_all & 0xFFFF).to(tl.int32)
+  p2 = n1 + ((at_all >> 16) & 0xFFFF).to(tl.int32) - 1
+  n2 = ((n_all >> 16) & 0xFFFF).to(tl.int32)
+  pf = ((at_all >> 32) & 0xFFFF).to(tl.int32) - 1
+  n_full = ((n_all >> 32) & 0xFFFF).to(tl.int32)
+  n_sel = n1 + n_full
+  tl.store(cand_v_ptr + r * CAP + p1, mx, mask=one & (p1 < CAP))
+  tl.store(cand_i_ptr + r * CAP + p1, off + arg, mask=one & (p1 < CAP))
+  i2 = tl.load(second_arg_ptr + r * S + s, mask=two, other=0)
+  tl.store(cand_v_ptr + r * CAP + p2, v2, mask=two & (p2 < CAP))
+  tl.store(cand_i_ptr + r * CAP + p2, off + i2, mask=two & (p2 < CAP))
+  tl.store(slot_buf_ptr + r * SLOT_CAP + pf, s, mask=full & (pf < SLOT_CAP))
   tl.debug_barrier()
   over = n_sel > SLOT_CAP
-  n_gather = tl.minimum(n_sel, SLOT_CAP)
+  n_gather = tl.minimum(n_full, SLOT_CAP)
 
-  # Their values >= tau, gathered GROUP slots per step.
+  # The values >= tau of the slots read again, GROUP slots per step.
   g = tl.arange(0, GROUP)
   c = tl.arange(0, SLOT)
-  row = t_ptr + r.to(tl.int64) * W
-  count = 0
+  inv_t = tl.load(inv_t_ptr + r)
+  count = n1 + n2
   start = 0
   while start < n_gather:
     j = start + g
@@ -172,7 +258,7 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
     sl = tl.load(slot_buf_ptr + r * SLOT_CAP + j, mask=jm, other=0)
     col = sl[:, None] * SLOT + c[None, :]                                 # [GROUP, SLOT]
     ok = jm[:, None] & (col < W)
-    v = tl.load(row + col, mask=ok, other=float("-inf"))
+    v = load_tempered(t_ptr, scale_ptr, inv_t, r, col, ok, W, PER_ID)
     vk = order_key(v)
     take = ok & (v == v) & (vk >= tau) & (vk > _KEY_NEG_INF)
     ti = take.to(tl.int32)
@@ -205,11 +291,14 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, t_ptr, off_ptr,
   tl.store(bound_ptr + r, tl.where(flag, float("inf"), float("-inf")))
 
 
-def row_lists(t, offset, m: int, *, slot: int):
-  """The top-``m`` list, log-sum-exp and best of each row of ``t [B, W]``
-  (f32 tempered logits; ids ``offset + column``, ``offset`` an int32
-  scalar, traced or not), with slots of ``slot`` ids (at least ``8 m``
-  slots: ``dense_lists.slot_size``).
+def row_lists(t, offset, m: int, *, slot: int, scale=None, inv_temperature=None):
+  """The top-``m`` list, log-sum-exp and best of each row of the tempered
+  logits ``(t * scale) * inv_temperature`` (``t [B, W]`` f32; ``scale``
+  f32, one per column ``[W]`` or one value, default 1; ``inv_temperature``
+  f32 ``[B]``, XLA's ``1 / T`` per row, default 1: the kernels then temper
+  as XLA does, and ``t`` may be a GEMM's raw output), ids ``offset +
+  column`` (``offset`` an int32 scalar, traced or not), with slots of
+  ``slot`` ids (at least ``8 m`` slots: ``dense_lists.slot_size``).
 
   Returns a dict of ControlsState fields: ``cand_vals [B, m]`` (descending),
   ``cand_ids [B, m]``, ``cand_bound [B]`` (``-inf``: exact; ``+inf``: the
@@ -223,56 +312,85 @@ def row_lists(t, offset, m: int, *, slot: int):
   if not 1 <= m <= LISTS_MAX:
     raise ValueError(f"m={m} must be in [1, {LISTS_MAX}]")
   s = -(-w // slot)
-  if s < 8 * m or slot & (slot - 1):
-    raise ValueError(f"slot={slot} must be a power of two leaving >= {8 * m} slots of {w} ids")
-  return _batchable(m, slot)(t, jnp.asarray(offset, jnp.int32))
+  if s < 8 * m or s >= 1 << 16 or slot & (slot - 1):
+    raise ValueError(f"slot={slot} must be a power of two leaving >= {8 * m} and < 65536 "
+                     f"slots of {w} ids")
+  scale = _checked_scale(scale, w)
+  inv_temperature = _checked_inverse_temperatures(inv_temperature, t.shape[0])
+  return _batchable(m, slot)(t, scale, inv_temperature, jnp.asarray(offset, jnp.int32))
+
+
+def _checked_scale(scale, w: int):
+  """``scale`` as f32 ``[W]`` or ``[1]`` (None: ``[1.0]``)."""
+  if scale is None:
+    return jnp.ones((1,), jnp.float32)
+  if scale.dtype != jnp.float32:
+    raise TypeError(f"scale must be float32, got {scale.dtype}")
+  if scale.shape not in ((), (1,), (w,)):
+    raise ValueError(f"scale.shape={scale.shape} must be () or ({w},)")
+  return scale.reshape(-1)
+
+
+def _checked_inverse_temperatures(inv_temperature, b: int):
+  """``inv_temperature`` as f32 ``[B]`` (None: ones)."""
+  if inv_temperature is None:
+    return jnp.ones((b,), jnp.float32)
+  if inv_temperature.dtype != jnp.float32:
+    raise TypeError(f"inv_temperature must be float32, got {inv_temperature.dtype}")
+  if inv_temperature.shape != (b,):
+    raise ValueError(f"inv_temperature.shape={inv_temperature.shape} must be ({b},)")
+  return inv_temperature
 
 
 def _batchable(m: int, slot: int):
   """:func:`launch` for lists of ``m`` and slots of ``slot`` ids, with a
   batching rule (jax-triton's call has none, so ``jax.vmap`` of a program
   that reads lists would fail): the kernels work row by row, so a batch of
-  ``[B, W]`` blocks is one launch over their rows, and batched offsets one
-  launch per block (``lax.map``)."""
+  ``[B, W]`` blocks (with their rows' temperatures) is one launch over
+  their rows, and batched scales or offsets one launch per block
+  (``lax.map``)."""
 
   @jax.custom_batching.custom_vmap
-  def lists(t, offset):
-    return launch(t, offset, m, slot)
+  def lists(t, scale, inv_t, offset):
+    return launch(t, scale, inv_t, offset, m, slot)
 
   @lists.def_vmap
-  def _rule(axis_size, in_batched, t, offset):
-    t_batched, offset_batched = in_batched
-    if offset_batched:
-      if not t_batched:
-        t = jnp.broadcast_to(t, (axis_size, *t.shape))
-      out = jax.lax.map(lambda a: lists(*a), (t, offset))
-    elif t_batched:
+  def _rule(axis_size, in_batched, *args):
+    if not any(in_batched):
+      out = lists(*args)
+      return out, jax.tree.map(lambda _: False, out)
+    batched = [a if on else jnp.broadcast_to(a, (axis_size, *a.shape))
+               for a, on in zip(args, in_batched)]
+    if in_batched[1] or in_batched[3]:
+      out = jax.lax.map(lambda a: lists(*a), tuple(batched))
+    else:
+      t, scale, inv_t, offset = batched
       n, b, w = t.shape
       out = jax.tree.map(lambda x: x.reshape(n, b, *x.shape[1:]),
-                         lists(t.reshape(n * b, w), offset))
-    else:
-      out = lists(t, offset)
-      return out, jax.tree.map(lambda _: False, out)
+                         lists(t.reshape(n * b, w), scale[0], inv_t.reshape(n * b), offset[0]))
     return out, jax.tree.map(lambda _: True, out)
 
   return lists
 
 
-def launch(t, offset, m: int, slot: int) -> dict:
-  """Both kernels through jax-triton on ``t [B, W]`` (checked by
-  :func:`row_lists`; ``offset`` int32 ``()``)."""
+def launch(t, scale, inv_t, offset, m: int, slot: int) -> dict:
+  """Both kernels through jax-triton on ``t [B, W]``, ``scale [W]`` or
+  ``[1]``, ``inv_t [B]`` (checked by :func:`row_lists`; ``offset`` int32
+  ``()``)."""
   b, w = t.shape
   jt = noise.jax_triton_module()
-  first, second = constexprs(w, m, slot)
+  first, second = constexprs(w, m, slot, per_id=scale.shape[0] == w, entries=keeps_entries(b))
   s = first["S"]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  mx, sm, arg = jt.triton_call(
-      t, kernel=_slot_stats_kernel, out_shape=(f32(b, s), f32(b, s), i32(b, s)),
+  mx, sm, arg, second_val, second_arg, third = jt.triton_call(
+      t, scale, inv_t, kernel=_slot_stats_kernel,
+      out_shape=(f32(b, s), f32(b, s), i32(b, s), f32(b, s), i32(b, s), f32(b, s)),
       grid=(b, triton.cdiv(s, first["SPP"])), num_warps=_STATS_WARPS, num_stages=_STAGES,
       name="flashsample_slot_stats", **first)
   vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _, _ = jt.triton_call(
-      mx, sm, arg, t, offset.reshape((1,)), kernel=_row_lists_kernel,
+      mx, sm, arg, second_val, second_arg, third, t, scale, inv_t, offset.reshape((1,)),
+      kernel=_row_lists_kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"])),
       grid=(b,), num_warps=_LISTS_WARPS, num_stages=_STAGES, name="flashsample_row_lists",
@@ -281,29 +399,34 @@ def launch(t, offset, m: int, slot: int) -> dict:
               lse_sum=lse_sum, best_t=best_t, best_id=best_id)
 
 
-def constexprs(width: int, m: int, slot: int) -> tuple[dict, dict]:
-  """The two kernels' constexprs for rows of ``width`` ids, lists of ``m``
-  and slots of ``slot`` ids."""
+def constexprs(width: int, m: int, slot: int, *, per_id: bool = False,
+               entries: bool = False) -> tuple[dict, dict]:
+  """The two kernels' constexprs for rows of ``width`` ids, lists of ``m``,
+  slots of ``slot`` ids, a scale per id (``per_id``) or one, and the slots'
+  next two entries kept (``entries``, :func:`keeps_entries`) or not."""
   s = -(-width // slot)
   slot_cap, cap = caps(m)
-  return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot)),
+  return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot), PER_ID=per_id, ENTRIES=entries),
           dict(W=width, S=s, S_PAD=triton.next_power_of_2(s), SLOT=slot, M=m,
                SLOT_CAP=slot_cap, CAP=cap, GROUP=max(1, _GATHER_ELEMENTS // slot),
-               RADIX=_RADIX))
+               RADIX=_RADIX, SLACK=tau_slack(m), PER_ID=per_id, ENTRIES=entries))
 
 
-def lists_for_inspection(width: int, m: int, slot: int, *,
-                         capability: tuple[int, int] = (9, 0)):
+def lists_for_inspection(width: int, m: int, slot: int, *, per_id: bool = False,
+                         entries: bool = False, capability: tuple[int, int] = (9, 0)):
   """Both kernels compiled for ``capability`` without a GPU
   (:func:`~pallas_kernels.triton_sampler.compile_for_inspection`):
   ``(slot pass, row lists)``."""
-  first, second = constexprs(width, m, slot)
+  first, second = constexprs(width, m, slot, per_id=per_id, entries=entries)
+  inputs = {"t_ptr": "*fp32", "scale_ptr": "*fp32", "inv_t_ptr": "*fp32"}
   stats = compile_for_inspection(
-      _slot_stats_kernel, {"t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-                           "arg_ptr": "*i32"}, first,
+      _slot_stats_kernel, {**inputs, "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                           "arg_ptr": "*i32", "second_ptr": "*fp32",
+                           "second_arg_ptr": "*i32", "third_ptr": "*fp32"}, first,
       capability=capability, num_warps=_STATS_WARPS, num_stages=_STAGES)
-  pointers = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32", "t_ptr": "*fp32",
-              "off_ptr": "*i32", "vals_ptr": "*fp32", "ids_ptr": "*i32",
+  pointers = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32",
+              "second_ptr": "*fp32", "second_arg_ptr": "*i32", "third_ptr": "*fp32",
+              **inputs, "off_ptr": "*i32", "vals_ptr": "*fp32", "ids_ptr": "*i32",
               "bound_ptr": "*fp32", "lse_max_ptr": "*fp32", "lse_sum_ptr": "*fp32",
               "best_t_ptr": "*fp32", "best_id_ptr": "*i32", "slot_buf_ptr": "*i32",
               "cand_v_ptr": "*fp32", "cand_i_ptr": "*i32"}

@@ -207,3 +207,38 @@ def test_slot_lists_of_vocabulary_shards_equal_reference(logits):
         check_vma=False)
     for row in np.asarray(jax.jit(f)(h, w, s)):
       np.testing.assert_array_equal(row, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "per_tensor"])
+@pytest.mark.parametrize("logits", ["exact", "random"])
+def test_kernel_lists_at_any_temperature_equal_xlas_lists(logits, per_row, monkeypatch):
+  # Temperatures that are not powers of two (1 / T rounds): the kernels read
+  # the GEMM's product and temper it as XLA does (docs/design.md,
+  # "Division"), so the route with their lists equals the route with XLA's
+  # top_k lists bit for bit (tokens, kept sets, top ids; log-probabilities
+  # within the log-sum-exp's summation order).
+  from pallas_kernels import triton_lists as tls
+  scales = []
+  launch = tls.launch
+  def recording(t, scale, *args):
+    scales.append(tuple(scale.shape))
+    return launch(t, scale, *args)
+  monkeypatch.setattr(tls, "launch", recording)
+  if logits == "exact":
+    h, w, s = inputs.quantized_inputs(B, D, V, seed=9, per_row=per_row)
+  else:
+    r = np.random.default_rng(15)
+    h = jnp.asarray(r.standard_normal((B, D)), jnp.bfloat16)
+    w = jnp.asarray(r.standard_normal((V, D)) * 2, jnp.float8_e4m3fn)
+    s = jnp.asarray(r.uniform(0.05, 0.2, V if per_row else ()), jnp.float32)
+  t = jnp.asarray([0.6, 0.7, 0.0, 1.3, 0.9, 0.35], jnp.float32)
+  keys = inputs.row_keys(B, seed=16)
+  kw = dict(temperature=t, weight_scale=s, top_k=50, top_p=0.8, return_logprobs=True,
+            top_logprobs=5, return_kept=20)
+  got = fs.sample(h, w, keys, backend=DenseBackend(list_select="kernel"), **kw)
+  assert scales == [(V,) if per_row else (1,)]      # the kernels read the GEMM's product
+  want = fs.sample(h, w, keys, backend=DenseBackend(list_select="top_k"), **kw)
+  for name in ("tokens", "kept_ids", "kept_count", "top_ids"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+  np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)

@@ -264,3 +264,46 @@ def test_quantized_heads_prefer_xla_gemm_but_for_wide_steps_and_float_reports():
   pb = problem.prepare(h, w.astype(jnp.bfloat16), jax.random.key(0))
   assert mosaic.prefers(pb, plain) is True
   assert mosaic.prefers(pb, trunc) is True
+
+
+@pytest.mark.parametrize("b,layout", [(1, "vd"), (5, "dv"), (16, "vd"), (20, "vd")])
+def test_dense_gemm_of_an_8bit_head_takes_at_least_16_rows_on_a_gpu(monkeypatch, b, layout):
+  # XLA's GEMM of an 8-bit head runs slower for one row than for 16 on a GPU
+  # (docs/performance.md, "Candidate lists of the dense route"): the dense
+  # route pads the hidden states to 16 rows there and drops the extra ones.
+  # The GPU's program, traced here: its dot's rows, and the same tokens.
+  from flashsample_jax.backends import xla as xla_backend
+  h, w, s = inputs.quantized_inputs(b, 64, 512, seed=3, layout=layout)
+  kw = dict(weight_scale=s, weight_layout=layout, top_k=20, top_p=0.9,
+            temperature=0.5, backend="dense")
+  key = jax.random.key(4)
+  want = fs.reference.sample(h, w, key, weight_scale=s, weight_layout=layout, top_k=20,
+                             top_p=0.9, temperature=0.5)
+  dots = lambda: _dot_rows(jax.make_jaxpr(lambda h: fs.sample(h, w, key, **kw))(h).jaxpr)
+  on_cpu = dots()
+  monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
+  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
+  jax.clear_caches()          # fs.sample's jit traced the CPU's program
+  try:
+    on_gpu = dots()
+    got = fs.sample(h, w, key, **kw)
+  finally:
+    jax.clear_caches()        # no GPU-traced program left for the next tests
+  # The pass's GEMM (the exact path's, in its conditional, keeps its rows).
+  assert max(b, 16) in on_gpu and (b >= 16 or 16 not in on_cpu)
+  np.testing.assert_array_equal(got, want)
+
+
+def _dot_rows(jaxpr) -> set[int]:
+  """The row counts of the first operands of ``jaxpr``'s dots, nested
+  jaxprs (conditionals, loops, jitted calls) included."""
+  rows = set()
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      rows.add(e.invars[0].aval.shape[0])
+    for v in e.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          rows |= _dot_rows(sub)
+  return rows

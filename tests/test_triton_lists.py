@@ -18,6 +18,8 @@ list, log-sum-exp and best from its materialized tempered logits.
 from __future__ import annotations
 
 import os
+import types
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +33,10 @@ from flashsample_jax import controls, dense_lists, problem, stage2  # noqa: E402
 from flashsample_jax.backends import xla as xla_backend  # noqa: E402
 from flashsample_jax.backends.xla import DenseBackend  # noqa: E402
 from pallas_kernels import triton_lists as tls  # noqa: E402
+from pallas_kernels import triton_noise as noise  # noqa: E402
 from tests import inputs  # noqa: E402
 from tests.test_triton_kernels import registers  # noqa: E402
-from tests.triton_host import HostTensor, run_interpreter_tests  # noqa: E402
+from tests.triton_host import interpreted_triton_call, run_interpreter_tests  # noqa: E402
 
 INT_MAX = np.iinfo(np.int32).max
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -71,10 +74,10 @@ def expected(t, first_id, m: int, slot: int) -> dict:
     padded = np.full(s * slot, -np.inf, np.float32)
     padded[:w] = clean
     maxima = padded.reshape(s, slot).max(axis=1)
-    tau = np.sort(maxima)[::-1][m - 1]
-    slots = (maxima >= tau) & (maxima > -np.inf)
+    tau = tau_key(order_key(maxima[~np.isnan(padded.reshape(s, slot)).any(axis=1)]), m)
+    slots = (order_key(maxima) >= tau) & (maxima > -np.inf)
     values = padded.reshape(s, slot)[slots]
-    n_values = int(np.sum((values >= tau) & (values > -np.inf)))
+    n_values = int(np.sum((order_key(values) >= tau) & (values > -np.inf)))
     if nan.any() or slots.sum() > slot_cap or n_values > cap:
       out["cand_bound"][r] = np.inf
       continue
@@ -83,6 +86,24 @@ def expected(t, first_id, m: int, slot: int) -> dict:
     out["cand_vals"][r, :len(order)] = clean[order]
     out["cand_ids"][r, :len(order)] = first_id + order
   return out
+
+
+def order_key(x) -> np.ndarray:
+  """uint32 keys whose order is the float order (the kernels' order_key)."""
+  b = np.asarray(x, np.float32).view(np.uint32)
+  return np.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def tau_key(keys: np.ndarray, m: int) -> int:
+  """The kernels' tau over the slot maxima's ``keys``: the m-th largest,
+  decided 2 bits a step from the top, stopped once at most ``m +
+  tau_slack(m)`` keys reach the bits decided (the rest 0)."""
+  tau, shift, reach = 0, 30, len(keys)
+  while shift >= 0 and reach > m + tls.tau_slack(m):
+    n = [int(np.sum(keys >= (tau | (d << shift)))) for d in range(4)]
+    d = sum(c >= m for c in n) - 1
+    tau, reach, shift = tau | (d << shift), n[d], shift - 2
+  return tau
 
 
 M, SLOT = 16, 16
@@ -126,6 +147,21 @@ def test_rows_cover_every_case():
   assert want["best_id"][3] == 5 + 7 and want["cand_vals"][8, 0] == np.inf
   assert np.isnan(want["lse_sum"][8]) and want["lse_sum"][4] == 0
   np.testing.assert_array_equal(want["cand_ids"][10, :3], 5 + np.arange(W - 3, W))
+  # Listed rows take each slot's values >= tau from the slot pass's first
+  # two entries, or read the slot again where its third reaches tau: both.
+  depths = {int(d) for r in (0, 1, 7, 9, 10) for d in _slot_depths(rows()[r], M, SLOT)}
+  assert {1, 2} <= depths and max(depths) >= 3
+
+
+def _slot_depths(row: np.ndarray, m: int, slot: int) -> np.ndarray:
+  """Per slot whose maximum reaches the kernels' tau (a NaN-free row), how
+  many of its values reach it."""
+  pad = -(-row.size // slot) * slot - row.size
+  slots = np.concatenate([row, np.full(pad, -np.inf, np.float32)]).reshape(-1, slot)
+  maxima = slots.max(axis=1)
+  tau = tau_key(order_key(maxima), m)
+  reach = slots[(order_key(maxima) >= tau) & (maxima > -np.inf)]
+  return np.sum(order_key(reach) >= tau, axis=1)
 
 
 # ----------------------------------------------------------------------------
@@ -135,11 +171,12 @@ def test_rows_cover_every_case():
 
 @compiled_only
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm90", "sm80"])
-@pytest.mark.parametrize("width, m", [(151936, 128), (128256, 128), (201088, 128),
-                                      (151936, 28)])
-def test_kernels_compile_without_spills(capability, width, m, tmp_path):
-  for k in tls.lists_for_inspection(width, m, dense_lists.slot_size(width, m),
-                                    capability=capability):
+@pytest.mark.parametrize("width, m, per_id, entries",
+                         [(151936, 128, True, True), (128256, 128, False, False),
+                          (201088, 128, True, False), (151936, 28, False, True)])
+def test_kernels_compile_without_spills(capability, width, m, per_id, entries, tmp_path):
+  for k in tls.lists_for_inspection(width, m, dense_lists.slot_size(width, m), per_id=per_id,
+                                    entries=entries, capability=capability):
     reg, stack = registers(k.asm["cubin"], tmp_path)
     assert stack == 0, f"spills: {stack} bytes of stack, {reg} registers"
 
@@ -152,6 +189,14 @@ def test_launcher_checks_its_arguments():
     tls.row_lists(t, 0, 129, slot=SLOT)
   with pytest.raises(ValueError, match="slot=32"):
     tls.row_lists(t, 0, M, slot=32)
+  with pytest.raises(TypeError, match="scale must be float32"):
+    tls.row_lists(t, 0, M, slot=SLOT, scale=jnp.ones((W,), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"scale.shape=\(7,\)"):
+    tls.row_lists(t, 0, M, slot=SLOT, scale=jnp.ones((7,), jnp.float32))
+  with pytest.raises(TypeError, match="inv_temperature must be float32"):
+    tls.row_lists(t, 0, M, slot=SLOT, inv_temperature=jnp.ones((2,), jnp.int32))
+  with pytest.raises(ValueError, match=r"inv_temperature.shape=\(3,\)"):
+    tls.row_lists(t, 0, M, slot=SLOT, inv_temperature=jnp.ones((3,), jnp.float32))
 
 
 # ----------------------------------------------------------------------------
@@ -164,31 +209,51 @@ def test_interpreter_suite():
   run_interpreter_tests(__file__)
 
 
-def interpret(t: np.ndarray, first_id: int, m: int, slot: int) -> dict:
-  """Both kernels under the interpreter, launched as :func:`tls.row_lists`
-  launches them."""
+def tempered_rows(t, scale=None, inv_t=None) -> np.ndarray:
+  """The rows the kernels list: ``(t * scale) * inv_t`` in f32, two
+  roundings (:func:`tls.load_tempered`)."""
+  t = np.asarray(t, np.float32)
+  scale = np.float32(1) if scale is None else np.asarray(scale, np.float32)
+  inv_t = np.ones(t.shape[0], np.float32) if inv_t is None else np.asarray(inv_t, np.float32)
+  return (t * scale).astype(np.float32) * inv_t[:, None]
+
+
+def interpret(t: np.ndarray, first_id: int, m: int, slot: int, scale=None,
+              inv_t=None, entries: bool = False) -> dict:
+  """:func:`tls.launch` itself, jax-triton's call replaced by Triton's
+  interpreter on host arrays; the slots' entries kept or not (``entries``,
+  whatever the rows)."""
   b, w = t.shape
-  first, second = tls.constexprs(w, m, slot)
-  s = first["S"]
-  stats = [HostTensor(x) for x in (t, np.zeros((b, s), np.float32),
-                                   np.zeros((b, s), np.float32), np.zeros((b, s), np.int32))]
-  tls._slot_stats_kernel[(b, triton.cdiv(s, first["SPP"]))](*stats, **first)  # pylint: disable=protected-access
-  names = ("cand_vals", "cand_ids", "cand_bound", "lse_max", "lse_sum", "best_t", "best_id")
-  outs = [np.zeros((b, m), np.float32), np.zeros((b, m), np.int32)]
-  outs += [np.zeros(b, np.float32)] * 4 + [np.zeros(b, np.int32)]
-  scratch = [np.zeros((b, second["SLOT_CAP"]), np.int32),
-             np.zeros((b, second["CAP"]), np.float32), np.zeros((b, second["CAP"]), np.int32)]
-  args = [*stats[1:], stats[0], HostTensor(np.array([first_id], np.int32)),
-          *(HostTensor(x) for x in outs + scratch)]
-  tls._row_lists_kernel[(b,)](*args, **second)  # pylint: disable=protected-access
-  return {name: args[5 + i].a for i, name in enumerate(names)}
+  scale = np.ones(1, np.float32) if scale is None else np.asarray(scale, np.float32).reshape(-1)
+  inv_t = np.ones(b, np.float32) if inv_t is None else np.asarray(inv_t, np.float32)
+  interpreted = types.SimpleNamespace(triton_call=interpreted_triton_call)
+  with mock.patch.object(noise, "jax_triton_module", lambda: interpreted), \
+       mock.patch.object(tls, "ENTRIES_MAX_ROWS", b if entries else 0):
+    got = tls.launch(np.asarray(t, np.float32), scale, inv_t, np.int32(first_id), m, slot)
+  return {name: np.asarray(x) for name, x in got.items()}
 
 
 @interpreter_only
-@pytest.mark.parametrize("first_id", [0, 1000])
-def test_interpreter_lists_match_their_contract(first_id):
+@pytest.mark.parametrize("entries", [True, False])
+def test_interpreter_lists_match_their_contract(entries):
+  # Ids from 0; the tests below list from other first ids.
   t = rows()
-  check(interpret(t, first_id, M, SLOT), expected(t, first_id, M, SLOT))
+  check(interpret(t, 0, M, SLOT, entries=entries), expected(t, 0, M, SLOT))
+
+
+@interpreter_only
+@pytest.mark.parametrize("per_id, entries", [(True, True), (False, False)])
+def test_interpreter_lists_temper_as_xla(per_id, entries):
+  # The kernels read a GEMM's raw output: (t * scale) * (1 / T) per row,
+  # with scales of either sign (masked ids stay -inf) and a greedy row (1).
+  t = rows()
+  r = np.random.default_rng(5)
+  scale = (r.uniform(0.5, 2.0, W) * np.where(np.arange(W) % 97 == 0, -1, 1)
+           if per_id else np.float32(0.37)).astype(np.float32)
+  inv_t = (1 / r.uniform(0.3, 1.5, len(t))).astype(np.float32)
+  inv_t[4] = 1
+  got = interpret(t, 1000, M, SLOT, scale=scale, inv_t=inv_t, entries=entries)
+  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
 
 
 @interpreter_only
@@ -206,19 +271,20 @@ def test_interpreter_lists_of_a_short_list_and_wide_slots():
 LAUNCHED = []   # the rows of each patched launch the programs ran, in order
 
 
-def _numpy_launch(t, offset, m, slot):
+def _numpy_launch(t, scale, inv_t, offset, m, slot):
   """:func:`tls.launch`'s contract, computed on the host (:func:`expected`)."""
   b = t.shape[0]
   shapes = dict(cand_vals=((b, m), jnp.float32), cand_ids=((b, m), jnp.int32),
                 cand_bound=((b,), jnp.float32), lse_max=((b,), jnp.float32),
                 lse_sum=((b,), jnp.float32), best_t=((b,), jnp.float32),
                 best_id=((b,), jnp.int32))
-  def run(t, f):
+  def run(t, scale, inv_t, f):
     LAUNCHED.append(t.shape[0])
-    return expected(t, int(f), m, slot)
+    return expected(tempered_rows(t, scale if scale.shape[0] > 1 else scale[0], inv_t),
+                    int(f), m, slot)
 
   out = jax.pure_callback(run, {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()},
-                          t, offset)
+                          t, scale, inv_t, offset)
   return dict(out)
 
 
@@ -279,6 +345,36 @@ def lists_under_vmap_match_their_contract():
     check({k: v[i] for k, v in own.items()}, expected(t[i], offsets[i], M, SLOT))
 
 
+SCALED = []     # the shape of the scale each patched launch received ((1,): one value)
+
+
+@pytest.mark.parametrize("head", ["fp8_per_row", "int8_per_tensor", "bf16_biased"])
+def test_kernels_temper_the_gemm_output_as_the_reference(kernel_contract, monkeypatch, head):
+  # Without a transform the kernels read the GEMM's own product and scale
+  # it and divide by T themselves (the tempered logits are not written);
+  # with one (here a logit bias) they read x. Same tokens either way.
+  del kernel_contract
+  launched = tls.launch
+  def recording(t, scale, inv_t, offset, m, slot):
+    SCALED.append(tuple(scale.shape))
+    return launched(t, scale, inv_t, offset, m, slot)
+  monkeypatch.setattr(tls, "launch", recording)
+  SCALED.clear()
+  kw = dict(temperature=inputs.pow2_temperatures(B, greedy_every=4, seed=7), top_k=40,
+            top_p=0.9)
+  if head == "bf16_biased":
+    h, w = inputs.list_inputs("exact", B, D, V)
+    kw["logit_bias"] = jnp.asarray(np.random.default_rng(2).integers(-2, 3, V), jnp.float32)
+  else:
+    dtype = jnp.float8_e4m3fn if head.startswith("fp8") else jnp.int8
+    h, w, kw["weight_scale"] = inputs.quantized_inputs(
+        B, D, V, dtype=dtype, per_row=head.endswith("per_row"), seed=3)
+  keys = inputs.row_keys(B, seed=9)
+  got = fs.sample(h, w, keys, backend=DenseBackend(list_select="kernel"), **kw)
+  np.testing.assert_array_equal(got, fs.reference.sample(h, w, keys, **kw))
+  assert SCALED == [{"fp8_per_row": (V,), "int8_per_tensor": (1,), "bf16_biased": (1,)}[head]]
+
+
 def test_lists_under_vmap_launch_once_over_the_blocks_rows(kernel_contract):
   # jax-triton's call has no batching rule: row_lists' own puts a batch of
   # blocks through one launch over their rows, and batched offsets through
@@ -321,8 +417,9 @@ def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("first_id", [0, 1000])
-def test_gpu_lists_match_their_contract(first_id):
+@pytest.mark.parametrize("first_id, entries", [(0, True), (1000, False)])
+def test_gpu_lists_match_their_contract(first_id, entries, monkeypatch):
+  monkeypatch.setattr(tls, "ENTRIES_MAX_ROWS", 64 if entries else 0)
   t = rows()
   got = jax.jit(lambda t, f: tls.row_lists(t, f, M, slot=SLOT))(jnp.asarray(t),
                                                                jnp.int32(first_id))
@@ -344,6 +441,24 @@ def test_gpu_lists_of_a_vocabulary_wide_row(b):
   want = expected(t, 0, m, slot)
   check(got, want)
   assert np.all(want["cand_bound"] == -np.inf)       # every row listed, none handed over
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_id", [True, False])
+def test_gpu_lists_temper_as_xla(per_id, monkeypatch):
+  # The interpreter test's rows and scales through the real launch (the
+  # slots' entries kept with per-id scales).
+  monkeypatch.setattr(tls, "ENTRIES_MAX_ROWS", 64 if per_id else 0)
+  t = rows()
+  r = np.random.default_rng(5)
+  scale = (r.uniform(0.5, 2.0, W) * np.where(np.arange(W) % 97 == 0, -1, 1)
+           if per_id else np.float32(0.37)).astype(np.float32)
+  inv_t = (1 / np.float32([0.6, 0.7, 1.3, 0.35, 1, 0.9, 0.6, 0.7, 0.45, 1.1, 0.8])).astype(
+      np.float32)
+  got = jax.jit(lambda t, s, i: tls.row_lists(t, 1000, M, slot=SLOT, scale=s,
+                                              inv_temperature=i))(
+      jnp.asarray(t), jnp.asarray(scale), jnp.asarray(inv_t))
+  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
 
 
 @pytest.mark.gpu

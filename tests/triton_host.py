@@ -90,3 +90,19 @@ class HostTensor:
 
   def stride(self):
     return tuple(s // self.a.itemsize for s in self.a.strides)
+
+
+def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=None,
+                            name=None, **constexprs):
+  """``jax_triton.triton_call``'s contract on host arrays, the kernel run by
+  Triton's interpreter: the inputs then zeroed outputs of ``out_shape`` as
+  the kernel's arguments. Standing in for jax-triton, it lets the
+  interpreter tests run a module's own launch code."""
+  del num_warps, num_stages, name
+  many = isinstance(out_shape, (tuple, list))
+  shapes = out_shape if many else (out_shape,)
+  ins = [HostTensor(np.asarray(a)) for a in args]
+  outs = [HostTensor(np.zeros(s.shape, s.dtype)) for s in shapes]
+  kernel[grid](*ins, *outs, **constexprs)
+  got = tuple(o.a for o in outs)
+  return got if many else got[0]

@@ -9,8 +9,9 @@ chain of block-wide steps; its wall time alone says nothing of which step
 bounds it. This script writes an instrumented copy of the kernel's source to
 a temporary module (the kernel itself is not changed): before each phase
 comment of the source (the best, the log-sum-exp, tau's radix select, the
-selected slots, the gather, the sort) and at its end, a barrier and the SM's
-``%clock64`` and ``%globaltimer`` stored per row. Each phase's cycles are the
+selected slots and their first entries, the slots read again, the sort) and
+at its end, a barrier and the SM's ``%clock64`` and ``%globaltimer`` stored
+per row. Each phase's cycles are the
 difference of consecutive stamps (median and max over rows); the clock rate
 is the row's cycles over its global-timer span. The instrumented kernel's
 lists are checked equal to the kernel's own, and the kernel's own time per
@@ -41,14 +42,14 @@ from pallas_kernels import triton_noise as noise
 
 # The phase comments of the kernel's source, in order: a stamp goes before each.
 PHASES = ("# The best:", "# The log-sum-exp", "# tau's key", "# The slots that may hold",
-          "# Their values", "# Sorted by")
+          "# The values >= tau of the slots read again", "# Sorted by")
 NAMES = ("load", "best", "lse", "radix", "select", "gather", "sort")
 _STAMPS = len(PHASES) + 2
 
 _PRELUDE = '''
 import triton
 import triton.language as tl
-from pallas_kernels.triton_lists import order_key, _INT_MAX, _KEY_NEG_INF
+from pallas_kernels.triton_lists import order_key, load_tempered, _INT_MAX, _KEY_NEG_INF
 
 
 @triton.jit
@@ -104,16 +105,18 @@ def stamped_launch(kernel, t, m: int, slot: int):
   """The slot pass, then the instrumented row kernel: its lists and stamps."""
   jt = noise.jax_triton_module()
   b, _ = t.shape
-  first, second = tls.constexprs(t.shape[1], m, slot)
+  first, second = tls.constexprs(t.shape[1], m, slot, entries=tls.keeps_entries(b))
   s = first["S"]
+  scale, inv_t = jnp.ones((1,), jnp.float32), jnp.ones((b,), jnp.float32)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  mx, sm, arg = jt.triton_call(
-      t, kernel=tls._slot_stats_kernel, out_shape=(f32(b, s), f32(b, s), i32(b, s)),
+  stats = jt.triton_call(
+      t, scale, inv_t, kernel=tls._slot_stats_kernel,
+      out_shape=(f32(b, s), f32(b, s), i32(b, s), f32(b, s), i32(b, s), f32(b, s)),
       grid=(b, -(-s // first["SPP"])), num_warps=tls._STATS_WARPS,
       num_stages=tls._STAGES, **first)
   outs = jt.triton_call(
-      mx, sm, arg, t, jnp.zeros((1,), jnp.int32), kernel=kernel,
+      *stats, t, scale, inv_t, jnp.zeros((1,), jnp.int32), kernel=kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  i32(b, second["SLOT_CAP"]), f32(b, second["CAP"]), i32(b, second["CAP"]),
                  jax.ShapeDtypeStruct((b, 2 * _STAMPS), jnp.int64)),
@@ -150,10 +153,10 @@ def main(argv=None):
       t = jax.random.normal(jax.random.key(b), (b, v), jnp.float32) * 1.3
       vals, ids, stamps = jax.jit(stamped_launch, static_argnums=(0, 2, 3))(
           kernel, t, args.m, slot)
-      ref = jax.jit(tls.launch, static_argnums=(2, 3))(t, jnp.int32(0), args.m, slot)
+      ref = jax.jit(lambda x: tls.row_lists(x, 0, args.m, slot=slot))(t)
       same = bool(np.array_equal(np.asarray(vals), np.asarray(ref["cand_vals"]))
                   and np.array_equal(np.asarray(ids), np.asarray(ref["cand_ids"])))
-      own = jax.jit(lambda x: tls.launch(x, jnp.int32(0), args.m, slot))
+      own = jax.jit(lambda x: tls.row_lists(x, 0, args.m, slot=slot))
       row = dict(device=device_name(), head=head, B=b, V=v, m=args.m, slot=slot,
                  same_lists=same, launch_us=round(median_us(own, t, reps=9, inner=50)[0], 2),
                  **phases(np.asarray(stamps)))

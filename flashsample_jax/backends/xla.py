@@ -53,6 +53,34 @@ def _platform() -> str:
   return jax.default_backend()
 
 
+# On a GPU, XLA's GEMM of an 8-bit head runs slower for one row than for 16
+# (the same weight read: H200, S head, FP8, device time 176 against 150 us;
+# docs/performance.md, "Candidate lists of the dense route"), so a block's
+# GEMM takes at least this many rows of hidden states, the extra ones zero
+# and dropped. Rows do not mix in a GEMM: each row's logits are the same
+# products and sums; only their order may follow the kernel XLA picks.
+MIN_GEMM_ROWS_8BIT = 16
+
+
+def _gemm_rows(p: Problem, rows: int) -> int:
+  """The rows :func:`_block_logits` gives XLA's GEMM for ``rows`` rows."""
+  if _platform() == "gpu" and problem.is_quantized(p.weight.dtype):
+    return max(rows, MIN_GEMM_ROWS_8BIT)
+  return rows
+
+
+def _block_logits(p: Problem, hidden, w):
+  """f32 logits of ``hidden`` against a chunk ``w = (weight, scale)``
+  (:func:`problem.logits`; scale None: the product alone), the GEMM padded
+  to :func:`_gemm_rows` rows."""
+  rows = hidden.shape[0]
+  pad = _gemm_rows(p, rows) - rows
+  if pad:
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+  l = problem.logits(hidden, w[0], p.layout, w[1])
+  return l[:rows] if pad else l
+
+
 def chunk_size(batch: int, rows: int) -> int:
   """Vocabulary rows per chunk: a fixed number of elements, a multiple of 128."""
   elements = _CHUNK_ELEMENTS.get(_platform(), _DEFAULT_CHUNK_ELEMENTS)
@@ -130,7 +158,7 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    l = problem.logits(hidden, w[0], p.layout, w[1])
+    l = _block_logits(p, hidden, w)
     s = stage2.perturbed(p, l, stage2.tempered(p, l), gid, 1)[:, 0]
     s = jnp.where(gid < p.vocab_size, s, -jnp.inf)
     return _row_best(s, gid)
@@ -155,17 +183,21 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
   m = stage2.candidate_count(p, c)
   offset = jnp.asarray(vocab_offset, jnp.int32)
+  product_is_x = _product_is_x(p, c, vocab_offset)
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
-    l = problem.logits(hidden, w[0], p.layout, w[1])
+    dot = _block_logits(p, hidden, (w[0], None))
+    l = problem.scaled(dot, w[1])
     x = controls.transform(l, gid, c, p.vocab_size)
     t = stage2.tempered(p, x)
     slot = _kernel_slot(c, m, width, list_select)
     if slot is None:
       st = _pass_state(p, c, x, t, gid)
+    elif product_is_x:
+      st = _kernel_state(p, dot, w[1], gid[0], m, slot)
     else:
-      st = _kernel_state(t, gid[0], m, slot)
+      st = _kernel_state(p, x, None, gid[0], m, slot)
     st = stage2.rl_state(c, st, t, controls.raw_logits(l, gid, c, p.vocab_size)
                          if c.raw_lse else None, gid=gid, raw_m=stage2.raw_count(p, c))
     if c.lists and slot is None:
@@ -201,13 +233,25 @@ def _kernel_slot(c: controls.Controls, m: int, width: int, list_select: str) -> 
   return dense_lists.slot_size(width, m)
 
 
-def _kernel_state(t, first_id, m: int, slot: int) -> ControlsState:
+def _product_is_x(p: Problem, c: controls.Controls, vocab_offset) -> bool:
+  """Whether a block's ``x`` is its scaled product itself: no transform or
+  penalty, and every id of the weight's rows a vocabulary id (an unsharded
+  head without padding rows, which ``transform`` would set to -inf)."""
+  return (not (c.transforms or c.penalizes) and isinstance(vocab_offset, int)
+          and vocab_offset == 0 and p.weight_rows <= p.vocab_size)
+
+
+def _kernel_state(p: Problem, x, scale, first_id, m: int, slot: int) -> ControlsState:
   """A block's best, log-sum-exp and top-``m`` lists from the Triton list
-  kernels (:mod:`pallas_kernels.triton_lists`; ids ``first_id + column``).
-  The best's score is its ``t``: a pass without noise scores greedy rows
-  only, whose ``t`` is ``x``."""
+  kernels (:mod:`pallas_kernels.triton_lists`; ids ``first_id + column``)
+  over ``(x * scale) / T``, which the kernels temper as XLA does: from the
+  GEMM's own output where it is ``x`` up to the scale, so that the tempered
+  logits are not written for them. The best's score is its ``t``: a pass
+  without noise scores greedy rows only, whose ``t`` is ``x``."""
   from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
-  f = triton_lists.row_lists(t, first_id, m, slot=slot)
+  inv_t = 1.0 / rules.split_temperature(p.temperature)[1]
+  f = triton_lists.row_lists(x, first_id, m, slot=slot, scale=scale,
+                             inv_temperature=inv_t.astype(jnp.float32))
   best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
   return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
 
