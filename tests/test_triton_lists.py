@@ -234,11 +234,12 @@ def interpret(t: np.ndarray, first_id: int, m: int, slot: int, scale=None,
 
 
 @interpreter_only
-@pytest.mark.parametrize("entries", [True, False])
-def test_interpreter_lists_match_their_contract(entries):
-  # Ids from 0; the tests below list from other first ids.
+def test_interpreter_lists_match_their_contract():
+  # Ids from 0, the slots' entries kept; the tests below list from other
+  # first ids, with and without the entries (the interpreter suite is the
+  # CPU suite's longest test: each case once).
   t = rows()
-  check(interpret(t, 0, M, SLOT, entries=entries), expected(t, 0, M, SLOT))
+  check(interpret(t, 0, M, SLOT, entries=True), expected(t, 0, M, SLOT))
 
 
 @interpreter_only

@@ -54,8 +54,8 @@ def _platform() -> str:
 
 
 # On a GPU, XLA's GEMM of an 8-bit head runs slower for one row than for 16
-# (the same weight read: H200, S head, FP8, device time 176 against 150 us;
-# docs/performance.md, "Candidate lists of the dense route"), so a block's
+# (the same weight read; docs/performance.md, "Candidate lists of the dense
+# route"), so a block's
 # GEMM takes at least this many rows of hidden states, the extra ones zero
 # and dropped. Rows do not mix in a GEMM: each row's logits are the same
 # products and sums; only their order may follow the kernel XLA picks.
