@@ -65,9 +65,9 @@ _STAGES = 2
 LISTS_MAX = 128
 # The most rows for which the slot pass also keeps each slot's next two
 # entries (ENTRIES): they halve the row program, which bounds a launch of few
-# rows, but the pass's extra reductions make it compute-bound, so from some
-# tens of rows on they cost more than they save (docs/performance.md, "The
-# list kernels").
+# rows, but the pass's extra reductions make it compute-bound, so from about
+# 16 rows on they cost more than they save (docs/performance.md, "The list
+# kernels").
 ENTRIES_MAX_ROWS = 8
 
 
