@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["RowLayout", "Penalties", "pack_rows"]
+__all__ = ["RowLayout", "Penalties", "pack_rows", "reciprocal"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -102,7 +102,7 @@ def _bits(x):
   return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
 
 
-def _reciprocal(x):
+def reciprocal(x):
   """``1 / x`` (1 where ``x`` is 0), computed by XLA: on a GPU XLA divides
   as ``div.full.f32``, and ``l * (1 / x)`` with this reciprocal equals XLA's
   own ``l / x`` bit for bit (every one of 33.5M quotients on an H200,
@@ -118,7 +118,7 @@ def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None,
 
   ``1 / T`` (and ``1 / r``) are computed here, by XLA: a kernel that
   multiplies by them divides exactly as the reference does on the device
-  (:func:`_reciprocal`).
+  (:func:`reciprocal`).
 
   Args:
     k0, k1: uint32 ``[B]`` key words.
@@ -137,10 +137,10 @@ def pack_rows(*, k0, k1, temperature, ctr_hi, ctr_lo, softcap=None,
          else jnp.broadcast_to(_bits(softcap), (b,)))
   t = jnp.asarray(temperature, jnp.float32)
   counters = jnp.stack([ctr_hi, ctr_lo], axis=1).reshape(-1, b)   # hi0, lo0, hi1, ..
-  parts = [jnp.stack([k0, k1, _bits(t), cap, _bits(_reciprocal(t))]), counters]
+  parts = [jnp.stack([k0, k1, _bits(t), cap, _bits(reciprocal(t))]), counters]
   if penalties is not None:
     r, pres, freq = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,)) for x in penalties)
-    parts.append(jnp.stack([_bits(r), _bits(_reciprocal(r)), _bits(pres), _bits(freq)]))
+    parts.append(jnp.stack([_bits(r), _bits(reciprocal(r)), _bits(pres), _bits(freq)]))
   if given is not None:
     parts.append(lax.bitcast_convert_type(jnp.asarray(given, jnp.int32), jnp.uint32)[None])
   block = jnp.concatenate(parts)

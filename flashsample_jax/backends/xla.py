@@ -20,7 +20,7 @@ from jax import lax
 from flashsample_jax import controls, dense_lists, problem, stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from flashsample_jax.problem import Problem
-from pallas_kernels import rules
+from pallas_kernels import rowdata, rules
 from pallas_kernels.state import ControlsState
 
 # Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
@@ -55,10 +55,10 @@ def _platform() -> str:
 
 # On a GPU, XLA's GEMM of an 8-bit head runs slower for one row than for 16
 # (the same weight read; docs/performance.md, "Candidate lists of the dense
-# route"), so a block's
-# GEMM takes at least this many rows of hidden states, the extra ones zero
-# and dropped. Rows do not mix in a GEMM: each row's logits are the same
-# products and sums; only their order may follow the kernel XLA picks.
+# route"), so a block's GEMM takes at least this many rows of hidden states,
+# the extra ones zero and dropped. Rows do not mix in a GEMM: each row's
+# logits are the same products and sums; only their order may follow the
+# kernel XLA picks.
 MIN_GEMM_ROWS_8BIT = 16
 
 
@@ -249,9 +249,8 @@ def _kernel_state(p: Problem, x, scale, first_id, m: int, slot: int) -> Controls
   logits are not written for them. The best's score is its ``t``: a pass
   without noise scores greedy rows only, whose ``t`` is ``x``."""
   from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
-  inv_t = 1.0 / rules.split_temperature(p.temperature)[1]
   f = triton_lists.row_lists(x, first_id, m, slot=slot, scale=scale,
-                             inv_temperature=inv_t.astype(jnp.float32))
+                             inv_temperature=rowdata.reciprocal(p.temperature))
   best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
   return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
 
