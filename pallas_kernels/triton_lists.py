@@ -80,10 +80,14 @@ def caps(m: int) -> tuple[int, int]:
   return 2 * m, 2 * triton.next_power_of_2(m)
 
 
-def tau_slack(m: int) -> int:
+def tau_slack(m: int, entries: bool) -> int:
   """How many slot maxima beyond ``m`` may reach ``tau`` when the radix
-  select stops early (the gathered values grow by about as many)."""
-  return max(1, m // 8)
+  select stops early: ``m / 8`` with the slots' entries (their values come
+  from the slot pass, so a few more cost little), none without (there every
+  selected slot is read again, and each further ``8192 / SLOT`` slots costs a
+  gather step; the select then stops early only where exactly ``m`` slot
+  maxima reach the bits decided, docs/performance.md, "The list kernels")."""
+  return max(1, m // 8) if entries else 0
 
 
 def keeps_entries(rows: int) -> bool:
@@ -409,7 +413,7 @@ def constexprs(width: int, m: int, slot: int, *, per_id: bool = False,
   return (dict(W=width, S=s, SLOT=slot, SPP=slot_block(slot), PER_ID=per_id, ENTRIES=entries),
           dict(W=width, S=s, S_PAD=triton.next_power_of_2(s), SLOT=slot, M=m,
                SLOT_CAP=slot_cap, CAP=cap, GROUP=max(1, _GATHER_ELEMENTS // slot),
-               RADIX=_RADIX, SLACK=tau_slack(m), PER_ID=per_id, ENTRIES=entries))
+               RADIX=_RADIX, SLACK=tau_slack(m, entries), PER_ID=per_id, ENTRIES=entries))
 
 
 def lists_for_inspection(width: int, m: int, slot: int, *, per_id: bool = False,

@@ -45,15 +45,18 @@ interpreter_only = pytest.mark.skipif(
 compiled_only = pytest.mark.skipif(INTERPRET, reason="needs compiled kernels")
 
 
-def expected(t, first_id, m: int, slot: int) -> dict:
+def expected(t, first_id, m: int, slot: int, entries: bool | None = None) -> dict:
   """What the kernels write for ``t [B, W]`` (ids ``first_id + column``),
-  lists of ``m`` and slots of ``slot`` ids (the module's docstring):
+  lists of ``m`` and slots of ``slot`` ids, in a launch that keeps the
+  slots' entries or not (``entries``; None: as one over these rows does,
+  ``tls.keeps_entries``) (the module's docstring):
   the top ``m`` by (value descending, id ascending), or, for a row holding a
   NaN or more than ``caps(m)`` slots / values at or above ``tau``, nothing
   listed and the bound +inf. ``lse_sum`` is NumPy's sum (compare it within
   a tolerance)."""
   t = np.asarray(t, np.float32)
   b, w = t.shape
+  entries = tls.keeps_entries(b) if entries is None else entries
   s = -(-w // slot)
   slot_cap, cap = tls.caps(m)
   out = dict(cand_vals=np.full((b, m), -np.inf, np.float32),
@@ -74,7 +77,8 @@ def expected(t, first_id, m: int, slot: int) -> dict:
     padded = np.full(s * slot, -np.inf, np.float32)
     padded[:w] = clean
     maxima = padded.reshape(s, slot).max(axis=1)
-    tau = tau_key(order_key(maxima[~np.isnan(padded.reshape(s, slot)).any(axis=1)]), m)
+    tau = tau_key(order_key(maxima[~np.isnan(padded.reshape(s, slot)).any(axis=1)]), m,
+                  entries)
     slots = (order_key(maxima) >= tau) & (maxima > -np.inf)
     values = padded.reshape(s, slot)[slots]
     n_values = int(np.sum((order_key(values) >= tau) & (values > -np.inf)))
@@ -94,12 +98,12 @@ def order_key(x) -> np.ndarray:
   return np.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
 
 
-def tau_key(keys: np.ndarray, m: int) -> int:
+def tau_key(keys: np.ndarray, m: int, entries: bool) -> int:
   """The kernels' tau over the slot maxima's ``keys``: the m-th largest,
   decided 2 bits a step from the top, stopped once at most ``m +
-  tau_slack(m)`` keys reach the bits decided (the rest 0)."""
+  tau_slack(m, entries)`` keys reach the bits decided (the rest 0)."""
   tau, shift, reach = 0, 30, len(keys)
-  while shift >= 0 and reach > m + tls.tau_slack(m):
+  while shift >= 0 and reach > m + tls.tau_slack(m, entries):
     n = [int(np.sum(keys >= (tau | (d << shift)))) for d in range(4)]
     d = sum(c >= m for c in n) - 1
     tau, reach, shift = tau | (d << shift), n[d], shift - 2
@@ -136,10 +140,11 @@ def check(got: dict, want: dict):
   np.testing.assert_allclose(np.asarray(got["lse_sum"]), want["lse_sum"], rtol=2e-5)
 
 
-def test_rows_cover_every_case():
+@pytest.mark.parametrize("entries", [True, False])
+def test_rows_cover_every_case(entries):
   # The cases above do what their comments say (else the tests below could
-  # pass without reaching the code they are about).
-  want = expected(rows(), 5, M, SLOT)
+  # pass without reaching the code they are about), in either kind of launch.
+  want = expected(rows(), 5, M, SLOT, entries)
   np.testing.assert_array_equal(np.isinf(want["cand_bound"]) & (want["cand_bound"] > 0),
                                 [0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0])
   assert np.isfinite(want["cand_vals"][5]).sum() == 5
@@ -147,19 +152,20 @@ def test_rows_cover_every_case():
   assert want["best_id"][3] == 5 + 7 and want["cand_vals"][8, 0] == np.inf
   assert np.isnan(want["lse_sum"][8]) and want["lse_sum"][4] == 0
   np.testing.assert_array_equal(want["cand_ids"][10, :3], 5 + np.arange(W - 3, W))
-  # Listed rows take each slot's values >= tau from the slot pass's first
-  # two entries, or read the slot again where its third reaches tau: both.
+  # With the slots' entries, listed rows take each slot's values >= tau
+  # from the slot pass's first two entries, or read the slot again where
+  # its third reaches tau: both.
   depths = {int(d) for r in (0, 1, 7, 9, 10) for d in _slot_depths(rows()[r], M, SLOT)}
   assert {1, 2} <= depths and max(depths) >= 3
 
 
 def _slot_depths(row: np.ndarray, m: int, slot: int) -> np.ndarray:
-  """Per slot whose maximum reaches the kernels' tau (a NaN-free row), how
-  many of its values reach it."""
+  """Per slot whose maximum reaches the kernels' tau (a NaN-free row, the
+  slots' entries kept), how many of its values reach it."""
   pad = -(-row.size // slot) * slot - row.size
   slots = np.concatenate([row, np.full(pad, -np.inf, np.float32)]).reshape(-1, slot)
   maxima = slots.max(axis=1)
-  tau = tau_key(order_key(maxima), m)
+  tau = tau_key(order_key(maxima), m, True)
   reach = slots[(order_key(maxima) >= tau) & (maxima > -np.inf)]
   return np.sum(order_key(reach) >= tau, axis=1)
 
@@ -241,7 +247,7 @@ def test_interpreter_lists_match_their_contract():
   # first ids, with and without the entries (the interpreter suite is the
   # CPU suite's longest test: each case once).
   t = rows()
-  check(interpret(t, 0, M, SLOT, entries=True), expected(t, 0, M, SLOT))
+  check(interpret(t, 0, M, SLOT, entries=True), expected(t, 0, M, SLOT, True))
 
 
 @interpreter_only
@@ -256,7 +262,7 @@ def test_interpreter_lists_temper_as_xla(per_id, entries):
   inv_t = (1 / r.uniform(0.3, 1.5, len(t))).astype(np.float32)
   inv_t[4] = 1
   got = interpret(t, 1000, M, SLOT, scale=scale, inv_t=inv_t, entries=entries)
-  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
+  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT, entries))
 
 
 @interpreter_only
@@ -344,7 +350,8 @@ def lists_under_vmap_match_their_contract():
   one = jax.jit(jax.vmap(f, (0, None)))(jnp.asarray(t), jnp.int32(3))
   own = jax.jit(jax.vmap(f))(jnp.asarray(t), jnp.asarray(offsets))
   for i in range(5):
-    check({k: v[i] for k, v in one.items()}, expected(t[i], 3, M, SLOT))
+    # One launch over the ten rows (no entries), or one per block of two.
+    check({k: v[i] for k, v in one.items()}, expected(t[i], 3, M, SLOT, False))
     check({k: v[i] for k, v in own.items()}, expected(t[i], offsets[i], M, SLOT))
 
 
@@ -426,7 +433,7 @@ def test_gpu_lists_match_their_contract(first_id, entries, monkeypatch):
   t = rows()
   got = jax.jit(lambda t, f: tls.row_lists(t, f, M, slot=SLOT))(jnp.asarray(t),
                                                                jnp.int32(first_id))
-  check(got, expected(t, first_id, M, SLOT))
+  check(got, expected(t, first_id, M, SLOT, entries))
 
 
 @pytest.mark.gpu
@@ -461,7 +468,7 @@ def test_gpu_lists_temper_as_xla(per_id, monkeypatch):
   got = jax.jit(lambda t, s, i: tls.row_lists(t, 1000, M, slot=SLOT, scale=s,
                                               inv_temperature=i))(
       jnp.asarray(t), jnp.asarray(scale), jnp.asarray(inv_t))
-  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT))
+  check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT, per_id))
 
 
 @pytest.mark.gpu
