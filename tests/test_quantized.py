@@ -281,18 +281,20 @@ def test_dense_gemm_of_an_8bit_head_takes_at_least_16_rows_on_a_gpu(monkeypatch,
   want = fs.reference.sample(h, w, key, weight_scale=s, weight_layout=layout, top_k=20,
                              top_p=0.9, temperature=0.5)
   dots = lambda: _dot_rows(jax.make_jaxpr(lambda h: fs.sample(h, w, key, **kw))(h).jaxpr)
-  on_cpu = dots()
-  monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
   monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
-  # The API's jit traced the CPU's program: its cache alone is cleared
-  # (jax.clear_caches would make every later test in the process compile
-  # again).
-  api.run.clear_cache()
+
+  def dots_on(platform):
+    monkeypatch.setattr(xla_backend, "_platform", lambda: platform)
+    # The platform is read when the API's jit traces: its cache alone is
+    # cleared (jax.clear_caches would make every later test in the process
+    # compile again).
+    api.run.clear_cache()
+    return dots()
   try:
-    on_gpu = dots()
+    on_cpu, on_gpu = dots_on("cpu"), dots_on("gpu")
     got = fs.sample(h, w, key, **kw)
   finally:
-    api.run.clear_cache()     # no GPU-traced program left for the next tests
+    api.run.clear_cache()     # no program traced for another platform left for the next tests
   # The pass's GEMM (the exact path's, in its conditional, keeps its rows).
   assert max(b, 16) in on_gpu and (b >= 16 or 16 not in on_cpu)
   np.testing.assert_array_equal(got, want)
