@@ -409,6 +409,35 @@ def test_sample_under_vmap_takes_the_kernel_lists(kernel_contract):
     np.testing.assert_array_equal(got[i], want)
 
 
+def vocabulary_shards_equal_reference(n: int):
+  """An FP8 head's vocabulary over ``n`` devices (``vocab_axis``), top-k +
+  top-p on the dense route with each shard's lists from the kernels (they
+  read the shard's scaled logits with its first id traced): the
+  reference's tokens on every device."""
+  from jax.sharding import AxisType, PartitionSpec as P
+  v = 8250 * n                          # shards of 8250 ids: slots of 8
+  h, w, s = inputs.quantized_inputs(B, D, v, seed=21)
+  kw = dict(temperature=inputs.pow2_temperatures(B, greedy_every=4, seed=22), top_k=40,
+            top_p=0.9)
+  keys = inputs.row_keys(B, seed=23)
+  want = np.asarray(fs.reference.sample(h, w, keys, weight_scale=s, **kw))
+  be = DenseBackend(list_select="kernel")
+  mesh = jax.make_mesh((n,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  f = jax.shard_map(
+      lambda h, w, s: fs.sample(h, w, keys, backend=be, vocab_axis="tp", weight_scale=s,
+                                **kw)[None],
+      mesh=mesh, in_specs=(P(), P("tp", None), P("tp")), out_specs=P("tp"), check_vma=False)
+  for row in np.asarray(jax.jit(f)(h, w, s)):
+    np.testing.assert_array_equal(row, want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs 8 CPU devices as jax.devices()")
+def test_kernel_lists_of_vocabulary_shards_equal_reference(kernel_contract):
+  del kernel_contract
+  vocabulary_shards_equal_reference(2)
+  assert LAUNCHED == [B, B]                 # one launch per shard, over the batch's rows
+
+
 def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
   h, w = inputs.exact_inputs(B, D, V, seed=1)
   monkeypatch.setattr(xla_backend, "_platform", lambda: "cpu")
@@ -469,6 +498,14 @@ def test_gpu_lists_temper_as_xla(per_id, monkeypatch):
                                               inv_temperature=i))(
       jnp.asarray(t), jnp.asarray(scale), jnp.asarray(inv_t))
   check(got, expected(tempered_rows(t, scale, inv_t), 1000, M, SLOT, per_id))
+
+
+@pytest.mark.gpu
+def test_gpu_lists_of_vocabulary_shards():
+  # The real launch on each of two GPUs (nvidia-h200-x2).
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 GPUs")
+  vocabulary_shards_equal_reference(2)
 
 
 @pytest.mark.gpu
