@@ -29,7 +29,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 import flashsample_jax as fs  # noqa: E402
-from flashsample_jax import controls, dense_lists, problem, stage2  # noqa: E402
+from flashsample_jax import api, controls, dense_lists, problem, stage2  # noqa: E402
 from flashsample_jax.backends import xla as xla_backend  # noqa: E402
 from flashsample_jax.backends.xla import DenseBackend  # noqa: E402
 from pallas_kernels import triton_lists as tls  # noqa: E402
@@ -303,11 +303,16 @@ B, D, V = 6, 32, 16500      # lists of 128 from slots of 16 ids
 @pytest.fixture
 def kernel_contract(monkeypatch):
   """``list_select="kernel"`` on the CPU, its kernels' launch replaced by
-  :func:`expected`."""
+  :func:`expected`. The patches act when the API's jit traces: its cache is
+  cleared before (a trace of the same call by another test must not answer
+  for this one) and after (nor this one's for the next)."""
   monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
   monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: True)
   monkeypatch.setattr(tls, "launch", _numpy_launch)
   LAUNCHED.clear()
+  api.run.clear_cache()
+  yield
+  api.run.clear_cache()
 
 
 def _flagged(h, w, keys, backend, temperature, **kw):
