@@ -626,6 +626,7 @@ def top_n(t, n: int, ids=None):
   return -neg[..., :n], ids[..., :n]
 
 
+@jax.named_scope("controls.prefix_sums")
 def prefix_sums(x):
   """Inclusive prefix sums of ``x [B, N]`` along axis 1, each entry's
   additions in an order fixed by its index alone.
@@ -656,6 +657,7 @@ def prefix_sums(x):
   return x
 
 
+@jax.named_scope("controls.nucleus_terms")
 def nucleus_terms(ts):
   """``(e [B, N], Z [B])`` of top-p's mass over ``ts [B, N]`` (descending,
   ``-inf`` after the finite prefix the mass is measured over): ``e =
@@ -670,6 +672,7 @@ def nucleus_terms(ts):
   return e, jnp.where(jnp.any(jnp.isnan(e), axis=1), jnp.nan, z)
 
 
+@jax.named_scope("controls.mass_before")
 def mass_before(e, z):
   """The probability mass ranked strictly before each entry: ``q = e / Z``
   (``z [B]``), ``prefix_sums(q) - q``."""
@@ -677,6 +680,7 @@ def mass_before(e, z):
   return prefix_sums(q) - q
 
 
+@jax.named_scope("controls.keep_mask")
 def keep_mask(t, c: Controls):
   """The truncation rules of the module docstring on materialized rows.
 

@@ -473,6 +473,7 @@ def samples_as_rows(p: Problem, samples: int) -> Problem:
                 else p.key_data))
 
 
+@jax.named_scope("stage2.certify")
 def _certify(c: controls.Controls, cand_t, lse, complete, last,
              margin: float = _TOP_P_MARGIN):
   """Thresholds of the truncation rules from the top-M candidates.
@@ -663,6 +664,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
   return rows.tokens, out, rows.fallback
 
 
+@jax.named_scope("stage2.gather_shards")
 def _gather_shards(st: ControlsState, axis, combine) -> ControlsState:
   """Every vocabulary shard's state of these rows, merged in shard order
   (= id order: ties keep lower ids)."""
@@ -674,6 +676,7 @@ def _gather_shards(st: ControlsState, axis, combine) -> ControlsState:
   return st
 
 
+@jax.named_scope("stage2.pass_rows")
 def _pass_rows(c: controls.Controls, st: ControlsState) -> _Rows:
   """The rows as the pass left them: its best of each sample, no truncation."""
   tokens = st.best_id.T                                      # [S, B]
@@ -689,6 +692,7 @@ def _pass_rows(c: controls.Controls, st: ControlsState) -> _Rows:
                ent_all=ent, ent_kept=ent)
 
 
+@jax.named_scope("stage2.merged_lists")
 def merged_lists(p: Problem, c: controls.Controls, st: ControlsState) -> MergedLists:
   """The merged lists, with what is known of the values they do not hold.
   Values at or below the bound may have unlisted neighbours: only the
@@ -723,6 +727,7 @@ def fixed_logsumexp(x):
   return jnp.log(_fixed_row_sum(jnp.exp(x - safe[:, None]))) + safe
 
 
+@jax.named_scope("stage2.kept_lse")
 def _kept_lse(keep_t):
   """The kept candidates' log-sum-exp ``[B]`` (``keep_t [B, M]``: ``-inf``
   where not kept): :func:`fixed_logsumexp`, fenced like
@@ -730,6 +735,7 @@ def _kept_lse(keep_t):
   return lax.optimization_barrier(fixed_logsumexp(lax.optimization_barrier(keep_t)))
 
 
+@jax.named_scope("stage2.kept_entropy")
 def _kept_entropy(keep, vals):
   """The entropy ``[B]`` of the kept candidates (``keep`` over ``vals``
   ``[B, M]``), its sums in :func:`fixed_logsumexp`'s order, fenced so that
@@ -788,6 +794,7 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
           _Decision(keep=keep, use=use, active=active, pick=pick))
 
 
+@jax.named_scope("stage2.pick_kept")
 def _pick_kept(p: Problem, samples: int, lists: MergedLists, rows: _Rows, keep, *, use, active):
   """Tokens, their t and the kept log-sum-exp of each sample with ``keep``
   (``[B, M]``, over the candidates) applied, in the rows ``use`` (sampled,
@@ -805,6 +812,7 @@ def _pick_kept(p: Problem, samples: int, lists: MergedLists, rows: _Rows, keep, 
           jnp.where(active[None], _kept_lse(kept_t)[None], rows.lse_kept))
 
 
+@jax.named_scope("stage2.top_p_edge")
 def _top_p_edge(c: controls.Controls, certify, pick, finite, tokens, t_tok, fallback):
   """Rows whose nucleus edge lies within rounding of top_p, decided anyway
   where they can be: the kept sets at p -/+ width are nested around the one
@@ -828,6 +836,7 @@ def _top_p_edge(c: controls.Controls, certify, pick, finite, tokens, t_tok, fall
           fallback & ~same)
 
 
+@jax.named_scope("stage2.kept_sets")
 def _kept_sets(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _Rows,
                decision: _Decision | None) -> _Rows:
   """Each row's kept set (``return_kept=N``): its N most likely ids and its
@@ -857,6 +866,7 @@ def _raw_lse(st: ControlsState):
   return jnp.where(jnp.isfinite(st.raw_max), st.raw_max + jnp.log(st.raw_sum), st.raw_max)
 
 
+@jax.named_scope("stage2.raw_top_n")
 def _raw_top_n(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows) -> _Rows:
   """``top_logprobs_mode="raw"``: the N largest raw logits in
   :func:`controls.top_n`'s order off the raw lists, as log-probabilities
@@ -872,6 +882,7 @@ def _raw_top_n(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows)
                        fallback=rows.fallback | ~certain)
 
 
+@jax.named_scope("stage2.top_n")
 def _top_n(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _Rows,
            exact_top) -> _Rows:
   """The N largest t by (t descending, id ascending), controls.top_n's
@@ -923,6 +934,7 @@ _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
                "given_ids")
 
 
+@jax.named_scope("stage2.exact_path")
 def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
   """The fallback rows redone from materialized logits (:func:`_materialized`,
   through :func:`_redo_flagged`)."""
@@ -1023,6 +1035,7 @@ def _take_rows(p: Problem, c: controls.Controls, idx):
   return ps, cs
 
 
+@jax.named_scope("stage2.output")
 def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
   """The :class:`~flashsample_jax.controls.SampleOutput` of the decided rows."""
   out = controls.SampleOutput(rows.tokens, None, None, None)
@@ -1041,6 +1054,7 @@ def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
   return out
 
 
+@jax.named_scope("stage2.raw_logprob")
 def _raw_logprob(p: Problem, c: controls.Controls, st: ControlsState, tokens, axis):
   """``logprob_raw [S, B]``: each token's raw logit (soft-capped, from its
   own weight row as :func:`history_state` scores ids; under ``axis`` from
@@ -1063,6 +1077,7 @@ def _raw_logprob(p: Problem, c: controls.Controls, st: ControlsState, tokens, ax
   return jnp.where(tok >= 0, raw - lse[:, None], jnp.nan).T
 
 
+@jax.named_scope("stage2.nothing_to_sample")
 def _nothing_to_sample(p: Problem, c: controls.Controls, st: ControlsState,
                        rows: _Rows, out):
   """Rows with nothing to sample return -1 (the reference's rule), their

@@ -4,7 +4,7 @@ vocabulary, beside the fused kernels and plain sampling (issue #40:
 top-k + top-p with an 8-bit head).
 
   python3 -m benchmarks.experiments.exp_dense_lists [--heads S] [--batches 16 64]
-      [--weight-dtypes fp8 int8 bf16] [--variants ...] [--rounds 2] [--timeline]
+      [--weight-dtypes fp8 int8 bf16] [--variants ...] [--rounds 2] [--timeline] [--scopes]
 
 For each head, weight dtype and B (random inputs, T 1, top-k 50 + top-p
 0.9, the benchmark's logits): the rows each dense variant sends to the exact
@@ -25,7 +25,9 @@ per call of
 One JSON line per round, one more per (head, dtype, B) with the exact rows.
 With ``--timeline``: instead of the rounds, one line per variant with its
 device timeline (``exp_small_b_timeline.timeline``: the kernels of a call
-and their times).
+and their times). With ``--scopes``: one more line per variant, its compiled
+program's kernels with the named scopes of the code each comes from
+(``hlo_scopes.kernel_scopes``), to read the timeline's kernel names against.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from benchmarks._fallback import exact_path_rows
 from benchmarks._timing import device_name, timed_rounds
 from benchmarks.bench_controls import TOP_K, TOP_P
 from benchmarks.experiments.exp_small_b_timeline import timeline
+from benchmarks.experiments.hlo_scopes import kernel_scopes
 from flashsample_jax.backends.xla import DenseBackend
 
 _DENSE = {"dense_topk": DenseBackend(list_select="top_k"),
@@ -101,6 +104,7 @@ def main(argv=None):
                   default=["auto", "mosaic", "dense_topk", "dense_slots", "plain", "dot"])
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--timeline", action="store_true")
+  ap.add_argument("--scopes", action="store_true")
   args = ap.parse_args(argv)
   key = jax.random.key(0)
   for head in args.heads:
@@ -116,6 +120,10 @@ def main(argv=None):
                 for name, be in _DENSE.items() if name in variants}
         same = _same_tokens(h, w, key, scale, [n for n in _DENSE if n in variants])
         print(json.dumps(dict(tags, exact_rows=rows, same_tokens=same)), flush=True)
+        if args.scopes:
+          for name, f in variants.items():
+            text = f.lower(h, w).compile().as_text()
+            print(json.dumps(dict(tags, variant=name, kernels=kernel_scopes(text))), flush=True)
         if not args.timeline:
           timed_rounds(variants, h, w, rounds=args.rounds, **tags)
           continue

@@ -207,6 +207,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   return _stream(p, block, stage2.state_combine(c, m), vc)
 
 
+@jax.named_scope("xla.pass_state")
 def _pass_state(p: Problem, c: controls.Controls, x, t, gid) -> ControlsState:
   """A block's best of each sample and online log-sum-exp, by XLA."""
   sc = stage2.pass_scores(p, c, x, t, gid)                         # [B, S, W]
@@ -241,6 +242,7 @@ def _product_is_x(p: Problem, c: controls.Controls, vocab_offset) -> bool:
           and vocab_offset == 0 and p.weight_rows <= p.vocab_size)
 
 
+@jax.named_scope("xla.kernel_state")
 def _kernel_state(p: Problem, x, scale, first_id, m: int, slot: int) -> ControlsState:
   """A block's best, log-sum-exp and top-``m`` lists from the Triton list
   kernels (:mod:`pallas_kernels.triton_lists`; ids ``first_id + column``)
@@ -261,6 +263,7 @@ def _lists_kernel_usable() -> bool:
   return all(importlib.util.find_spec(name) is not None for name in ("triton", "jax_triton"))
 
 
+@jax.named_scope("xla.block_lists")
 def _block_lists(t, gid, m: int, width: int, list_select: str) -> dict:
   """A block's top-``m`` candidate list as ControlsState fields: exact by
   ``lax.top_k`` (bound ``-inf``), or by :func:`dense_lists.slot_lists`
