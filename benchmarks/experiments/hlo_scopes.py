@@ -92,12 +92,12 @@ def kernel_scopes(text: str, top: int = 4) -> list[dict]:
       calls = _CALLS.search(line)
       lines = comps.get(calls.group(1), []) if calls else [line]
       scopes = _scopes(lines) or _scopes([line])
-      entry_ = dict(kernel=name, opcode=opcode, where=where,
+      found = dict(kernel=name, opcode=opcode, where=where,
                     scopes=[[s, n] for s, n in scopes.most_common(top)])
       target = _TARGET.search(line)
       if target:
-        entry_["target"] = target.group(1)
-      out.append(entry_)
+        found["target"] = target.group(1)
+      out.append(found)
 
   walk(entry, "entry")
   return out
