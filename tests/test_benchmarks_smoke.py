@@ -243,29 +243,3 @@ def test_score_benchmark_baseline_matches_score_tokens(tmp_path):
   assert {"fused_us", "xla_us", "dot_us", "fused_temp_mib", "xla_over_fused"} <= set(point)
   assert "| topk_topp | 4 |" in res.with_suffix(".md").read_text()
 
-
-def test_kernel_scopes_name_stage_2s_steps():
-  # The map from a trace's kernel names to the package's code: every kernel
-  # of the compiled program listed (the exact path's branches too), and
-  # stage 2's steps found by their named scopes.
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  import flashsample_jax as fs
-  from benchmarks.experiments.hlo_scopes import kernel_scopes, scope_of
-  from flashsample_jax.backends.xla import DenseBackend
-  assert scope_of("jit(f)/jit(run)/stage2.certify/controls.prefix_sums/add") == (
-      "stage2.certify/controls.prefix_sums")
-  r = np.random.default_rng(0)
-  h = jnp.asarray(r.standard_normal((2, 64)), jnp.bfloat16)
-  w, s = fs.quantize_weight(jnp.asarray(r.standard_normal((2048, 64)), jnp.bfloat16), "int8")
-  f = jax.jit(lambda h, w: fs.sample(h, w, jax.random.key(0), backend=DenseBackend(),
-                                     top_k=50, top_p=0.9, weight_scale=s))
-  kernels = kernel_scopes(f.lower(h, w).compile().as_text())
-  scopes = {sc for k in kernels for sc, _ in k["scopes"]}
-  assert {"stage2.certify/controls.mass_before/controls.prefix_sums",
-          "stage2.top_p_edge/stage2.pick_kept"} <= scopes
-  assert any(k["opcode"] == "conditional" for k in kernels)
-  assert any(k["where"] != "entry" and k["scopes"] for k in kernels)   # inside the branches
-  assert len({k["kernel"] for k in kernels}) == len(kernels)

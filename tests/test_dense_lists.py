@@ -245,3 +245,26 @@ def test_kernel_lists_at_any_temperature_equal_xlas_lists(logits, per_row, monke
   for name in ("tokens", "kept_ids", "kept_count", "top_ids"):
     np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
   np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_scopes_name_stage_2s_steps():
+  # The map from a trace's kernel names to the package's code: every kernel
+  # of the compiled program listed (the exact path's branches too), and
+  # stage 2's steps found by their named scopes.
+  # (benchmarks/experiments/hlo_scopes.py; here, not with the benchmarks'
+  # smoke runs, so that CI runs it.)
+  from benchmarks.experiments.hlo_scopes import kernel_scopes, scope_of
+  assert scope_of("jit(f)/jit(run)/stage2.certify/controls.prefix_sums/add") == (
+      "stage2.certify/controls.prefix_sums")
+  r = np.random.default_rng(0)
+  h = jnp.asarray(r.standard_normal((2, 64)), jnp.bfloat16)
+  w, s = fs.quantize_weight(jnp.asarray(r.standard_normal((2048, 64)), jnp.bfloat16), "int8")
+  f = jax.jit(lambda h, w: fs.sample(h, w, jax.random.key(0), backend=DenseBackend(),
+                                     top_k=50, top_p=0.9, weight_scale=s))
+  kernels = kernel_scopes(f.lower(h, w).compile().as_text())
+  scopes = {sc for k in kernels for sc, _ in k["scopes"]}
+  assert {"stage2.certify/controls.mass_before/controls.prefix_sums",
+          "stage2.top_p_edge/stage2.pick_kept"} <= scopes
+  assert any(k["opcode"] == "conditional" for k in kernels)
+  assert any(k["where"] != "entry" and k["scopes"] for k in kernels)   # inside the branches
+  assert len({k["kernel"] for k in kernels}) == len(kernels)
