@@ -242,4 +242,3 @@ def test_score_benchmark_baseline_matches_score_tokens(tmp_path):
   assert point["N"] == 4 and point["config"] == "topk_topp"
   assert {"fused_us", "xla_us", "dot_us", "fused_temp_mib", "xla_over_fused"} <= set(point)
   assert "| topk_topp | 4 |" in res.with_suffix(".md").read_text()
-

@@ -56,12 +56,8 @@ def scope_of(op_name: str) -> str:
 
 
 def _scopes(lines: list[str]) -> collections.Counter:
-  count = collections.Counter()
-  for line in lines:
-    m = _OP_NAME.search(line)
-    if m and scope_of(m.group(1)):
-      count[scope_of(m.group(1))] += 1
-  return count
+  found = (_OP_NAME.search(line) for line in lines)
+  return collections.Counter(s for s in (scope_of(m.group(1)) for m in found if m) if s)
 
 
 def kernel_scopes(text: str, top: int = 4) -> list[dict]:
