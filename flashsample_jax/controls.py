@@ -89,6 +89,11 @@ class Controls:
     every_row_truncates: static; True when a truncation rule was given as a
       concrete value that is on for every row (e.g. ``top_k=50``), so that
       every sampled row is decided on the candidates (:meth:`for_pass`).
+    top_k_max: static; where ``top_k`` was given as a concrete value that is
+      on for every row, a bound on its largest k (:func:`k_bound`): every
+      row's kept set then lies in its top k and their ties, which candidate
+      lists of ``top_k_max + LIST_SLACK`` ids decide
+      (``stage2.candidate_count``). 0 otherwise.
     noise: static; False in the controls of a pass that draws no noise: its
       best of each row is the argmax of ``x`` (:meth:`for_pass`).
     truncation_order: static, ``"hf"`` or ``"vllm"``: what top-p's mass is
@@ -121,6 +126,7 @@ class Controls:
   return_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
   every_row_truncates: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  top_k_max: int = dataclasses.field(default=0, metadata=dict(static=True))
   noise: bool = dataclasses.field(default=True, metadata=dict(static=True))
   truncation_order: str = dataclasses.field(default="hf", metadata=dict(static=True))
   return_entropy: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -308,6 +314,31 @@ def _on_everywhere(value, on) -> bool:
   return bool(raw.size) and bool(np.all(on(raw)))
 
 
+# Candidates a list holds beyond the largest N it decides (top-k's k,
+# ``top_logprobs``' and ``return_kept``'s N): a tie at the N-th value is told
+# from a clean cut only by the values after it (stage2.candidate_count).
+LIST_SLACK = 8
+
+
+def k_bound(k: int) -> int:
+  """The smallest ``2**n - LIST_SLACK`` at least ``k``: lists of ``k_bound(k)
+  + LIST_SLACK`` ids are a power of two long, and calls whose largest k
+  differs a little share one bound, so one compiled program (50 -> 56, 20
+  -> 24)."""
+  n = 2 * LIST_SLACK
+  while n - LIST_SLACK < k:
+    n *= 2
+  return n - LIST_SLACK
+
+
+def _top_k_max(top_k) -> int:
+  """:attr:`Controls.top_k_max` for the ``top_k`` argument (called after its
+  range check)."""
+  if not _on_everywhere(top_k, lambda k: k > 0):
+    return 0
+  return k_bound(int(np.max(np.asarray(top_k, np.int64))))
+
+
 # The largest ``top_logprobs``; the candidate lists hold a few more ids per
 # row (stage2.candidate_count).
 TOP_LOGPROBS_MAX = 128
@@ -380,6 +411,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
   every_row_truncates = (_on_everywhere(top_k, lambda k: k > 0)
                          or _on_everywhere(top_p, lambda p: p < 1)
                          or _on_everywhere(min_p, lambda m: m > 0))
+  raw_top_k = top_k
   top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
                    off="0 turns top-k off")
   top_p = _per_row("top_p", top_p, batch, integer=False, lo=0.0, hi=1.0,
@@ -459,6 +491,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   return_logprobs=return_logprobs,
                   top_logprobs=top_logprobs,
                   every_row_truncates=every_row_truncates,
+                  top_k_max=_top_k_max(raw_top_k),
                   truncation_order=truncation_order, return_entropy=return_entropy,
                   return_raw_logprobs=return_raw_logprobs, return_kept=return_kept,
                   top_logprobs_mode=top_logprobs_mode)

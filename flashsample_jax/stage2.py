@@ -46,34 +46,32 @@ CANDIDATES = 128
 _TOP_P_MARGIN = 1e-4
 
 
-# Candidates kept beyond the N of ``top_logprobs`` when nothing truncates:
-# the N-th is certified when it lies above the last listed value, so the
-# lists hold a few more to tell ties at the N-th from a clean cut.
-_TOP_SLACK = 8
-
-
 def candidate_count(p: Problem, c: controls.Controls) -> int:
   """M: the candidates per row kept for truncation or top-N (at most the
-  rows): CANDIDATES with a truncation rule, and at least N + a few with
-  ``top_logprobs=N`` (a shorter list is a cheaper merge). The slack holds
-  for every N up to the maximum: with none, the N-th listed value is the
-  last and never certified, and every row took the exact path (issue #42:
-  at N = 128, all 64 rows of a B = 64 call on an H200, 14x the time).
+  rows): CANDIDATES with a truncation rule, fewer where top-k bounds every
+  row's kept set (``top_k_max + LIST_SLACK``: a shorter list is a cheaper
+  select and merge; docs/performance.md, "The list kernels"), and at least
+  N + the slack with ``top_logprobs=N`` or ``return_kept=N``. The slack
+  holds for every N up to the maximum: with none, the N-th listed value is
+  the last and never certified, and every row took the exact path (issue
+  #42: at N = 128, all 64 rows of a B = 64 call on an H200, 14x the time).
 
   Lists are padded to M entries when a shard has fewer rows, so that
   shards' lists merge with one shape."""
   m = CANDIDATES if c.truncates else 0
+  if c.top_k_max:
+    m = min(m, c.top_k_max + controls.LIST_SLACK)
   if c.top_logprobs and not c.raw_top:
-    m = max(m, c.top_logprobs + _TOP_SLACK)
+    m = max(m, c.top_logprobs + controls.LIST_SLACK)
   if c.return_kept:
-    m = max(m, c.return_kept + _TOP_SLACK)
+    m = max(m, c.return_kept + controls.LIST_SLACK)
   return min(m, p.total_rows)
 
 
 def raw_count(p: Problem, c: controls.Controls) -> int:
   """The length of the raw logits' lists (``top_logprobs_mode="raw"``):
   N and the same slack as :func:`candidate_count`'s."""
-  return min(c.top_logprobs + _TOP_SLACK, p.total_rows)
+  return min(c.top_logprobs + controls.LIST_SLACK, p.total_rows)
 
 
 def tempered(p: Problem, x):
@@ -206,7 +204,7 @@ def rl_state(c: controls.Controls, st: ControlsState, t, raw=None,
       st = st._replace(raw_max=rm, raw_sum=jnp.sum(
           jnp.where(rm[:, None] == -jnp.inf, 0.0, jnp.exp(raw - rm[:, None])), axis=1))
   if c.raw_top:
-    m = c.top_logprobs + _TOP_SLACK if raw_m is None else raw_m
+    m = c.top_logprobs + controls.LIST_SLACK if raw_m is None else raw_m
     if raw is None:
       vals = jnp.full((b, m), -jnp.inf)
       ids = jnp.full((b, m), rules.INT_MAX, jnp.int32)

@@ -56,12 +56,76 @@ def test_fallback_path_is_exact(monkeypatch):
 
 
 def test_fallback_is_rare_for_peaked_rows():
-  # LLM-like rows (a few dominant ids) are certified from 128 candidates.
+  # LLM-like rows (a few dominant ids) are certified from the candidates
+  # (64 for top_k=50: stage2.candidate_count).
   h, w = inputs.random_inputs(B, D, V, dtype=jnp.float32, seed=4, logit_std=4.0)
   p = problem.prepare(h, w, KEYS["scalar"], temperature=1.0)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, top_k=50, top_p=0.9)
   _, _, fallback = jax.jit(lambda p, c: xla_finish(p, c))(p, c)
   assert np.asarray(fallback).sum() == 0
+
+
+@pytest.mark.parametrize("k, bound", [(1, 8), (8, 8), (9, 24), (20, 24), (50, 56), (56, 56),
+                                      (57, 120), (120, 120), (121, 248)])
+def test_k_bound_leaves_the_slack_in_a_power_of_two(k, bound):
+  assert controls.k_bound(k) == bound
+  assert bound + controls.LIST_SLACK & (bound + controls.LIST_SLACK - 1) == 0
+
+
+@pytest.mark.parametrize("kw, m", [
+    (dict(top_k=50), 64), (dict(top_k=50, top_p=0.9, min_p=0.1), 64),
+    (dict(top_k=np.array([3] * (B - 1) + [20])), 32), (dict(top_k=56), 64),
+    (dict(top_k=57), 128), (dict(top_k=500), 128),
+    (dict(top_k=np.array([0] + [5] * (B - 1)), top_p=0.9), 128),   # a row without top-k
+    (dict(top_p=0.9), 128), (dict(min_p=0.1), 128),
+    (dict(top_k=20, top_logprobs=100), 108), (dict(top_k=20, return_kept=40), 48)])
+def test_candidate_count_follows_a_concrete_top_k(kw, m):
+  p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
+  c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **kw)
+  assert stage2.candidate_count(p, c) == m
+
+
+def test_traced_top_k_keeps_the_full_lists():
+  p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
+  seen = []
+  def count(k):
+    seen.append(stage2.candidate_count(
+        p, controls.prepare_controls(batch=B, vocab_size=V, rows=V, top_k=k)))
+    return k
+  jax.jit(count)(jnp.full((B,), 50, jnp.int32))
+  assert seen == [stage2.CANDIDATES]
+
+
+# Rows exact in bf16 (row r's logits are column r of the weight, picked by a
+# one-hot hidden state) whose 50th value ties with the values after it: past
+# top_k=50's 64 candidates, up to the 64th (the list's last: a 65th could
+# tie), or inside the list.
+_TIES_V = 512
+_TIES = {"past": ((40, 2.0), (40, 1.0)), "to_last": ((49, 2.0), (15, 1.0)),
+         "inside": ((45, 2.0), (10, 1.0))}
+
+
+def _tied_inputs():
+  rows = []
+  for groups in _TIES.values():
+    r = np.concatenate([np.full(n, v, np.float32) for n, v in groups])
+    rows.append(np.concatenate([r, np.full(_TIES_V - r.size, -4.0, np.float32)]))
+  n = len(rows)
+  return jnp.eye(n, dtype=jnp.bfloat16), jnp.asarray(np.stack(rows).T, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=50), dict(top_k=50, top_p=0.97)])
+def test_ties_past_the_shorter_lists_take_the_exact_path(kw):
+  h, w = _tied_inputs()
+  keys = jax.random.split(jax.random.key(5), h.shape[0])
+  p = problem.prepare(h, w, keys, temperature=1.0)
+  c = controls.prepare_controls(batch=h.shape[0], vocab_size=_TIES_V, rows=_TIES_V, **kw)
+  assert stage2.candidate_count(p, c) == 64
+  _, _, fallback = jax.jit(lambda p, c: xla_finish(p, c))(p, c)
+  np.testing.assert_array_equal(fallback, [True, True, False])
+  for suite in (_Xla(), _Dense()):
+    for key in (keys, jax.random.key(6)):
+      suite.check_controls(kw, key=key, h=h, w=w, t=1.0)
 
 
 def test_num_samples_equals_categorical_shape():

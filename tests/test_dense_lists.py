@@ -91,20 +91,50 @@ def test_top_slots_bound_every_other_slot():
     assert others.max() == float(below[r]) and np.all(maxima[r][np.asarray(top)[r]] >= others.max())
 
 
-def _exact_rows(h, w, keys, backend, temperature, weight_scale=None, **kw):
-  """Rows stage 2 sends to the exact path (its fallback flags)."""
+def _exact_flags(h, w, keys, backend, temperature, weight_scale=None, **kw):
+  """Stage 2's fallback flags: bool ``[B]``, the rows it sends to the exact
+  path. A ``top_k`` given as a traced array is traced as such (the full
+  lists: ``Controls.top_k_max`` is 0)."""
   p = problem.prepare(h, w, keys, temperature=temperature, weight_scale=weight_scale)
-  c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows, **kw)
-  # The pass as the API runs it (Controls.for_pass: no noise where every
-  # row truncates), which decides whether the list kernels serve.
-  fallback = jax.jit(lambda p, c: stage2.finish(p, c, stage2.per_sample(
-      backend.controls_state(p, c.for_pass()), c.samples))[2])(p, c)
-  return int(np.asarray(fallback).sum())
+
+  def flags(top_k):
+    c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
+                                  rows=p.weight_rows, **dict(kw, top_k=top_k))
+    # The pass as the API runs it (Controls.for_pass: no noise where every
+    # row truncates), which decides whether the list kernels serve.
+    return stage2.finish(p, c, stage2.per_sample(
+        backend.controls_state(p, c.for_pass()), c.samples))[2]
+
+  top_k = kw.get("top_k")
+  if isinstance(top_k, _Traced):
+    return np.asarray(jax.jit(flags)(top_k.value))
+  return np.asarray(jax.jit(lambda: flags(top_k))())
 
 
-# End to end: lists of M = stage2.CANDIDATES (128) need chunks of >= 64 x 128
-# ids (slots of 8); a vocabulary of 16500 has slots of 16 in one dense chunk,
-# and in two xla chunks of 16384 (slots of 16) and 116 (top_k).
+class _Traced:
+  """A control passed into ``jax.jit`` as an argument (traced there)."""
+
+  def __init__(self, value):
+    self.value = value
+
+
+def _sample(h, w, keys, **kw):
+  """``fs.sample``, with a :class:`_Traced` ``top_k`` passed traced."""
+  top_k = kw.get("top_k")
+  if not isinstance(top_k, _Traced):
+    return fs.sample(h, w, keys, **kw)
+  return jax.jit(lambda k: fs.sample(h, w, keys, **dict(kw, top_k=k)))(top_k.value)
+
+
+def _exact_rows(h, w, keys, backend, temperature, weight_scale=None, **kw):
+  """How many rows stage 2 sends to the exact path."""
+  return int(_exact_flags(h, w, keys, backend, temperature, weight_scale, **kw).sum())
+
+
+# End to end: lists of M ids need chunks of >= 64 M ids (slots of 8). With
+# top_k=40 on every row M is 64 (stage2.candidate_count): a vocabulary of
+# 16500 has slots of 32 in one dense chunk, and in two xla chunks of 16384
+# (slots of 32) and 116 (top_k).
 B, D, V = 6, 32, 16500
 
 
@@ -118,25 +148,32 @@ _KERNEL = pytest.param(DenseBackend(list_select="kernel"), id="dense-kernel",
                                      XlaBackend(chunk=16384, list_select="slots"), _KERNEL],
                          ids=["dense", "xla", "dense-kernel"])
 @pytest.mark.parametrize("logits, exact_rows", [("exact", 0), ("ties", "sampled"), ("random", 0)])
-def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows):
+@pytest.mark.parametrize("top_k", ["traced", "concrete"])
+def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows, top_k):
   # "exact": integer logits of std ~20, a few ties near the top; "ties":
-  # integers in [-8, 8], so each top slot holds more of the row's largest
-  # value than its depth and every sampled row (greedy ones take the argmax)
-  # takes the exact path; "random": bf16 inputs. exact_rows: the rows stage 2
-  # sends to the exact path.
+  # integers in [-8, 8], so top slots hold more of a row's largest value
+  # than their depth and rows take the exact path (which ones follow how
+  # the ties fall into the slots); "random": bf16 inputs. exact_rows: the
+  # rows stage 2 sends to the exact path. A traced top_k keeps lists of
+  # stage2.CANDIDATES, top_k=40 given concretely lists of 64 (in slots
+  # twice as wide).
   h, w = inputs.list_inputs(logits, B, D, V)
   t = inputs.pow2_temperatures(B, greedy_every=4, seed=7)
-  kw = dict(top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5, return_kept=20)
+  k = 40 if top_k == "concrete" else _Traced(jnp.full((B,), 40, jnp.int32))
+  kw = dict(top_k=k, top_p=0.9, return_logprobs=True, top_logprobs=5, return_kept=20)
   keys = inputs.row_keys(B, seed=8)
-  if exact_rows == "sampled":
-    # Slots: each sampled row's top slots hold more of its largest value
-    # than their depth. The kernels: more values reach tau than they
-    # gather, so every row is handed over (greedy ones too: the kept sets
-    # and log-probabilities need each row's kept set).
-    exact_rows = (B if backend.list_select == "kernel" else int(np.sum(np.asarray(t) > 0)))
-  assert _exact_rows(h, w, keys, backend, t, **kw) == exact_rows
-  got = fs.sample(h, w, keys, backend=backend, temperature=t, **kw)
-  want = fs.reference.sample(h, w, keys, temperature=t, **kw)
+  flags = _exact_flags(h, w, keys, backend, t, **kw)
+  if exact_rows == "sampled" and backend.list_select == "kernel":
+    # More values reach tau than the kernels gather: every row is handed
+    # over (greedy ones too: the kept sets and log-probabilities need each
+    # row's kept set).
+    assert flags.all(), flags
+  elif exact_rows == "sampled":
+    assert flags.sum() >= 2, flags
+  else:
+    assert not flags.any(), flags
+  got = _sample(h, w, keys, backend=backend, temperature=t, **kw)
+  want = fs.reference.sample(h, w, keys, temperature=t, **dict(kw, top_k=40))
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
   np.testing.assert_array_equal(got.kept_count, want.kept_count)
@@ -181,8 +218,8 @@ def test_list_select_auto_takes_slots_on_a_gpu_only(platform, want, monkeypatch)
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs 8 CPU devices as jax.devices()")
 @pytest.mark.parametrize("logits", ["exact", "ties"])
 def test_slot_lists_of_vocabulary_shards_equal_reference(logits):
-  # Each shard reads its lists off its own slots (2 shards of 8250 ids:
-  # slots of 8; 4 of 4125: too narrow, lax.top_k) and the shards' bounds
+  # Each shard reads its lists off its own slots (M = 64 for top_k=40: 2
+  # shards of 8250 ids, slots of 16; 4 of 4125, slots of 8) and the shards' bounds
   # merge; with "ties" every sampled row takes the exact path, which
   # gathers the shards' logits.
   from jax.sharding import AxisType, PartitionSpec as P
