@@ -1,0 +1,151 @@
+"""Where the dense route's wall time goes, part by part (issue #40: top-k +
+top-p with an 8-bit head <= 1.2x plain at B <= 16).
+
+  python3 -m benchmarks.experiments.exp_dense_parts [--heads S L]
+      [--batches 1 16 64] [--weight-dtypes fp8] [--rounds 3] [--timeline]
+
+A profiler trace gives each kernel's device time but slows the host enough
+that gaps between kernels show which a pipelined run never waits for
+(docs/performance.md, "Small batches"); this times, by wall clock in
+alternating rounds in one process (``_timing.timed_rounds``), the route cut
+after each part, top-k 50 + top-p 0.9 on the dense route with the list
+kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
+
+* ``dot``: XLA's GEMM as the route runs it (``problem.logits``; hidden
+  states padded to ``MIN_GEMM_ROWS_8BIT`` rows for an 8-bit head);
+* ``pass``: the route's pass (the GEMM and the list kernels), its state;
+* ``no_conditional``: the whole call traced without stage 2's exact path
+  (``stage2._exact_path`` as the identity): no conditional. Not exact where
+  a row would take that path (the JSON line says how many do: 0 on the
+  benchmark's logits), so for timing only;
+* ``dense``: the whole call;
+* ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
+  denominator).
+
+The differences are what each part costs a pipelined caller, gaps and
+launches included. One JSON line per (head, dtype, B) with the exact-path
+rows and whether ``no_conditional``'s tokens equal ``dense``'s over 8 keys,
+then one per round. With ``--timeline``: the device timelines of
+``no_conditional`` and ``dense`` instead of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashsample_jax as fs
+from benchmarks import shapes
+from benchmarks._fallback import exact_path_rows
+from benchmarks._timing import device_name, timed_rounds
+from benchmarks.bench_controls import TOP_K, TOP_P
+from benchmarks.experiments.exp_dense_lists import _head
+from benchmarks.experiments.exp_small_b_timeline import timeline
+from flashsample_jax import api, controls, problem, stage2
+from flashsample_jax.backends import xla as xla_backend
+
+DENSE = xla_backend.DenseBackend()
+TRUNC = dict(top_k=TOP_K, top_p=TOP_P)
+
+
+@contextlib.contextmanager
+def _without_exact_path():
+  """Traces stage 2 with its exact path left out (its rows kept as they
+  are). The API's jit is cleared on the way in and out: it would otherwise
+  answer one trace with the other's program."""
+  saved = stage2._exact_path  # pylint: disable=protected-access
+  stage2._exact_path = lambda p, c, rows, axis: rows  # pylint: disable=protected-access
+  api.run.clear_cache()
+  try:
+    yield
+  finally:
+    stage2._exact_path = saved  # pylint: disable=protected-access
+    api.run.clear_cache()
+
+
+def _gemm(scale):
+  """The route's GEMM alone (``problem.logits``), an 8-bit head's hidden
+  states padded as ``xla._gemm_rows`` pads them on a GPU."""
+  def f(h, w):
+    rows = h.shape[0]
+    if scale is not None and jax.default_backend() == "gpu":
+      h = jnp.pad(h, ((0, max(rows, xla_backend.MIN_GEMM_ROWS_8BIT) - rows), (0, 0)))
+    return problem.logits(h, w, "vd", scale)[:rows]
+  return f
+
+
+def _pass(key, scale):
+  """The route's pass over the head (GEMM and lists), its state's leaves."""
+  def f(h, w):
+    p = problem.prepare(h, w, key, temperature=1.0, weight_scale=scale)
+    c = controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size, rows=p.weight_rows,
+                                  **TRUNC)
+    return jax.tree_util.tree_leaves(DENSE.controls_state(p, c.for_pass()))
+  return f
+
+
+def _call(key, scale):
+  """A new function object for the dense call: ``jax.jit`` of one function
+  reuses its first trace, which would answer for the other variant."""
+  return lambda h, w: fs.sample(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
+
+
+def _compiled_pair(key, scale, h, w):
+  """``(without the exact path, whole)``: the dense call compiled both ways."""
+  with _without_exact_path():
+    short = jax.jit(_call(key, scale)).lower(h, w).compile()
+  full = jax.jit(_call(key, scale)).lower(h, w).compile()
+  assert short.as_text() != full.as_text(), "one program for both variants"
+  return short, full
+
+
+def _variants(key, scale, h, w):
+  """name -> compiled function of ``(h, w)``."""
+  out = {"dot": jax.jit(_gemm(scale)), "pass": jax.jit(_pass(key, scale))}
+  out["no_conditional"], out["dense"] = _compiled_pair(key, scale, h, w)
+  out["plain"] = jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))
+  return out
+
+
+def _same_tokens(h, w, scale) -> float:
+  """The fraction of 8 keys whose tokens without the exact path equal the
+  call's (1.0 where no row takes that path)."""
+  pairs = [_compiled_pair(k, scale, h, w) for k in jax.random.split(jax.random.key(1), 8)]
+  return float(np.mean([np.array_equal(a(h, w), b(h, w)) for a, b in pairs]))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(shapes.HEADS))
+  ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+  ap.add_argument("--weight-dtypes", nargs="+", default=["fp8"], choices=["fp8", "int8", "bf16"])
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--timeline", action="store_true")
+  args = ap.parse_args(argv)
+  key = jax.random.key(0)
+  for head in args.heads:
+    d, _ = shapes.HEADS[head]
+    for dtype in args.weight_dtypes:
+      w, scale = _head(head, dtype)
+      for b in args.batches:
+        h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
+        tags = dict(gpu=device_name(), jax=jax.__version__, head=head, weight=dtype, B=b)
+        rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
+        print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, scale))),
+              flush=True)
+        variants = _variants(key, scale, h, w)
+        if not args.timeline:
+          timed_rounds(variants, h, w, rounds=args.rounds, **tags)
+          continue
+        for name in ("no_conditional", "dense"):
+          print(json.dumps(dict(tags, variant=name, **timeline(variants[name], h, w, calls=20))),
+                flush=True)
+
+
+if __name__ == "__main__":
+  main()
