@@ -781,7 +781,11 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
   pick = functools.partial(_pick_kept, p, c.samples, lists, rows, use=use, active=active)
   tokens, t_tok, lse_kept = pick(keep)
   fallback = ~certified
-  if c.top_p is not None and not c.needs_kept_set:
+  if c.top_p is not None and not c.needs_kept_set and not c.top_k_max:
+    # With top-k on every row (top_k_max), a row whose top-k set the lists
+    # hold has its top-p edge decided exactly (_certify), and one whose set
+    # they do not hold is not decided at any p: the readings at p -/+ width
+    # would decide no row.
     tokens, t_tok, fallback = _top_p_edge(c, certify, pick, finite, tokens, t_tok,
                                           fallback)
   ent_kept = rows.ent_kept

@@ -96,6 +96,32 @@ def test_traced_top_k_keeps_the_full_lists():
   assert seen == [stage2.CANDIDATES]
 
 
+@pytest.mark.parametrize("top_k", [60, 1000])
+def test_top_p_near_one_under_top_k_on_every_row(top_k, monkeypatch):
+  # Issue #42's rows (a nucleus around the lists' end, top_p within
+  # rounding reach of 1) under a top-k on every row, whose set the lists
+  # hold (60) or not (1000): stage 2 then skips the readings at p -/+ width
+  # (_top_p_edge), which could decide no row more. Tokens equal the
+  # reference's; a traced top_k (not known on every row) still reads them.
+  from flashsample_jax import api
+  h, w, keys, labels = cases.nucleus_inputs()
+  calls = []
+  edge = stage2._top_p_edge  # pylint: disable=protected-access
+  monkeypatch.setattr(stage2, "_top_p_edge", lambda *a: calls.append(1) or edge(*a))
+  api.run.clear_cache()
+  for top_p in cases.NUCLEUS_TOP_P:
+    want = np.asarray(fs.reference.sample(h, w, keys, top_k=top_k, top_p=top_p))
+    got = np.asarray(fs.sample(h, w, keys, backend="xla", top_k=top_k, top_p=top_p))
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(top_p, labels[i], int(got[i]), int(want[i])) for i in bad]
+  assert not calls
+  k = jnp.full((h.shape[0],), top_k, jnp.int32)
+  got = jax.jit(lambda k: fs.sample(h, w, keys, backend="xla", top_k=k, top_p=top_p))(k)
+  np.testing.assert_array_equal(got, want)
+  assert calls
+  api.run.clear_cache()
+
+
 # Rows exact in bf16 (row r's logits are column r of the weight, picked by a
 # one-hot hidden state) whose 50th value ties with the values after it: past
 # top_k=50's 64 candidates, up to the 64th (the list's last: a 65th could
