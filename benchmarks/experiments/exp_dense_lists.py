@@ -40,11 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
-from benchmarks import shapes
 from benchmarks._fallback import exact_path_rows
-from benchmarks._timing import device_name, timed_rounds
 from benchmarks.bench_controls import TOP_K, TOP_P
-from benchmarks.experiments.exp_small_b_timeline import timeline
+from benchmarks.experiments._points import add_point_args, points, report
 from benchmarks.experiments.hlo_scopes import kernel_scopes
 from flashsample_jax.backends.xla import DenseBackend
 
@@ -52,16 +50,6 @@ _DENSE = {"dense_topk": DenseBackend(list_select="top_k"),
           "dense_slots": DenseBackend(list_select="slots"),
           "dense_kernel": DenseBackend(list_select="kernel")}
 VARIANTS = ("auto", "mosaic", "triton", *_DENSE, "plain", "dot")
-DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
-
-
-def _head(head: str, dtype: str):
-  w = shapes.random_head(head)
-  if dtype == "bf16":
-    return w, None
-  return fs.quantize_weight(w, DTYPES[dtype])
-
-
 def _variants(key, scale, names):
   trunc = dict(top_k=TOP_K, top_p=TOP_P, weight_scale=scale)
   backends = {"auto": "auto", "mosaic": "mosaic", "triton": "triton", **_DENSE}
@@ -96,39 +84,24 @@ def _same_tokens(h, w, key, scale, names):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--heads", nargs="+", default=["S"], choices=sorted(shapes.HEADS))
-  ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
-  ap.add_argument("--weight-dtypes", nargs="+", default=["fp8", "bf16"],
-                  choices=[*DTYPES, "bf16"])
+  add_point_args(ap, heads=["S"], batches=[16, 64], weight_dtypes=["fp8", "bf16"], rounds=2)
   ap.add_argument("--variants", nargs="+", choices=VARIANTS,
                   default=["auto", "mosaic", "dense_topk", "dense_slots", "plain", "dot"])
-  ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument("--timeline", action="store_true")
   ap.add_argument("--scopes", action="store_true")
   args = ap.parse_args(argv)
   key = jax.random.key(0)
-  for head in args.heads:
-    d, _ = shapes.HEADS[head]
-    for dtype in args.weight_dtypes:
-      w, scale = _head(head, dtype)
-      variants = _variants(key, scale, args.variants)
-      for b in args.batches:
-        h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-        tags = dict(gpu=device_name(), jax=jax.__version__, head=head, weight=dtype, B=b)
-        rows = {name: exact_path_rows(h, w, key, backend=be, weight_scale=scale,
-                                      top_k=TOP_K, top_p=TOP_P)
-                for name, be in _DENSE.items() if name in variants}
-        same = _same_tokens(h, w, key, scale, [n for n in _DENSE if n in variants])
-        print(json.dumps(dict(tags, exact_rows=rows, same_tokens=same)), flush=True)
-        if args.scopes:
-          for name, f in variants.items():
-            text = f.lower(h, w).compile().as_text()
-            print(json.dumps(dict(tags, variant=name, kernels=kernel_scopes(text))), flush=True)
-        if not args.timeline:
-          timed_rounds(variants, h, w, rounds=args.rounds, **tags)
-          continue
-        for name, f in variants.items():
-          print(json.dumps(dict(tags, variant=name, **timeline(f, h, w, calls=20))), flush=True)
+  for w, scale, h, tags in points(args):
+    variants = _variants(key, scale, args.variants)
+    rows = {name: exact_path_rows(h, w, key, backend=be, weight_scale=scale,
+                                  top_k=TOP_K, top_p=TOP_P)
+            for name, be in _DENSE.items() if name in variants}
+    same = _same_tokens(h, w, key, scale, [n for n in _DENSE if n in variants])
+    print(json.dumps(dict(tags, exact_rows=rows, same_tokens=same)), flush=True)
+    if args.scopes:
+      for name, f in variants.items():
+        text = f.lower(h, w).compile().as_text()
+        print(json.dumps(dict(tags, variant=name, kernels=kernel_scopes(text))), flush=True)
+    report(args, variants, h, w, tags)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
-from benchmarks import shapes
 from benchmarks._fallback import exact_path_rows
-from benchmarks._timing import device_name, timed_rounds
 from benchmarks.bench_controls import TOP_K, TOP_P
-from benchmarks.experiments.exp_dense_lists import _head
-from benchmarks.experiments.exp_small_b_timeline import timeline
+from benchmarks.experiments._points import add_point_args, points, report
 from flashsample_jax import api, controls, problem, stage2
 from flashsample_jax.backends import xla as xla_backend
 
@@ -121,30 +118,14 @@ def _same_tokens(h, w, scale) -> float:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(shapes.HEADS))
-  ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-  ap.add_argument("--weight-dtypes", nargs="+", default=["fp8"], choices=["fp8", "int8", "bf16"])
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--timeline", action="store_true")
+  add_point_args(ap, heads=["S", "L"], batches=[1, 16, 64], weight_dtypes=["fp8"], rounds=3)
   args = ap.parse_args(argv)
   key = jax.random.key(0)
-  for head in args.heads:
-    d, _ = shapes.HEADS[head]
-    for dtype in args.weight_dtypes:
-      w, scale = _head(head, dtype)
-      for b in args.batches:
-        h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-        tags = dict(gpu=device_name(), jax=jax.__version__, head=head, weight=dtype, B=b)
-        rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
-        print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, scale))),
-              flush=True)
-        variants = _variants(key, scale, h, w)
-        if not args.timeline:
-          timed_rounds(variants, h, w, rounds=args.rounds, **tags)
-          continue
-        for name in ("no_conditional", "dense"):
-          print(json.dumps(dict(tags, variant=name, **timeline(variants[name], h, w, calls=20))),
-                flush=True)
+  for w, scale, h, tags in points(args):
+    rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
+    print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, scale))),
+          flush=True)
+    report(args, _variants(key, scale, h, w), h, w, tags, traced=("no_conditional", "dense"))
 
 
 if __name__ == "__main__":

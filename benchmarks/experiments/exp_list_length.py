@@ -23,16 +23,12 @@ import contextlib
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
-from benchmarks import shapes
 from benchmarks._fallback import exact_path_rows
-from benchmarks._timing import device_name, timed_rounds
 from benchmarks.bench_controls import TOP_K, TOP_P
-from benchmarks.experiments.exp_dense_lists import _head
-from benchmarks.experiments.exp_small_b_timeline import timeline
+from benchmarks.experiments._points import add_point_args, points, report
 from flashsample_jax import controls
 
 
@@ -58,42 +54,27 @@ def _compiled(make, *args, full: bool):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(shapes.HEADS))
-  ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-  ap.add_argument("--weight-dtypes", nargs="+", default=["fp8", "bf16"],
-                  choices=["fp8", "int8", "bf16"])
-  ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument("--timeline", action="store_true")
+  add_point_args(ap, heads=["S", "L"], batches=[1, 16, 64], weight_dtypes=["fp8", "bf16"],
+                 rounds=2)
   args = ap.parse_args(argv)
   trunc = dict(top_k=TOP_K, top_p=TOP_P)
-  for head in args.heads:
-    d, _ = shapes.HEADS[head]
-    for dtype in args.weight_dtypes:
-      w, scale = _head(head, dtype)
-      for b in args.batches:
-        h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-        tags = dict(gpu=device_name(), jax=jax.__version__, head=head, weight=dtype, B=b)
-        topk = lambda: lambda h, w, k: fs.sample(h, w, k, weight_scale=scale, **trunc)
-        key = jax.random.key(0)
-        short, full = (_compiled(topk, h, w, key, full=f) for f in (False, True))
-        assert short.as_text() != full.as_text(), "one program for both variants"
-        keys = jax.random.split(jax.random.key(1), 8)
-        same = float(np.mean([np.array_equal(short(h, w, k), full(h, w, k)) for k in keys]))
-        rows = exact_path_rows(h, w, key, weight_scale=scale, **trunc)
-        with _unbounded_top_k():
-          rows_full = exact_path_rows(h, w, key, weight_scale=scale, **trunc)
-        route = fs.which_backend(h, w, key, weight_scale=scale, **trunc)
-        print(json.dumps(dict(tags, exact_rows=dict(short=rows, full=rows_full),
-                              same_tokens=same, route=route)), flush=True)
-        variants = {"short": lambda h, w: short(h, w, key),
-                    "full": lambda h, w: full(h, w, key),
-                    "plain": jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))}
-        if not args.timeline:
-          timed_rounds(variants, h, w, rounds=args.rounds, **tags)
-          continue
-        for name in ("short", "full"):
-          print(json.dumps(dict(tags, variant=name, **timeline(variants[name], h, w, calls=20))),
-                flush=True)
+  key = jax.random.key(0)
+  for w, scale, h, tags in points(args):
+    topk = lambda: lambda h, w, k: fs.sample(h, w, k, weight_scale=scale, **trunc)
+    short, full = (_compiled(topk, h, w, key, full=f) for f in (False, True))
+    assert short.as_text() != full.as_text(), "one program for both variants"
+    keys = jax.random.split(jax.random.key(1), 8)
+    same = float(np.mean([np.array_equal(short(h, w, k), full(h, w, k)) for k in keys]))
+    rows = exact_path_rows(h, w, key, weight_scale=scale, **trunc)
+    with _unbounded_top_k():
+      rows_full = exact_path_rows(h, w, key, weight_scale=scale, **trunc)
+    route = fs.which_backend(h, w, key, weight_scale=scale, **trunc)
+    print(json.dumps(dict(tags, exact_rows=dict(short=rows, full=rows_full),
+                          same_tokens=same, route=route)), flush=True)
+    variants = {"short": lambda h, w: short(h, w, key),
+                "full": lambda h, w: full(h, w, key),
+                "plain": jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))}
+    report(args, variants, h, w, tags, traced=("short", "full"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""The measuring points the dense-route experiments share (exp_dense_lists,
+exp_dense_parts, exp_list_length): a head, its weight dtype and a batch of
+random hidden states, and how a point's variants are reported (alternating
+rounds of wall time, or device timelines)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+import flashsample_jax as fs
+from benchmarks import shapes
+from benchmarks._timing import device_name, timed_rounds
+from benchmarks.experiments.exp_small_b_timeline import timeline
+
+DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+
+
+def add_point_args(ap, *, heads, batches, weight_dtypes, rounds: int) -> None:
+  """``--heads``, ``--batches``, ``--weight-dtypes``, ``--rounds`` and
+  ``--timeline``, with these defaults."""
+  ap.add_argument("--heads", nargs="+", default=heads, choices=sorted(shapes.HEADS))
+  ap.add_argument("--batches", type=int, nargs="+", default=batches)
+  ap.add_argument("--weight-dtypes", nargs="+", default=weight_dtypes,
+                  choices=[*DTYPES, "bf16"])
+  ap.add_argument("--rounds", type=int, default=rounds)
+  ap.add_argument("--timeline", action="store_true")
+
+
+def head(name: str, dtype: str):
+  """``(weight, scale)``: the benchmark's random head, quantized per row to
+  ``dtype`` (scale None for bf16)."""
+  w = shapes.random_head(name)
+  if dtype == "bf16":
+    return w, None
+  return fs.quantize_weight(w, DTYPES[dtype])
+
+
+def points(args):
+  """``(w, scale, h, tags)`` for each head, weight dtype and batch of
+  ``args`` (random bf16 hidden states, drawn per B)."""
+  for name in args.heads:
+    d, _ = shapes.HEADS[name]
+    for dtype in args.weight_dtypes:
+      w, scale = head(name, dtype)
+      for b in args.batches:
+        h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
+        yield w, scale, h, dict(gpu=device_name(), jax=jax.__version__, head=name,
+                                weight=dtype, B=b)
+
+
+def report(args, variants, h, w, tags, traced=None) -> None:
+  """Alternating rounds of ``variants`` (name -> function of ``(h, w)``), or
+  with ``--timeline`` the device timelines of those named in ``traced``
+  (every variant by default), one JSON line each."""
+  if not args.timeline:
+    timed_rounds(variants, h, w, rounds=args.rounds, **tags)
+    return
+  for name in traced or variants:
+    print(json.dumps(dict(tags, variant=name, **timeline(variants[name], h, w, calls=20))),
+          flush=True)
