@@ -301,7 +301,9 @@ def test_kernel_scopes_name_stage_2s_steps():
   kernels = kernel_scopes(f.lower(h, w).compile().as_text())
   scopes = {sc for k in kernels for sc, _ in k["scopes"]}
   assert {"stage2.certify/controls.mass_before/controls.prefix_sums",
-          "stage2.top_p_edge/stage2.pick_kept"} <= scopes
+          "stage2.pick_kept"} <= scopes
+  # Top-k on every row: no readings of top-p's edge (stage2._truncate_decision).
+  assert not any(sc.startswith("stage2.top_p_edge") for sc in scopes)
   assert any(k["opcode"] == "conditional" for k in kernels)
   assert any(k["where"] != "entry" and k["scopes"] for k in kernels)   # inside the branches
   assert len({k["kernel"] for k in kernels}) == len(kernels)
