@@ -320,12 +320,19 @@ def _on_everywhere(value, on) -> bool:
 LIST_SLACK = 8
 
 
+# The shortest lists a concrete top-k gets (k_bound(k) + LIST_SLACK ids): one
+# length for every k up to 56, so that the usual k (20-50) share one
+# compiled program, and lists of 64 measured faster than 128
+# (docs/performance.md, "The list kernels").
+MIN_K_BOUND = 64 - LIST_SLACK
+
+
 def k_bound(k: int) -> int:
-  """The smallest ``2**n - LIST_SLACK`` at least ``k``: lists of ``k_bound(k)
-  + LIST_SLACK`` ids are a power of two long, and calls whose largest k
-  differs a little share one bound, so one compiled program (50 -> 56, 20
-  -> 24)."""
-  n = 2 * LIST_SLACK
+  """The smallest ``2**n - LIST_SLACK`` at least ``k`` and
+  :data:`MIN_K_BOUND`: lists of ``k_bound(k) + LIST_SLACK`` ids are a power
+  of two long, and calls whose largest k differs a little share one bound,
+  so one compiled program (1 .. 56 -> 56, 57 .. 120 -> 120)."""
+  n = MIN_K_BOUND + LIST_SLACK
   while n - LIST_SLACK < k:
     n *= 2
   return n - LIST_SLACK
