@@ -338,12 +338,10 @@ def k_bound(k: int) -> int:
   return n - LIST_SLACK
 
 
-def _top_k_max(top_k) -> int:
+def _top_k_max(top_k, on_everywhere: bool) -> int:
   """:attr:`Controls.top_k_max` for the ``top_k`` argument (called after its
-  range check)."""
-  if not _on_everywhere(top_k, lambda k: k > 0):
-    return 0
-  return k_bound(int(np.max(np.asarray(top_k, np.int64))))
+  range check), ``on_everywhere`` if it is concrete and on for every row."""
+  return k_bound(int(np.max(np.asarray(top_k, np.int64)))) if on_everywhere else 0
 
 
 # The largest ``top_logprobs``; the candidate lists hold a few more ids per
@@ -415,12 +413,14 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                      top_logprobs_mode="processed") -> Controls:
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
   _static_choice("truncation_order", truncation_order, TRUNCATION_ORDERS)
-  every_row_truncates = (_on_everywhere(top_k, lambda k: k > 0)
+  top_k_everywhere = _on_everywhere(top_k, lambda k: k > 0)
+  every_row_truncates = (top_k_everywhere
                          or _on_everywhere(top_p, lambda p: p < 1)
                          or _on_everywhere(min_p, lambda m: m > 0))
-  raw_top_k = top_k
-  top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
-                   off="0 turns top-k off")
+  checked_top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
+                           off="0 turns top-k off")
+  top_k_max = _top_k_max(top_k, top_k_everywhere)
+  top_k = checked_top_k
   top_p = _per_row("top_p", top_p, batch, integer=False, lo=0.0, hi=1.0,
                    lo_open=True, off="1 turns top-p off")
   min_p = _per_row("min_p", min_p, batch, integer=False, lo=0.0, hi=1.0,
@@ -498,7 +498,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   return_logprobs=return_logprobs,
                   top_logprobs=top_logprobs,
                   every_row_truncates=every_row_truncates,
-                  top_k_max=_top_k_max(raw_top_k),
+                  top_k_max=top_k_max,
                   truncation_order=truncation_order, return_entropy=return_entropy,
                   return_raw_logprobs=return_raw_logprobs, return_kept=return_kept,
                   top_logprobs_mode=top_logprobs_mode)

@@ -91,10 +91,10 @@ def test_top_slots_bound_every_other_slot():
     assert others.max() == float(below[r]) and np.all(maxima[r][np.asarray(top)[r]] >= others.max())
 
 
-def _exact_flags(h, w, keys, backend, temperature, weight_scale=None, **kw):
+def _exact_flags(h, w, keys, backend, temperature, weight_scale=None, traced=False, **kw):
   """Stage 2's fallback flags: bool ``[B]``, the rows it sends to the exact
-  path. A ``top_k`` given as a traced array is traced as such (the full
-  lists: ``Controls.top_k_max`` is 0)."""
+  path. ``traced``: ``top_k`` passed into the jit as a ``[B]`` array (the
+  full lists: ``Controls.top_k_max`` is 0)."""
   p = problem.prepare(h, w, keys, temperature=temperature, weight_scale=weight_scale)
 
   def flags(top_k):
@@ -105,25 +105,15 @@ def _exact_flags(h, w, keys, backend, temperature, weight_scale=None, **kw):
     return stage2.finish(p, c, stage2.per_sample(
         backend.controls_state(p, c.for_pass()), c.samples))[2]
 
-  top_k = kw.get("top_k")
-  if isinstance(top_k, _Traced):
-    return np.asarray(jax.jit(flags)(top_k.value))
-  return np.asarray(jax.jit(lambda: flags(top_k))())
+  return np.asarray(_with_top_k(flags, kw.get("top_k"), traced, p.batch))
 
 
-class _Traced:
-  """A control passed into ``jax.jit`` as an argument (traced there)."""
-
-  def __init__(self, value):
-    self.value = value
-
-
-def _sample(h, w, keys, **kw):
-  """``fs.sample``, with a :class:`_Traced` ``top_k`` passed traced."""
-  top_k = kw.get("top_k")
-  if not isinstance(top_k, _Traced):
-    return fs.sample(h, w, keys, **kw)
-  return jax.jit(lambda k: fs.sample(h, w, keys, **dict(kw, top_k=k)))(top_k.value)
+def _with_top_k(f, top_k, traced: bool, batch: int):
+  """``f(top_k)`` jitted, ``top_k`` a traced ``[B]`` argument if ``traced``
+  (else a constant of the trace)."""
+  if traced:
+    return jax.jit(f)(jnp.full((batch,), top_k, jnp.int32))
+  return jax.jit(lambda: f(top_k))()
 
 
 def _exact_rows(h, w, keys, backend, temperature, weight_scale=None, **kw):
@@ -160,10 +150,10 @@ def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows, to
   # twice as wide).
   h, w = inputs.list_inputs(logits, B, D, V)
   t = inputs.pow2_temperatures(B, greedy_every=4, seed=7)
-  k = 40 if top_k == "concrete" else _Traced(jnp.full((B,), 40, jnp.int32))
-  kw = dict(top_k=k, top_p=0.9, return_logprobs=True, top_logprobs=5, return_kept=20)
+  traced = top_k == "traced"
+  kw = dict(top_k=40, top_p=0.9, return_logprobs=True, top_logprobs=5, return_kept=20)
   keys = inputs.row_keys(B, seed=8)
-  flags = _exact_flags(h, w, keys, backend, t, **kw)
+  flags = _exact_flags(h, w, keys, backend, t, traced=traced, **kw)
   if exact_rows == "sampled" and backend.list_select == "kernel":
     # More values reach tau than the kernels gather: every row is handed
     # over (greedy ones too: the kept sets and log-probabilities need each
@@ -173,8 +163,9 @@ def test_sample_with_slot_lists_equals_reference(backend, logits, exact_rows, to
     assert flags.sum() >= 2, flags
   else:
     assert not flags.any(), flags
-  got = _sample(h, w, keys, backend=backend, temperature=t, **kw)
-  want = fs.reference.sample(h, w, keys, temperature=t, **dict(kw, top_k=40))
+  got = _with_top_k(lambda k: fs.sample(h, w, keys, backend=backend, temperature=t,
+                                        **dict(kw, top_k=k)), 40, traced, B)
+  want = fs.reference.sample(h, w, keys, temperature=t, **kw)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
   np.testing.assert_array_equal(got.kept_count, want.kept_count)

@@ -86,34 +86,38 @@ def _pass(key, scale):
   return f
 
 
-def _call(key, scale):
-  """A new function object for the dense call: ``jax.jit`` of one function
-  reuses its first trace, which would answer for the other variant."""
-  return lambda h, w: fs.sample(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
+def _call(scale):
+  """A new function object for the dense call of ``(h, w, key)``: ``jax.jit``
+  of one function reuses its first trace, which would answer for the other
+  variant."""
+  return lambda h, w, k: fs.sample(h, w, k, backend=DENSE, weight_scale=scale, **TRUNC)
 
 
-def _compiled_pair(key, scale, h, w):
-  """``(without the exact path, whole)``: the dense call compiled both ways."""
+def _compiled_pair(scale, h, w, key):
+  """``(without the exact path, whole)``: the dense call of ``(h, w, key)``
+  compiled both ways."""
   with _without_exact_path():
-    short = jax.jit(_call(key, scale)).lower(h, w).compile()
-  full = jax.jit(_call(key, scale)).lower(h, w).compile()
+    short = jax.jit(_call(scale)).lower(h, w, key).compile()
+  full = jax.jit(_call(scale)).lower(h, w, key).compile()
   assert short.as_text() != full.as_text(), "one program for both variants"
   return short, full
 
 
-def _variants(key, scale, h, w):
-  """name -> compiled function of ``(h, w)``."""
-  out = {"dot": jax.jit(_gemm(scale)), "pass": jax.jit(_pass(key, scale))}
-  out["no_conditional"], out["dense"] = _compiled_pair(key, scale, h, w)
-  out["plain"] = jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))
-  return out
+def _variants(key, scale, pair):
+  """name -> function of ``(h, w)``; ``pair``: :func:`_compiled_pair`'s."""
+  short, full = pair
+  return {"dot": jax.jit(_gemm(scale)), "pass": jax.jit(_pass(key, scale)),
+          "no_conditional": lambda h, w: short(h, w, key),
+          "dense": lambda h, w: full(h, w, key),
+          "plain": jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))}
 
 
-def _same_tokens(h, w, scale) -> float:
+def _same_tokens(h, w, pair) -> float:
   """The fraction of 8 keys whose tokens without the exact path equal the
   call's (1.0 where no row takes that path)."""
-  pairs = [_compiled_pair(k, scale, h, w) for k in jax.random.split(jax.random.key(1), 8)]
-  return float(np.mean([np.array_equal(a(h, w), b(h, w)) for a, b in pairs]))
+  short, full = pair
+  keys = jax.random.split(jax.random.key(1), 8)
+  return float(np.mean([np.array_equal(short(h, w, k), full(h, w, k)) for k in keys]))
 
 
 def main(argv=None):
@@ -122,10 +126,11 @@ def main(argv=None):
   args = ap.parse_args(argv)
   key = jax.random.key(0)
   for w, scale, h, tags in points(args):
+    pair = _compiled_pair(scale, h, w, key)
     rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
-    print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, scale))),
+    print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, pair))),
           flush=True)
-    report(args, _variants(key, scale, h, w), h, w, tags, traced=("no_conditional", "dense"))
+    report(args, _variants(key, scale, pair), h, w, tags, traced=("no_conditional", "dense"))
 
 
 if __name__ == "__main__":
