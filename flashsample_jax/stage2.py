@@ -652,8 +652,16 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     rows = _raw_top_n(p, c, st, rows)
   elif c.top_logprobs:
     rows = _top_n(c, st, lists, rows, exact_top if own_exact_top else None)
+  then = functools.partial(_finished, p, c, st, axis=axis)
   if (c.lists or c.raw_top) and not own_exact_top:
-    rows = _exact_path(p, c, rows, axis)
+    return _exact_path(p, c, rows, axis, then=then)
+  return then(rows)
+
+
+def _finished(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows, *, axis):
+  """finish's result from the decided rows: the output assembled
+  (:func:`_output`, :func:`_raw_logprob`) and the rows with nothing to
+  sample set (:func:`_nothing_to_sample`)."""
   out = _output(c, rows) if c.returns_output else None
   if out is not None and c.return_raw_logprobs:
     out = out._replace(logprob_raw=_raw_logprob(p, c, st, rows.tokens, axis))
@@ -937,16 +945,17 @@ _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
 
 
 @jax.named_scope("stage2.exact_path")
-def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis) -> _Rows:
+def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=None):
   """The fallback rows redone from materialized logits (:func:`_materialized`,
-  through :func:`_redo_flagged`)."""
+  through :func:`_redo_flagged`), ``then`` applied to the rows (inside the
+  conditional)."""
   samples = c.samples
 
   def redo(ps, cs, sub, flags):
     return _materialized(ps, cs, sub._replace(fallback=flags),
                          lambda x, t, gid: perturbed(ps, x, t, gid, samples), axis)
 
-  return _redo_flagged(p, c, rows.fallback, rows, _Rows.batch_axes(rows), redo)
+  return _redo_flagged(p, c, rows.fallback, rows, _Rows.batch_axes(rows), redo, then=then)
 
 
 def exact_group_rows(vocab_size: int) -> int:
@@ -955,7 +964,7 @@ def exact_group_rows(vocab_size: int) -> int:
   return max(EXACT_ROWS, EXACT_GROUP_BYTES // (4 * vocab_size))
 
 
-def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
+def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None):
   """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
   conditional that skips it when no row needs it, and that redoes only those
   rows (a compacted batch of :data:`EXACT_ROWS`) when there are that few,
@@ -975,7 +984,13 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
   a CUB sort), and the rows are compacted by a prefix sum and a scatter, not
   an argsort. The sharded path's all-gather in the branch may still need
   the host. Inside the graph the conditional node still has a cost of its
-  own even with trivial branches, so there is one, not nested."""
+  own even with trivial branches, so there is one, not nested.
+
+  ``then`` (default: none): a function of the state applied inside every
+  branch, so that the conditional's result is the caller's (finish puts
+  the output's assembly there): work after the conditional waited for it
+  to be launched apart from the graph (docs/performance.md, "The exact
+  path's conditional")."""
 
   def keyed(p):
     # The key words are split from the key (a program parameter) inside the
@@ -984,12 +999,15 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
     k0, k1 = problem.key_words(p.key_data, p.batch)
     return dataclasses.replace(p, k0=k0, k1=k1)
 
+  if then is None:
+    then = lambda st: st
+
   def every_row():
-    return redo(keyed(p), c, state, flags)
+    return then(redo(keyed(p), c, state, flags))
 
   count = jnp.sum(flags, dtype=jnp.int32)
   if p.batch <= EXACT_ROWS:
-    return lax.cond(count > 0, every_row, lambda: state)
+    return lax.cond(count > 0, every_row, lambda: then(state))
 
   def flagged_first(size):
     # The flagged rows' indices first (a prefix sum), padded with B (which
@@ -1008,7 +1026,7 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
     return jax.tree.map(put, st, new, axes)
 
   def few_rows():
-    return redo_rows(state, flagged_first(EXACT_ROWS))
+    return then(redo_rows(state, flagged_first(EXACT_ROWS)))
 
   group = exact_group_rows(p.vocab_size)
 
@@ -1016,10 +1034,10 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo):
     groups = -(-p.batch // group)
     order = flagged_first(groups * group)
     step = lambda g, st: redo_rows(st, lax.dynamic_slice(order, (g * group,), (group,)))
-    return lax.fori_loop(0, (count + group - 1) // group, step, state)
+    return then(lax.fori_loop(0, (count + group - 1) // group, step, state))
 
   branch = jnp.where(count == 0, 0, jnp.where(count <= EXACT_ROWS, 1, 2))
-  return lax.switch(branch, (lambda: state, few_rows,
+  return lax.switch(branch, (lambda: then(state), few_rows,
                              every_row if p.batch <= group else in_groups))
 
 
