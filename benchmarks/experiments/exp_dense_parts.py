@@ -18,21 +18,25 @@ kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
   (``stage2._exact_path`` as the identity): no conditional. Not exact where
   a row would take that path (the JSON line says how many do: 0 on the
   benchmark's logits), so for timing only;
+* ``output_after``: the whole call with the output assembled after the
+  conditional (the layout before ``stage2._redo_flagged``'s ``then`` made
+  the conditional the call's last step);
 * ``dense``: the whole call;
 * ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
   denominator).
 
 The differences are what each part costs a pipelined caller, gaps and
 launches included. One JSON line per (head, dtype, B) with the exact-path
-rows and whether ``no_conditional``'s tokens equal ``dense``'s over 8 keys,
-then one per round. With ``--timeline``: the device timelines of
-``no_conditional`` and ``dense`` instead of the rounds.
+rows and, per variant, the fraction of 8 keys whose tokens equal
+``dense``'s, then one per round. With ``--timeline``: the device timelines
+of the three whole calls instead of the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 
 import jax
@@ -50,18 +54,33 @@ DENSE = xla_backend.DenseBackend()
 TRUNC = dict(top_k=TOP_K, top_p=TOP_P)
 
 
+def _no_exact_path(p, c, rows, axis, *, then=None):
+  """``stage2._exact_path`` left out (its rows kept as they are)."""
+  del p, c, axis
+  return then(rows) if then else rows
+
+
+def _output_after(p, c, rows, axis, *, then=None):
+  """``stage2._exact_path`` with the output assembled after the conditional
+  (the layout before the conditional became the call's last step)."""
+  rows = EXACT_PATH(p, c, rows, axis)
+  return then(rows) if then else rows
+
+
+EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
+
+
 @contextlib.contextmanager
-def _without_exact_path():
-  """Traces stage 2 with its exact path left out (its rows kept as they
-  are). The API's jit is cleared on the way in and out: it would otherwise
-  answer one trace with the other's program."""
-  saved = stage2._exact_path  # pylint: disable=protected-access
-  stage2._exact_path = lambda p, c, rows, axis: rows  # pylint: disable=protected-access
+def _exact_path_as(exact_path):
+  """Traces stage 2 with ``exact_path`` as its exact path (None: unchanged).
+  The API's jit is cleared on the way in and out: it would otherwise answer
+  one trace with the other's program."""
+  stage2._exact_path = exact_path or EXACT_PATH  # pylint: disable=protected-access
   api.run.clear_cache()
   try:
     yield
   finally:
-    stage2._exact_path = saved  # pylint: disable=protected-access
+    stage2._exact_path = EXACT_PATH  # pylint: disable=protected-access
     api.run.clear_cache()
 
 
@@ -93,31 +112,36 @@ def _call(scale):
   return lambda h, w, k: fs.sample(h, w, k, backend=DENSE, weight_scale=scale, **TRUNC)
 
 
-def _compiled_pair(scale, h, w, key):
-  """``(without the exact path, whole)``: the dense call of ``(h, w, key)``
-  compiled both ways."""
-  with _without_exact_path():
-    short = jax.jit(_call(scale)).lower(h, w, key).compile()
-  full = jax.jit(_call(scale)).lower(h, w, key).compile()
-  assert short.as_text() != full.as_text(), "one program for both variants"
-  return short, full
+PATHS = {"no_conditional": _no_exact_path, "output_after": _output_after, "dense": None}
 
 
-def _variants(key, scale, pair):
-  """name -> function of ``(h, w)``; ``pair``: :func:`_compiled_pair`'s."""
-  short, full = pair
-  return {"dot": jax.jit(_gemm(scale)), "pass": jax.jit(_pass(key, scale)),
-          "no_conditional": lambda h, w: short(h, w, key),
-          "dense": lambda h, w: full(h, w, key),
+def _compiled(scale, h, w, key):
+  """name -> the dense call of ``(h, w, key)`` compiled with that exact path
+  (:data:`PATHS`)."""
+  out = {}
+  for name, path in PATHS.items():
+    with _exact_path_as(path):
+      out[name] = jax.jit(_call(scale)).lower(h, w, key).compile()
+  texts = [f.as_text() for f in out.values()]
+  assert len(set(texts)) == len(texts), "one program for two variants"
+  return out
+
+
+def _variants(key, scale, compiled):
+  """name -> function of ``(h, w)``; ``compiled``: :func:`_compiled`'s."""
+  calls = {name: functools.partial(lambda f, h, w: f(h, w, key), f)
+           for name, f in compiled.items()}
+  return {"dot": jax.jit(_gemm(scale)), "pass": jax.jit(_pass(key, scale)), **calls,
           "plain": jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))}
 
 
-def _same_tokens(h, w, pair) -> float:
-  """The fraction of 8 keys whose tokens without the exact path equal the
-  call's (1.0 where no row takes that path)."""
-  short, full = pair
+def _same_tokens(h, w, compiled) -> dict:
+  """Per variant, the fraction of 8 keys whose tokens equal the call's
+  (1.0 where no row takes the exact path)."""
   keys = jax.random.split(jax.random.key(1), 8)
-  return float(np.mean([np.array_equal(short(h, w, k), full(h, w, k)) for k in keys]))
+  full = compiled["dense"]
+  return {name: float(np.mean([np.array_equal(f(h, w, k), full(h, w, k)) for k in keys]))
+          for name, f in compiled.items() if name != "dense"}
 
 
 def main(argv=None):
@@ -126,11 +150,11 @@ def main(argv=None):
   args = ap.parse_args(argv)
   key = jax.random.key(0)
   for w, scale, h, tags in points(args):
-    pair = _compiled_pair(scale, h, w, key)
+    compiled = _compiled(scale, h, w, key)
     rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
-    print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, pair))),
+    print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, compiled))),
           flush=True)
-    report(args, _variants(key, scale, pair), h, w, tags, traced=("no_conditional", "dense"))
+    report(args, _variants(key, scale, compiled), h, w, tags, traced=tuple(PATHS))
 
 
 if __name__ == "__main__":
