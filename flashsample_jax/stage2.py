@@ -928,6 +928,14 @@ def _top_n(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _R
 # row.
 EXACT_ROWS = 8
 
+# Batches of at most this many rows redo every row behind a two-way
+# conditional; larger ones choose among none, EXACT_ROWS compacted rows and
+# every row (a three-way switch). Up to here the branch's GEMM reads all of W
+# either way, and the switch cost more per call than the two-way
+# conditional, taken or not (docs/performance.md, "The exact path's
+# conditional").
+EXACT_COND_ROWS = 16
+
 # The bytes of one row group's f32 logits ``[rows, V]`` on the exact path
 # beyond EXACT_ROWS flagged rows. XLA reserves every branch's buffers for
 # every call, taken or not, so a branch that materialized all B rows made
@@ -966,7 +974,8 @@ def exact_group_rows(vocab_size: int) -> int:
 
 def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None):
   """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
-  conditional that skips it when no row needs it, and that redoes only those
+  conditional that skips it when no row needs it, and that redoes every row
+  at once up to :data:`EXACT_COND_ROWS` rows; in larger batches only those
   rows (a compacted batch of :data:`EXACT_ROWS`) when there are that few,
   else every row at once, or, where the batch's logits would exceed
   :data:`EXACT_GROUP_BYTES`, the flagged rows in compacted groups of
@@ -1006,7 +1015,8 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
     return then(redo(keyed(p), c, state, flags))
 
   count = jnp.sum(flags, dtype=jnp.int32)
-  if p.batch <= EXACT_ROWS:
+  group = exact_group_rows(p.vocab_size)
+  if p.batch <= max(EXACT_ROWS, min(EXACT_COND_ROWS, group)):
     return lax.cond(count > 0, every_row, lambda: then(state))
 
   def flagged_first(size):
@@ -1027,8 +1037,6 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
 
   def few_rows():
     return then(redo_rows(state, flagged_first(EXACT_ROWS)))
-
-  group = exact_group_rows(p.vocab_size)
 
   def in_groups():
     groups = -(-p.batch // group)

@@ -90,28 +90,32 @@ def test_groups_bound_the_memory_the_program_reserves(monkeypatch):
   assert temp_bytes() < b * v * 4 / 2
 
 
-def _after_the_conditional(jaxpr):
-  """The primitives that follow the exact path's conditional in the traced
-  program (searched through nested jits), None where it has none."""
+def _the_conditional(jaxpr):
+  """``(its number of branches, the primitives that follow it)`` for the
+  exact path's conditional in the traced program (searched through nested
+  jits), None where it has none."""
   for i, e in enumerate(jaxpr.eqns):
     if e.primitive.name == "cond":
-      return [f.primitive.name for f in jaxpr.eqns[i + 1:]]
+      return len(e.params["branches"]), [f.primitive.name for f in jaxpr.eqns[i + 1:]]
     if "jaxpr" in e.params:
-      found = _after_the_conditional(e.params["jaxpr"].jaxpr)
+      found = _the_conditional(e.params["jaxpr"].jaxpr)
       if found is not None:
-        return found + [f.primitive.name for f in jaxpr.eqns[i + 1:]]
+        return found[0], found[1] + [f.primitive.name for f in jaxpr.eqns[i + 1:]]
   return None
 
 
-@pytest.mark.parametrize("rows", [4, B])   # one lax.cond, or the lax.switch of row counts
+@pytest.mark.parametrize("rows, branches", [(4, 2), (stage2.EXACT_COND_ROWS, 2), (B, 3)])
 @pytest.mark.parametrize("logprobs", [False, True])
-def test_the_conditional_is_the_calls_last_step(rows, logprobs):
+def test_the_conditional_is_the_calls_last_step(rows, branches, logprobs):
   # The output is assembled inside the conditional's branches: on a GPU a
-  # kernel after it was launched apart from the CUDA graph
-  # (docs/performance.md, "The exact path's conditional"). Only reshapes
-  # (no kernel) may follow it.
+  # kernel after it was launched apart from the CUDA graph. Only reshapes
+  # (no kernel) may follow it. Up to EXACT_COND_ROWS rows it has two
+  # branches (a three-way switch cost more per call; docs/performance.md,
+  # "The exact path's conditional").
+  assert stage2.EXACT_ROWS < stage2.EXACT_COND_ROWS < B
   f = lambda h, w, k: fs.sample(h, w, k, temperature=0.7, top_k=20, top_p=0.9,
                                 backend="xla", return_logprobs=logprobs)
-  after = _after_the_conditional(jax.make_jaxpr(f)(H[:rows], W, KEYS["scalar"]).jaxpr)
-  assert after is not None, "no conditional"
-  assert set(after) <= {"squeeze", "reshape"}, after
+  found = _the_conditional(jax.make_jaxpr(f)(H[:rows], W, KEYS["scalar"]).jaxpr)
+  assert found is not None, "no conditional"
+  assert found[0] == branches
+  assert set(found[1]) <= {"squeeze", "reshape"}, found[1]

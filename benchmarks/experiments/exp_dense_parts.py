@@ -21,6 +21,9 @@ kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
 * ``output_after``: the whole call with the output assembled after the
   conditional (the layout before ``stage2._redo_flagged``'s ``then`` made
   the conditional the call's last step);
+* ``switch``: the whole call with the exact path's three-way switch at
+  every batch past ``stage2.EXACT_ROWS`` (as before ``EXACT_COND_ROWS``;
+  left out where its program is the call's);
 * ``dense``: the whole call;
 * ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
   denominator).
@@ -29,7 +32,7 @@ The differences are what each part costs a pipelined caller, gaps and
 launches included. One JSON line per (head, dtype, B) with the exact-path
 rows and, per variant, the fraction of 8 keys whose tokens equal
 ``dense``'s, then one per round. With ``--timeline``: the device timelines
-of the three whole calls instead of the rounds.
+of the whole calls instead of the rounds.
 """
 
 from __future__ import annotations
@@ -69,18 +72,29 @@ def _output_after(p, c, rows, axis, *, then=None):
 
 EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
 
+# name -> stage 2's attributes patched while the call is traced (none: the
+# call as it is).
+VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
+            "output_after": {"_exact_path": _output_after},
+            # The three-way switch at every batch past EXACT_ROWS.
+            "switch": {"EXACT_COND_ROWS": stage2.EXACT_ROWS},
+            "dense": {}}
+
 
 @contextlib.contextmanager
-def _exact_path_as(exact_path):
-  """Traces stage 2 with ``exact_path`` as its exact path (None: unchanged).
-  The API's jit is cleared on the way in and out: it would otherwise answer
-  one trace with the other's program."""
-  stage2._exact_path = exact_path or EXACT_PATH  # pylint: disable=protected-access
+def _stage2_with(patch):
+  """Traces stage 2 with ``patch``'s attributes. The API's jit is cleared on
+  the way in and out: it would otherwise answer one trace with the other's
+  program."""
+  saved = {name: getattr(stage2, name) for name in patch}
+  for name, value in patch.items():
+    setattr(stage2, name, value)
   api.run.clear_cache()
   try:
     yield
   finally:
-    stage2._exact_path = EXACT_PATH  # pylint: disable=protected-access
+    for name, value in saved.items():
+      setattr(stage2, name, value)
     api.run.clear_cache()
 
 
@@ -112,19 +126,16 @@ def _call(scale):
   return lambda h, w, k: fs.sample(h, w, k, backend=DENSE, weight_scale=scale, **TRUNC)
 
 
-PATHS = {"no_conditional": _no_exact_path, "output_after": _output_after, "dense": None}
-
-
 def _compiled(scale, h, w, key):
-  """name -> the dense call of ``(h, w, key)`` compiled with that exact path
-  (:data:`PATHS`)."""
+  """name -> the dense call of ``(h, w, key)`` compiled as that variant
+  (:data:`VARIANTS`), those whose program is the call's left out (the
+  switch below EXACT_COND_ROWS rows)."""
   out = {}
-  for name, path in PATHS.items():
-    with _exact_path_as(path):
+  for name, patch in VARIANTS.items():
+    with _stage2_with(patch):
       out[name] = jax.jit(_call(scale)).lower(h, w, key).compile()
-  texts = [f.as_text() for f in out.values()]
-  assert len(set(texts)) == len(texts), "one program for two variants"
-  return out
+  full = out["dense"].as_text()
+  return {name: f for name, f in out.items() if name == "dense" or f.as_text() != full}
 
 
 def _variants(key, scale, compiled):
@@ -154,7 +165,7 @@ def main(argv=None):
     rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
     print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, compiled))),
           flush=True)
-    report(args, _variants(key, scale, compiled), h, w, tags, traced=tuple(PATHS))
+    report(args, _variants(key, scale, compiled), h, w, tags, traced=tuple(compiled))
 
 
 if __name__ == "__main__":
