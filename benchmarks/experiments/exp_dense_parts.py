@@ -22,8 +22,9 @@ kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
   conditional (the layout before ``stage2._redo_flagged``'s ``then`` made
   the conditional the call's last step);
 * ``switch``: the whole call with the exact path's three-way switch at
-  every batch past ``stage2.EXACT_ROWS`` (as before ``EXACT_COND_ROWS``;
-  left out where its program is the call's);
+  every batch past ``stage2.EXACT_ROWS`` (as before ``EXACT_COND_ROWS``);
+  ``two_branches_64``: its two-way conditional up to 64 rows (each left out
+  where its program is the call's);
 * ``dense``: the whole call;
 * ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
   denominator).
@@ -78,6 +79,8 @@ VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
             "output_after": {"_exact_path": _output_after},
             # The three-way switch at every batch past EXACT_ROWS.
             "switch": {"EXACT_COND_ROWS": stage2.EXACT_ROWS},
+            # The two-way conditional up to 64 rows.
+            "two_branches_64": {"EXACT_COND_ROWS": 64},
             "dense": {}}
 
 
@@ -129,7 +132,7 @@ def _call(scale):
 def _compiled(scale, h, w, key):
   """name -> the dense call of ``(h, w, key)`` compiled as that variant
   (:data:`VARIANTS`), those whose program is the call's left out (the
-  switch below EXACT_COND_ROWS rows)."""
+  switch up to EXACT_COND_ROWS rows; two_branches_64 there and past 64)."""
   out = {}
   for name, patch in VARIANTS.items():
     with _stage2_with(patch):
