@@ -11,6 +11,7 @@ import pytest
 
 import flashsample_jax as fs
 from flashsample_jax import controls, problem, stage2
+from flashsample_jax.backends import xla
 from tests.cases import B, CASES, H, KEYS, T, V, W
 
 _SENTINEL = -7
@@ -119,3 +120,28 @@ def test_the_conditional_is_the_calls_last_step(rows, branches, logprobs):
   assert found is not None, "no conditional"
   assert found[0] == branches
   assert set(found[1]) <= {"squeeze", "reshape"}, found[1]
+
+
+@pytest.mark.parametrize("rows", [stage2.EXACT_ROWS + 4, stage2.EXACT_COND_ROWS + 4])
+def test_flagged_rows_of_two_branch_and_switch_batches_equal_reference(rows):
+  # Rows whose ties at the 50th value run past the 64 candidates take the
+  # exact path: every row redone up to EXACT_COND_ROWS rows, more through
+  # the switch; both must return the reference's tokens and flag just them.
+  v = 512
+  rng = np.random.default_rng(rows)
+  tied = np.arange(rows) % 3 == 0
+  logits = rng.normal(size=(rows, v)).astype(np.float32)
+  logits[tied] -= 8.0
+  logits[tied, :40] = 2.0
+  logits[tied, 40:80] = 1.0                          # 40 ties at the 50th value
+  h = jnp.eye(rows, dtype=jnp.bfloat16)
+  w = jnp.asarray(np.round(logits.T * 8) / 8, jnp.bfloat16)       # exact in bf16
+  keys = jax.random.split(jax.random.key(rows), rows)
+  kw = dict(top_k=50, top_p=0.97)
+  p = problem.prepare(h, w, keys, temperature=1.0)
+  c = controls.prepare_controls(batch=rows, vocab_size=v, rows=v, **kw)
+  _, _, fallback = jax.jit(lambda p, c: stage2.finish(p, c, xla.controls_state(p, c)))(p, c)
+  np.testing.assert_array_equal(fallback, tied)
+  got = fs.sample(h, w, keys, temperature=1.0, backend="xla", **kw)
+  want = fs.reference.sample(h, w, keys, temperature=1.0, **kw)
+  np.testing.assert_array_equal(got, want)
