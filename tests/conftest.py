@@ -110,7 +110,8 @@ def session_cache_dir() -> str | None:
 # configs in interpret mode, the exact path's redone rows and its fallback,
 # the mosaic controls kernel's exact-input cases in interpret mode, its
 # batch-invariant split and scores, the triton adapter's invariant
-# launches, float outputs across shard counts (~390 s).
+# launches, float outputs across shard counts, the list kernels under
+# Triton's interpreter, the 8-bit controls kernel's CUDA lowering (~450 s).
 FOR_TEN_MINUTES = (
     "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check",
     "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
@@ -122,6 +123,8 @@ FOR_TEN_MINUTES = (
     "tests/test_mosaic.py::test_float_outputs_take_one_split_for_every_batch",
     "tests/test_triton_adapter.py::test_calls_reporting_floats_run_the_batch_invariant_configs",
     "tests/test_rl.py::test_float_outputs_across_shard_counts_within_2_ulp",
+    "tests/test_triton_lists.py::test_interpreter_suite",
+    "tests/test_quantized_mosaic.py::test_controls_and_f16_lower_for_cuda",
 )
 
 
