@@ -1016,7 +1016,7 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
 
   count = jnp.sum(flags, dtype=jnp.int32)
   group = exact_group_rows(p.vocab_size)
-  if p.batch <= max(EXACT_ROWS, min(EXACT_COND_ROWS, group)):
+  if p.batch <= min(EXACT_COND_ROWS, group):
     return lax.cond(count > 0, every_row, lambda: then(state))
 
   def flagged_first(size):
