@@ -929,12 +929,13 @@ def _top_n(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _R
 EXACT_ROWS = 8
 
 # Batches of at most this many rows redo every row behind a two-way
-# conditional; larger ones choose among none, EXACT_ROWS compacted rows and
-# every row (a three-way switch). Up to here the branch's GEMM reads all of W
-# either way, and the switch cost more per call than the two-way
-# conditional, taken or not (docs/performance.md, "The exact path's
-# conditional").
-EXACT_COND_ROWS = 16
+# conditional. Larger ones nest a second choice in its taken branch:
+# EXACT_ROWS compacted rows, or every row. When no row is flagged that costs
+# about what the two-way conditional does, where one three-way switch cost
+# more; when one row is, the compacted branch sorts EXACT_ROWS rows where
+# every row's sort took up to several times as long (docs/performance.md,
+# "The exact path's conditional").
+EXACT_COND_ROWS = EXACT_ROWS
 
 # The bytes of one row group's f32 logits ``[rows, V]`` on the exact path
 # beyond EXACT_ROWS flagged rows. XLA reserves every branch's buffers for
@@ -975,11 +976,12 @@ def exact_group_rows(vocab_size: int) -> int:
 def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None):
   """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
   conditional that skips it when no row needs it, and that redoes every row
-  at once up to :data:`EXACT_COND_ROWS` rows; in larger batches only those
-  rows (a compacted batch of :data:`EXACT_ROWS`) when there are that few,
-  else every row at once, or, where the batch's logits would exceed
-  :data:`EXACT_GROUP_BYTES`, the flagged rows in compacted groups of
-  :func:`exact_group_rows`, one loop step each.
+  at once up to :data:`EXACT_COND_ROWS` rows; in larger batches a second
+  conditional inside the first redoes only those rows (a compacted batch of
+  :data:`EXACT_ROWS`) when there are that few, else every row at once, or,
+  where the batch's logits would exceed :data:`EXACT_GROUP_BYTES`, the
+  flagged rows in compacted groups of :func:`exact_group_rows`, one loop
+  step each.
 
   ``state``: a pytree of per-row arrays whose batch axes are ``axes`` (a
   pytree of ints of its structure); ``redo`` returns it with the flagged
@@ -992,8 +994,9 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   conditional"). Hence :func:`controls.keep_mask` sorts with two keys (never
   a CUB sort), and the rows are compacted by a prefix sum and a scatter, not
   an argsort. The sharded path's all-gather in the branch may still need
-  the host. Inside the graph the conditional node still has a cost of its
-  own even with trivial branches, so there is one, not nested.
+  the host. Inside the graph a conditional node has a cost of its own even
+  with trivial branches, so the call meets one when no row is flagged; the
+  nested one runs only when some row is.
 
   ``then`` (default: none): a function of the state applied inside every
   branch, so that the conditional's result is the caller's (finish puts
@@ -1044,9 +1047,9 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
     step = lambda g, st: redo_rows(st, lax.dynamic_slice(order, (g * group,), (group,)))
     return then(lax.fori_loop(0, (count + group - 1) // group, step, state))
 
-  branch = jnp.where(count == 0, 0, jnp.where(count <= EXACT_ROWS, 1, 2))
-  return lax.switch(branch, (lambda: then(state), few_rows,
-                             every_row if p.batch <= group else in_groups))
+  many = every_row if p.batch <= group else in_groups
+  some_rows = lambda: lax.cond(count <= EXACT_ROWS, few_rows, many)
+  return lax.cond(count > 0, some_rows, lambda: then(state))
 
 
 def _take_rows(p: Problem, c: controls.Controls, idx):

@@ -1,8 +1,9 @@
 """Stage 2's exact path: the fallback rows, and only they, are redone from
 materialized logits; at most ``stage2.EXACT_ROWS`` of them as a compacted
 batch of their own, more as the whole batch, or in compacted groups where
-the batch's logits exceed ``stage2.EXACT_GROUP_BYTES`` (one conditional
-either way); the groups bound the memory the program reserves."""
+the batch's logits exceed ``stage2.EXACT_GROUP_BYTES`` (that choice in a
+conditional inside the one that skips the path); the groups bound the
+memory the program reserves."""
 
 import jax
 import jax.numpy as jnp
@@ -92,12 +93,12 @@ def test_groups_bound_the_memory_the_program_reserves(monkeypatch):
 
 
 def _the_conditional(jaxpr):
-  """``(its number of branches, the primitives that follow it)`` for the
-  exact path's conditional in the traced program (searched through nested
-  jits), None where it has none."""
+  """``(its equation, the primitives that follow it)`` for the exact path's
+  conditional in the traced program (searched through nested jits), None
+  where it has none."""
   for i, e in enumerate(jaxpr.eqns):
     if e.primitive.name == "cond":
-      return len(e.params["branches"]), [f.primitive.name for f in jaxpr.eqns[i + 1:]]
+      return e, [f.primitive.name for f in jaxpr.eqns[i + 1:]]
     if "jaxpr" in e.params:
       found = _the_conditional(e.params["jaxpr"].jaxpr)
       if found is not None:
@@ -105,39 +106,62 @@ def _the_conditional(jaxpr):
   return None
 
 
-@pytest.mark.parametrize("rows, branches", [(4, 2), (stage2.EXACT_COND_ROWS, 2), (B, 3)])
+def _conditionals(jaxpr) -> int:
+  """The conditionals among ``jaxpr``'s own equations."""
+  return sum(e.primitive.name == "cond" for e in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("rows", [4, stage2.EXACT_COND_ROWS, stage2.EXACT_COND_ROWS + 1, B])
 @pytest.mark.parametrize("logprobs", [False, True])
-def test_the_conditional_is_the_calls_last_step(rows, branches, logprobs):
+def test_the_conditional_is_the_calls_last_step(rows, logprobs):
   # The output is assembled inside the conditional's branches: on a GPU a
   # kernel after it was launched apart from the CUDA graph. Only reshapes
-  # (no kernel) may follow it. Up to EXACT_COND_ROWS rows it has two
-  # branches (a three-way switch cost more per call; docs/performance.md,
-  # "The exact path's conditional").
-  assert stage2.EXACT_ROWS < stage2.EXACT_COND_ROWS < B
+  # (no kernel) may follow it. It has two branches; past EXACT_COND_ROWS
+  # rows its taken branch holds the choice of compacted or every row, a
+  # conditional of its own (docs/performance.md, "The exact path's
+  # conditional").
+  assert stage2.EXACT_COND_ROWS < B
   f = lambda h, w, k: fs.sample(h, w, k, temperature=0.7, top_k=20, top_p=0.9,
                                 backend="xla", return_logprobs=logprobs)
   found = _the_conditional(jax.make_jaxpr(f)(H[:rows], W, KEYS["scalar"]).jaxpr)
   assert found is not None, "no conditional"
-  assert found[0] == branches
-  assert set(found[1]) <= {"squeeze", "reshape"}, found[1]
+  cond, after = found
+  skipped, taken = (b.jaxpr for b in cond.params["branches"])
+  assert _conditionals(skipped) == 0
+  assert _conditionals(taken) == (rows > stage2.EXACT_COND_ROWS)
+  assert set(after) <= {"squeeze", "reshape"}, after
 
 
-@pytest.mark.parametrize("rows", [stage2.EXACT_ROWS + 4, stage2.EXACT_COND_ROWS + 4])
-def test_flagged_rows_of_two_branch_and_switch_batches_equal_reference(rows):
-  # Rows whose ties at the 50th value run past the 64 candidates take the
-  # exact path: every row redone up to EXACT_COND_ROWS rows, more through
-  # the switch; both must return the reference's tokens and flag just them.
+@pytest.mark.parametrize("rule, rows", [
+    ("top_k", stage2.EXACT_COND_ROWS), ("top_k", stage2.EXACT_COND_ROWS + 4),
+    ("top_p", 3 * stage2.EXACT_ROWS), ("top_p", 3 * stage2.EXACT_ROWS + 3)])
+def test_flagged_rows_of_one_and_nested_conditionals_equal_reference(rule, rows):
+  # Flagged rows, every third: with top-k 50, rows whose ties at the 50th
+  # value run past the 64 candidates; with top-p alone, flat rows whose
+  # nucleus is wider than the lists. Every row is redone up to
+  # EXACT_COND_ROWS rows; past them the nested conditional redoes the
+  # flagged rows compacted (up to EXACT_ROWS of them: 8 of 24 rows) or
+  # every row (9 of 27); each must return the reference's tokens and flag
+  # just those rows.
   v = 512
   rng = np.random.default_rng(rows)
   tied = np.arange(rows) % 3 == 0
-  logits = rng.normal(size=(rows, v)).astype(np.float32)
-  logits[tied] -= 8.0
-  logits[tied, :40] = 2.0
-  logits[tied, 40:80] = 1.0                          # 40 ties at the 50th value
+  # Distinct values (multiples of 1/64 in [-4, 4), exact in bf16) on the
+  # other rows: no ties there.
+  logits = np.stack([rng.permutation(v) / 64 - 4 for _ in range(rows)]).astype(np.float32)
+  if rule == "top_k":
+    kw = dict(top_k=50, top_p=0.97)
+    logits[tied] = np.round((logits[tied] - 8.0) * 8) / 8
+    logits[tied, :40] = 2.0
+    logits[tied, 40:80] = 1.0                        # 40 ties at the 50th value
+  else:
+    kw = dict(top_p=0.97)
+    logits *= 4.0                                    # a narrow nucleus
+    logits[tied] = 1.0                               # every id in it
   h = jnp.eye(rows, dtype=jnp.bfloat16)
-  w = jnp.asarray(np.round(logits.T * 8) / 8, jnp.bfloat16)       # exact in bf16
+  w = jnp.asarray(logits.T, jnp.bfloat16)
+  assert np.array_equal(np.asarray(w, np.float32), logits.T)     # exact in bf16
   keys = jax.random.split(jax.random.key(rows), rows)
-  kw = dict(top_k=50, top_p=0.97)
   p = problem.prepare(h, w, keys, temperature=1.0)
   c = controls.prepare_controls(batch=rows, vocab_size=v, rows=v, **kw)
   _, _, fallback = jax.jit(lambda p, c: stage2.finish(p, c, xla.controls_state(p, c)))(p, c)

@@ -3,6 +3,7 @@ top-p with an 8-bit head <= 1.2x plain at B <= 16).
 
   python3 -m benchmarks.experiments.exp_dense_parts [--heads S L]
       [--batches 1 16 64] [--weight-dtypes fp8] [--rounds 3] [--timeline]
+      [--flagged N] [--variants NAME ...]
 
 A profiler trace gives each kernel's device time but slows the host enough
 that gaps between kernels show which a pipelined run never waits for
@@ -21,13 +22,18 @@ kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
 * ``output_after``: the whole call with the output assembled after the
   conditional (the layout before ``stage2._redo_flagged``'s ``then`` made
   the conditional the call's last step);
-* ``switch``: the whole call with the exact path's three-way switch at
-  every batch past ``stage2.EXACT_ROWS`` (as before ``EXACT_COND_ROWS``);
-  ``two_branches_64``: its two-way conditional up to 64 rows (each left out
-  where its program is the call's);
+* ``two_branches_16``, ``two_branches_64``: the whole call with the exact
+  path's two-way conditional (every row redone when one is flagged) up to
+  16 / 64 rows, the nested one past them (each left out where its program
+  is the call's; the three-way switch they were measured against before is
+  gone, docs/performance.md, "The exact path's conditional");
 * ``dense``: the whole call;
 * ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
   denominator).
+
+``--flagged N`` zeroes the first N hidden rows: their logits are all equal,
+which no candidate list certifies, so every call takes the exact path (what
+a call costs when the conditional's branch runs).
 
 The differences are what each part costs a pipelined caller, gaps and
 launches included. One JSON line per (head, dtype, B) with the exact-path
@@ -77,9 +83,9 @@ EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
 # call as it is).
 VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
             "output_after": {"_exact_path": _output_after},
-            # The three-way switch at every batch past EXACT_ROWS.
-            "switch": {"EXACT_COND_ROWS": stage2.EXACT_ROWS},
-            # The two-way conditional up to 64 rows.
+            # The two-way conditional up to 16 / 64 rows (every row redone
+            # when one is flagged).
+            "two_branches_16": {"EXACT_COND_ROWS": 16},
             "two_branches_64": {"EXACT_COND_ROWS": 64},
             "dense": {}}
 
@@ -131,14 +137,19 @@ def _call(scale):
 
 def _compiled(scale, h, w, key):
   """name -> the dense call of ``(h, w, key)`` compiled as that variant
-  (:data:`VARIANTS`), those whose program is the call's left out (the
-  switch up to EXACT_COND_ROWS rows; two_branches_64 there and past 64)."""
+  (:data:`VARIANTS`), those whose program is the call's or an earlier
+  variant's left out (two_branches_16 up to EXACT_COND_ROWS rows,
+  two_branches_64 up to 16 rows and past 64)."""
   out = {}
   for name, patch in VARIANTS.items():
     with _stage2_with(patch):
       out[name] = jax.jit(_call(scale)).lower(h, w, key).compile()
-  full = out["dense"].as_text()
-  return {name: f for name, f in out.items() if name == "dense" or f.as_text() != full}
+  kept, texts = {"dense": out["dense"]}, {out["dense"].as_text()}
+  for name, f in out.items():
+    if f.as_text() not in texts:
+      kept[name] = f
+      texts.add(f.as_text())
+  return kept
 
 
 def _variants(key, scale, compiled):
@@ -161,14 +172,24 @@ def _same_tokens(h, w, compiled) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_point_args(ap, heads=["S", "L"], batches=[1, 16, 64], weight_dtypes=["fp8"], rounds=3)
+  ap.add_argument("--variants", nargs="+", default=None,
+                  help="only these (default: every variant, dot, pass and plain)")
+  ap.add_argument("--flagged", type=int, default=0,
+                  help="hidden rows zeroed (each takes the exact path)")
   args = ap.parse_args(argv)
   key = jax.random.key(0)
   for w, scale, h, tags in points(args):
+    if args.flagged:
+      h = h.at[:args.flagged].set(0)
+      tags = dict(tags, flagged=args.flagged)
     compiled = _compiled(scale, h, w, key)
     rows = exact_path_rows(h, w, key, backend=DENSE, weight_scale=scale, **TRUNC)
     print(json.dumps(dict(tags, exact_rows=rows, same_tokens=_same_tokens(h, w, compiled))),
           flush=True)
-    report(args, _variants(key, scale, compiled), h, w, tags, traced=tuple(compiled))
+    variants = _variants(key, scale, compiled)
+    if args.variants:
+      variants = {name: f for name, f in variants.items() if name in args.variants}
+    report(args, variants, h, w, tags, traced=tuple(n for n in compiled if n in variants))
 
 
 if __name__ == "__main__":
