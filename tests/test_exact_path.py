@@ -169,3 +169,23 @@ def test_flagged_rows_of_one_and_nested_conditionals_equal_reference(rule, rows)
   got = fs.sample(h, w, keys, temperature=1.0, backend="xla", **kw)
   want = fs.reference.sample(h, w, keys, temperature=1.0, **kw)
   np.testing.assert_array_equal(got, want)
+
+
+def test_zero_rows_take_the_exact_path_unless_greedy():
+  # A batch padded with zero hidden rows: their logits are all equal, which
+  # no candidate list certifies, so with truncation they take the exact path
+  # on every call (README, "Backends"); at temperature 0 they are greedy,
+  # decided by the argmax, and do not. Tokens equal the reference's either way.
+  rows, pad = 12, np.array([0, 5, 11])
+  h = H[:rows].at[pad].set(0)
+  kw = dict(top_k=20, top_p=0.9)
+  finish = jax.jit(lambda p, c: stage2.finish(p, c, xla.controls_state(p, c)))
+  c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw)
+  greedy_pad = jnp.asarray(np.where(np.isin(np.arange(rows), pad), 0.0, 0.5), jnp.float32)
+  for temperature, flagged in ((0.5, pad), (greedy_pad, [])):
+    p = problem.prepare(h, W, KEYS["scalar"], temperature=temperature)
+    _, _, fallback = finish(p, c)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(fallback)), flagged)
+    got = fs.sample(h, W, KEYS["scalar"], temperature=temperature, backend="xla", **kw)
+    want = fs.reference.sample(h, W, KEYS["scalar"], temperature=temperature, **kw)
+    np.testing.assert_array_equal(got, want)
