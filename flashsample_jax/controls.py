@@ -108,6 +108,11 @@ class Controls:
       reports (``ControlsState.given_t``; :func:`flashsample_jax.score_tokens`).
     top_logprobs_mode: static, ``"processed"`` (the top N of ``t``, as
       sampled) or ``"raw"`` (of the raw logits: :func:`raw_logits`).
+    uniform: static; the names of the per-row fields that are one traced
+      value broadcast over the rows (a number under ``jax.jit``), which
+      stage 2's exact path rebuilds inside its conditional (:func:`in_branch`).
+      Whoever replaces such a field with values that differ by row must
+      drop its name here.
   """
 
   top_k: Any = None
@@ -133,6 +138,7 @@ class Controls:
   return_raw_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
   return_kept: int = dataclasses.field(default=0, metadata=dict(static=True))
   top_logprobs_mode: str = dataclasses.field(default="processed", metadata=dict(static=True))
+  uniform: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
   @property
   def truncates(self) -> bool:
@@ -417,6 +423,8 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
   every_row_truncates = (top_k_everywhere
                          or _on_everywhere(top_p, lambda p: p < 1)
                          or _on_everywhere(min_p, lambda m: m > 0))
+  given = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
   checked_top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,
                            off="0 turns top-k off")
   top_k_max = _top_k_max(top_k, top_k_everywhere)
@@ -489,6 +497,9 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     # nothing: drop them so the call keeps its fast path.
     repetition_penalty = presence_penalty = frequency_penalty = None
     prompt_ids = output_ids = None
+  uniform = _uniform(given, dict(
+      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
   return Controls(top_k=top_k, top_p=top_p, min_p=min_p, logit_bias=logit_bias,
                   allowed_mask=allowed_mask, softcap=softcap,
                   repetition_penalty=repetition_penalty,
@@ -501,7 +512,29 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   top_k_max=top_k_max,
                   truncation_order=truncation_order, return_entropy=return_entropy,
                   return_raw_logprobs=return_raw_logprobs, return_kept=return_kept,
-                  top_logprobs_mode=top_logprobs_mode)
+                  top_logprobs_mode=top_logprobs_mode, uniform=uniform)
+
+
+def _uniform(given: dict, per_row: dict) -> tuple[str, ...]:
+  """:attr:`Controls.uniform`: the names whose ``[B]`` array (``per_row``)
+  is one traced value broadcast from its argument (``given``)."""
+  return tuple(name for name, value in per_row.items()
+               if value is not None and problem.one_traced_value(given[name], value))
+
+
+def in_branch(c: Controls):
+  """A function, for a conditional's branch to call, that returns ``c``
+  with its :attr:`Controls.uniform` fields broadcast there from their first
+  entries (taken here, outside): the branch then does not take them as
+  ``[B]`` operands (:func:`flashsample_jax.problem.in_branch`)."""
+  firsts = {name: getattr(c, name)[0] for name in c.uniform}
+
+  def rebuild() -> Controls:
+    batch = lambda name: getattr(c, name).shape[0]
+    return dataclasses.replace(c, **{name: jnp.broadcast_to(v, (batch(name),))
+                                     for name, v in firsts.items()})
+
+  return rebuild
 
 
 def allowed_bits(allowed_mask, gid):

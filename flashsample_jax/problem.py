@@ -76,6 +76,13 @@ class Problem:
       into (1 unless ``weight`` is one shard of a vocabulary-parallel head;
       static).
     sample_stride: counter distance between consecutive samples (static).
+    uniform_temperature: whether ``temperature`` is one traced value
+      broadcast over the rows (static): stage 2's exact path then rebuilds
+      it inside its conditional from its first entry (:func:`in_branch`).
+    row_base: for a scalar key whose counters are constants of the program
+      (a Python batch-shard index), the global row of local row 0, else
+      None (static): the exact path rebuilds the counters inside its
+      conditional (:func:`in_branch`).
   """
 
   hidden: jax.Array
@@ -92,6 +99,8 @@ class Problem:
   vocab_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
   sample_stride: int = dataclasses.field(default=0, metadata=dict(static=True))
   weight_scale: jax.Array | None = None
+  uniform_temperature: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  row_base: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def batch(self) -> int:
@@ -506,21 +515,17 @@ def _problem(hidden, weight, key, temperature, *, layout: str, vocab_size: int,
   data, per_row = key_data(key, batch)
   k0, k1 = key_words(data, batch)
   temp = _temperature(temperature, batch)
+  row_base = None
   global_batch = batch * shard_count
   if per_row:
     ctr_hi = jnp.zeros((batch,), jnp.uint32)
     ctr_lo = jnp.zeros((batch,), jnp.uint32)
     stride = vocab_size
   elif isinstance(shard_index, (int, np.integer)):
-    # A Python offset makes the counters constants of the program (numpy,
-    # not jnp, which traces under jit), so no kernel computes them on every
-    # call: one launch and its gap less on a GPU.
-    row_offset = int(shard_index) * batch
-    _row_offset(row_offset)                                  # range check
-    rows_ids = (np.arange(batch, dtype=np.uint64) + np.uint64(row_offset)) % np.uint64(2**32)
-    ctr = rows_ids * np.uint64(vocab_size)                  # < 2**63: exact
-    ctr_hi = jnp.asarray((ctr >> np.uint64(32)).astype(np.uint32))
-    ctr_lo = jnp.asarray((ctr & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+    # A Python offset: the counters are constants of the program.
+    row_base = int(shard_index) * batch
+    _row_offset(row_base)                                    # range check
+    ctr_hi, ctr_lo = scalar_key_counters(batch, vocab_size, row_base)
     stride = global_batch * vocab_size
   else:
     rows_ids = (jnp.arange(batch, dtype=jnp.uint32)
@@ -535,4 +540,49 @@ def _problem(hidden, weight, key, temperature, *, layout: str, vocab_size: int,
       hidden=hidden, weight=weight, k0=k0, k1=k1,
       ctr_hi=ctr_hi, ctr_lo=ctr_lo, temperature=temp, key_data=data,
       layout=layout, vocab_size=vocab_size, per_row_keys=per_row,
-      vocab_shards=vocab_shards, sample_stride=stride)
+      vocab_shards=vocab_shards, sample_stride=stride,
+      uniform_temperature=one_traced_value(temperature, temp), row_base=row_base)
+
+
+def one_traced_value(given, per_row) -> bool:
+  """Whether ``per_row`` (``[B]``, made from the argument ``given``) is one
+  value broadcast over the rows inside a trace: a number or a 0-d array
+  under ``jax.jit``. Outside a trace the ``[B]`` array is a program input
+  already (nothing to rebuild)."""
+  scalar = isinstance(given, (int, float, np.integer, np.floating)) or (
+      getattr(given, "ndim", None) == 0)
+  return scalar and isinstance(per_row, jax.core.Tracer)
+
+
+def scalar_key_counters(batch: int, vocab_size: int, row_base: int):
+  """``(ctr_hi, ctr_lo)`` uint32 ``[B]``: a scalar key's base counters of
+  rows ``row_base ..`` (``row * vocab_size``, :class:`Problem`). NumPy, not
+  jnp, so that they are constants of the program: no kernel computes them
+  on every call."""
+  rows_ids = (np.arange(batch, dtype=np.uint64) + np.uint64(row_base)) % np.uint64(2**32)
+  ctr = rows_ids * np.uint64(vocab_size)                    # < 2**63: exact
+  return (jnp.asarray((ctr >> np.uint64(32)).astype(np.uint32)),
+          jnp.asarray((ctr & np.uint64(0xFFFFFFFF)).astype(np.uint32)))
+
+
+def in_branch(p: Problem):
+  """A function, for a conditional's branch to call, that returns ``p``
+  with the per-row arrays that need no per-row input made again there: the
+  key words from the key, the counters of a :attr:`Problem.row_base`, a
+  uniform temperature from its first entry (taken here, outside). The
+  branch then does not take those ``[B]`` arrays as operands, which XLA
+  materializes, a small kernel each, on every call (docs/performance.md,
+  "The exact path's conditional")."""
+  first = p.temperature[0] if p.uniform_temperature else None
+
+  def rebuild() -> Problem:
+    k0, k1 = key_words(p.key_data, p.batch)
+    q = dataclasses.replace(p, k0=k0, k1=k1)
+    if first is not None:
+      q = dataclasses.replace(q, temperature=jnp.broadcast_to(first, (p.batch,)))
+    if p.row_base is not None:
+      hi, lo = scalar_key_counters(p.batch, p.vocab_size, p.row_base)
+      q = dataclasses.replace(q, ctr_hi=hi, ctr_lo=lo)
+    return q
+
+  return rebuild

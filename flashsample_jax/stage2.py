@@ -468,7 +468,9 @@ def samples_as_rows(p: Problem, samples: int) -> Problem:
       ctr_hi=hi.reshape(-1), ctr_lo=lo.reshape(-1),
       temperature=tile(p.temperature),
       key_data=(jnp.tile(p.key_data, (samples, 1)) if p.per_row_keys
-                else p.key_data))
+                else p.key_data),
+      row_base=None)                 # the counters are no longer the rows'
+
 
 
 @jax.named_scope("stage2.certify")
@@ -1004,18 +1006,17 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   to be launched apart from the graph (docs/performance.md, "The exact
   path's conditional")."""
 
-  def keyed(p):
-    # The key words are split from the key (a program parameter) inside the
-    # branch: slices of it passed in were each copied into the conditional
-    # on every call (same section of docs/performance.md).
-    k0, k1 = problem.key_words(p.key_data, p.batch)
-    return dataclasses.replace(p, k0=k0, k1=k1)
+  # The per-row arrays that need no per-row input (key words, counters,
+  # controls given as one number) are made again inside the branches: as
+  # operands XLA would materialize each on every call (same section of
+  # docs/performance.md).
+  p_in, c_in = problem.in_branch(p), controls.in_branch(c)
 
   if then is None:
     then = lambda st: st
 
   def every_row():
-    return then(redo(keyed(p), c, state, flags))
+    return then(redo(p_in(), c_in(), state, flags))
 
   count = jnp.sum(flags, dtype=jnp.int32)
   group = exact_group_rows(p.vocab_size)
@@ -1032,7 +1033,7 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   def redo_rows(st, idx):
     # Rows idx (B: none) redone as a batch of their own, put back into st.
     take = lambda a, axis: jnp.take(a, idx, axis=axis, mode="clip")
-    ps, cs = _take_rows(keyed(p), c, idx)
+    ps, cs = _take_rows(p_in(), c_in(), idx)
     new = redo(ps, cs, jax.tree.map(take, st, axes), take(flags, 0) & (idx < p.batch))
     put = lambda a, b, axis: (a.at[idx].set(b, mode="drop") if axis == 0
                               else a.at[:, idx].set(b, mode="drop"))

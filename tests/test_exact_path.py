@@ -189,3 +189,47 @@ def test_zero_rows_take_the_exact_path_unless_greedy():
     got = fs.sample(h, W, KEYS["scalar"], temperature=temperature, backend="xla", **kw)
     want = fs.reference.sample(h, W, KEYS["scalar"], temperature=temperature, **kw)
     np.testing.assert_array_equal(got, want)
+
+
+def _enclosing(jaxpr):
+  """``(the jaxpr holding the exact path's conditional, its equation)``
+  (searched through nested jits)."""
+  for e in jaxpr.eqns:
+    if e.primitive.name == "cond":
+      return jaxpr, e
+    if "jaxpr" in e.params:
+      found = _enclosing(e.params["jaxpr"].jaxpr)
+      if found is not None:
+        return found
+  return None
+
+
+@pytest.mark.parametrize("rows", [4, B])
+def test_controls_given_as_numbers_are_no_operands_of_the_conditional(rows):
+  # Under jax.jit a temperature, top-k, top-p or penalty given as one number
+  # becomes a [B] input of the sampler's program, as do the noise counters;
+  # as operands of the conditional XLA materializes them on every call (a
+  # kernel each on a GPU). The branches make them again (from a first
+  # entry, or from static values: docs/performance.md, "The exact path's
+  # conditional"); controls given per row stay operands.
+  h, w = H[:rows], W
+  given = dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.25)
+  history = jnp.zeros((rows, 3), jnp.int32)
+  as_rows = lambda v: jnp.full((rows,), v, jnp.int32 if isinstance(v, int) else jnp.float32)
+
+  def row_operands(per_row: bool) -> int:
+    def f(h, w, k, *arrays):
+      kw = dict(zip(given, arrays)) if per_row else given
+      return fs.sample(h, w, k, backend="xla", prompt_ids=history, **kw)
+    arrays = [as_rows(v) for v in given.values()] if per_row else []
+    jaxpr, cond = _enclosing(jax.make_jaxpr(f)(h, w, KEYS["scalar"], *arrays).jaxpr)
+    inputs = set(jaxpr.invars)
+    return sum(v in inputs and v.aval.shape == (rows,) and v.aval.dtype != jnp.bool_
+               for v in cond.invars)
+
+  assert row_operands(per_row=False) == 0
+  assert row_operands(per_row=True) == len(given)
+  np.testing.assert_array_equal(
+      jax.jit(lambda h, w, k: fs.sample(h, w, k, backend="xla", prompt_ids=history,
+                                        **given))(h, w, KEYS["scalar"]),
+      fs.reference.sample(h, w, KEYS["scalar"], prompt_ids=history, **given))
