@@ -22,6 +22,10 @@ kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
 * ``output_after``: the whole call with the output assembled after the
   conditional (the layout before ``stage2._redo_flagged``'s ``then`` made
   the conditional the call's last step);
+* ``row_operands``: the whole call with the exact path's branches taking
+  the controls given as numbers, the temperature and the noise counters as
+  operands (before ``problem.in_branch`` / ``controls.in_branch`` made them
+  in the branch);
 * ``two_branches_16``, ``two_branches_64``: the whole call with the exact
   path's two-way conditional (every row redone when one is flagged) up to
   16 / 64 rows, the nested one past them (each left out where its program
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 
@@ -79,10 +84,23 @@ def _output_after(p, c, rows, axis, *, then=None):
 
 EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
 
-# name -> stage 2's attributes patched while the call is traced (none: the
-# call as it is).
+
+def _keyed_only(p):
+  """``problem.in_branch`` as before it made the counters and a uniform
+  temperature in the branch: only the key words."""
+  def rebuild():
+    k0, k1 = problem.key_words(p.key_data, p.batch)
+    return dataclasses.replace(p, k0=k0, k1=k1)
+  return rebuild
+
+
+# name -> the attributes patched while the call is traced (stage 2's, or
+# "module.name" of problem / controls; none: the call as it is).
 VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
             "output_after": {"_exact_path": _output_after},
+            # The conditional taking every per-row array as an operand.
+            "row_operands": {"problem.in_branch": _keyed_only,
+                             "controls.in_branch": lambda c: lambda: c},
             # The two-way conditional up to 16 / 64 rows (every row redone
             # when one is flagged).
             "two_branches_16": {"EXACT_COND_ROWS": 16},
@@ -95,15 +113,17 @@ def _stage2_with(patch):
   """Traces stage 2 with ``patch``'s attributes. The API's jit is cleared on
   the way in and out: it would otherwise answer one trace with the other's
   program."""
-  saved = {name: getattr(stage2, name) for name in patch}
+  where = lambda name: ({"problem": problem, "controls": controls}[name.split(".")[0]]
+                        if "." in name else stage2, name.split(".")[-1])
+  saved = {name: getattr(*where(name)) for name in patch}
   for name, value in patch.items():
-    setattr(stage2, name, value)
+    setattr(*where(name), value)
   api.run.clear_cache()
   try:
     yield
   finally:
     for name, value in saved.items():
-      setattr(stage2, name, value)
+      setattr(*where(name), value)
     api.run.clear_cache()
 
 
