@@ -527,7 +527,7 @@ def in_branch(c: Controls):
   with its :attr:`Controls.uniform` fields broadcast there from their first
   entries (taken here, outside): the branch then does not take them as
   ``[B]`` operands (:func:`flashsample_jax.problem.in_branch`)."""
-  firsts = {name: getattr(c, name)[0] for name in c.uniform}
+  firsts = {name: getattr(c, name)[0] for name in c.uniform if getattr(c, name) is not None}
 
   def rebuild() -> Controls:
     batch = lambda name: getattr(c, name).shape[0]

@@ -119,7 +119,10 @@ def _sample_sharded(p, c, *, mesh, backend, axes: _mesh.MeshAxes):
   n_vocab = _mesh_axes_size(mesh, "vocab_axis", axes.vocab)
 
   def per_shard(p, c):
-    return api.run(dataclasses.replace(p, vocab_shards=n_vocab), c,
+    # Each batch shard holds its own rows' counters (split from the global
+    # ones), not those from row_base 0 that prepare saw.
+    row_base = None if axes.batch else p.row_base
+    return api.run(dataclasses.replace(p, vocab_shards=n_vocab, row_base=row_base), c,
                    backend=backend, axes=axes)
 
   # check_vma=False: the xla backend is vma-clean (tested with

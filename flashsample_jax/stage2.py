@@ -472,7 +472,6 @@ def samples_as_rows(p: Problem, samples: int) -> Problem:
       row_base=None)                 # the counters are no longer the rows'
 
 
-
 @jax.named_scope("stage2.certify")
 def _certify(c: controls.Controls, cand_t, lse, complete, last,
              margin: float = _TOP_P_MARGIN):
@@ -1061,7 +1060,8 @@ def _take_rows(p: Problem, c: controls.Controls, idx):
       ctr_lo=take(p.ctr_lo), temperature=take(p.temperature),
       key_data=take(p.key_data) if p.per_row_keys else p.key_data,
       # Given logits (problem.prepare_logits) are rows of their own.
-      weight=take(p.weight) if p.layout == "logits" else p.weight)
+      weight=take(p.weight) if p.layout == "logits" else p.weight,
+      row_base=None)                 # the counters are no longer rows row_base ..
   cs = dataclasses.replace(c, **{name: take(getattr(c, name)) for name in _ROW_FIELDS
                                  if getattr(c, name) is not None})
   return ps, cs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flashsample_jax as fs
-from flashsample_jax import controls, problem, stage2
+from flashsample_jax import api, controls, problem, stage2
 from flashsample_jax.backends import xla
 from tests.cases import B, CASES, H, KEYS, T, V, W
 
@@ -233,3 +233,36 @@ def test_controls_given_as_numbers_are_no_operands_of_the_conditional(rows):
       jax.jit(lambda h, w, k: fs.sample(h, w, k, backend="xla", prompt_ids=history,
                                         **given))(h, w, KEYS["scalar"]),
       fs.reference.sample(h, w, KEYS["scalar"], prompt_ids=history, **given))
+
+
+@pytest.mark.parametrize("rows", [6, 12, 27])
+def test_flagged_rows_under_jit_with_controls_given_as_numbers(rows):
+  # Under jax.jit the exact path's branches make the temperature, the
+  # controls given as numbers and the noise counters again: the flagged
+  # rows (every third: 30 distinct values, then 40 ties at the 50th value,
+  # past the 64 candidates) must still equal the reference, whose kept set
+  # and token depend on each of them. 6 rows: every row redone; 12 and 27
+  # (4 / 9 flagged): compacted / every row in the nested conditional.
+  v = 512
+  rng = np.random.default_rng(rows)
+  tied = np.arange(rows) % 3 == 0
+  logits = np.stack([rng.permutation(v) / 64 - 4 for _ in range(rows)]).astype(np.float32)
+  logits[tied] = np.round((logits[tied] - 8.0) * 8) / 8
+  logits[np.ix_(tied, np.arange(30))] = 3.0 + rng.permutation(32)[:30] / 32
+  logits[np.ix_(tied, np.arange(30, 70))] = 1.0
+  h = jnp.eye(rows, dtype=jnp.bfloat16)
+  w = jnp.asarray(logits.T, jnp.bfloat16)
+  assert np.array_equal(np.asarray(w, np.float32), logits.T)     # exact in bf16
+  kw = dict(temperature=0.5, top_k=50, top_p=0.5, repetition_penalty=2.0,
+            prompt_ids=jnp.asarray(np.tile([[0, 3, 31]], (rows, 1)), jnp.int32))
+  def fallback(h, w, k):
+    p = problem.prepare(h, w, k, temperature=kw["temperature"])
+    c = controls.prepare_controls(batch=rows, vocab_size=v, rows=v,
+                                  **{n: x for n, x in kw.items() if n != "temperature"})
+    assert p.uniform_temperature and set(c.uniform) == {"top_k", "top_p", "repetition_penalty"}
+    return stage2.finish(p, c, api.pass_state(p, c.for_pass(), xla.XlaBackend(), 0))[2]
+  np.testing.assert_array_equal(jax.jit(fallback)(h, w, jax.random.key(0)), tied)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, backend="xla", **kw))
+  for seed in range(4):
+    key = jax.random.key(seed)
+    np.testing.assert_array_equal(f(h, w, key), fs.reference.sample(h, w, key, **kw))

@@ -134,6 +134,24 @@ def test_unsharded_weight_is_resharded_and_explicit_axes_work():
       np.testing.assert_array_equal(got, want)
 
 
+def test_sample_sharded_flagged_rows_on_every_batch_shard():
+  # Zero hidden rows (all-equal logits) take the exact path on each batch
+  # shard; its branches make the noise counters again, which must be each
+  # shard's own rows' (a scalar key's counters are global rows), eagerly and
+  # under the user's jit.
+  b, d, v = 8, 64, 512
+  h, w = inputs.exact_inputs(b, d, v, seed=6)
+  h = h.at[np.array([1, 5, 6])].set(0)
+  kw = dict(temperature=0.5, top_k=20, top_p=0.9)
+  key = jax.random.key(6)
+  want = np.asarray(fs.reference.sample(h, w, key, **kw))
+  mesh = make_mesh(2, 4)
+  call = lambda h, k: fs.sample_sharded(h, w, k, mesh=mesh, vocab_axis="tp",
+                                        batch_axis="dp", backend="xla", **kw)
+  np.testing.assert_array_equal(call(h, key), want)
+  np.testing.assert_array_equal(jax.jit(call)(h, key), want)
+
+
 # -- 2-D meshes: data parallel x vocabulary parallel --------------------------
 
 
