@@ -338,11 +338,14 @@ def _restore_rows(out, lead: tuple):
   if not isinstance(out, SampleOutput):
     return rows_last(out)
   rows_first = lambda a: None if a is None else a.reshape(*lead, *a.shape[1:])
-  return SampleOutput(
-      tokens=rows_last(out.tokens), logprob=rows_last(out.logprob),
-      logprob_truncated=rows_last(out.logprob_truncated),
-      logsumexp=rows_last(out.logsumexp), top_ids=rows_first(out.top_ids),
-      top_logprobs=rows_first(out.top_logprobs))
+  return out._replace(**{
+      name: (rows_first if name in _LISTS_PER_ROW else rows_last)(getattr(out, name))
+      for name in out._fields})
+
+
+# SampleOutput's fields that are lists per row, [B, N]; every other field is
+# [B] or [S, B] (one per sample), its rows last.
+_LISTS_PER_ROW = ("top_ids", "top_logprobs", "kept_ids")
 
 
 def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:

@@ -145,7 +145,8 @@ def test_leading_dimensions_for_every_argument_and_output(key_kind):
   # Issue #42: with hidden [b, t, D], SampleOutput has no reshape, S samples
   # could not be reshaped to (b, t), and controls shaped (b, t) were refused
   # with a [B] size the caller never passed. Every per-row argument may be
-  # shaped like the leading dimensions; every output field comes back so.
+  # shaped like the leading dimensions; every output field comes back so,
+  # the RL outputs (entropies, kept sets, raw log-probabilities) too.
   b, t, p = 2, 3, 4
   lead = (b, t)
   h, w = inputs.exact_inputs(b * t, D, V, layout="dv", dtype=jnp.float32, seed=30)
@@ -175,7 +176,8 @@ def test_leading_dimensions_for_every_argument_and_output(key_kind):
   # Every output option with one key kind; the others (which change only
   # how the key is flattened) with the fullest option. Jitted, as decoders
   # run it: op by op, each call took tens of seconds on the CPU.
-  every = (dict(return_logprobs=True), dict(top_logprobs=3), dict(num_samples=2))
+  every = (dict(return_logprobs=True), dict(top_logprobs=3), dict(num_samples=2),
+           dict(num_samples=2, return_entropy=True, return_kept=4, return_raw_logprobs=True))
   full = dict(num_samples=2, return_logprobs=True, top_logprobs=3)
   for opts in (every + (full,) if key_kind == "typed" else (full,)):
     run = jax.jit(lambda h3, k, rows, opts=opts: flax_heads.sample_from_head(
@@ -190,10 +192,18 @@ def test_leading_dimensions_for_every_argument_and_output(key_kind):
       assert (g is None) == (x is None), name
       if x is None:
         continue
-      top = name.startswith("top_")
-      shape = (*lead, x.shape[-1]) if top else (*samples, *lead)
+      if name in ("top_ids", "top_logprobs", "kept_ids"):       # lists per row
+        shape = (*lead, x.shape[-1])
+      elif name in ("entropy", "entropy_truncated", "kept_count"):  # one per row
+        shape = lead
+      else:
+        shape = (*samples, *lead)
       assert g.shape == shape, (name, opts, g.shape)
-      np.testing.assert_array_equal(g, x.reshape(shape), err_msg=f"{name} {opts}")
+      if name in ("logprob_raw", "entropy", "entropy_truncated"):   # cases.check_rl's bound
+        np.testing.assert_allclose(g, x.reshape(shape), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{name} {opts}")
+      else:
+        np.testing.assert_array_equal(g, x.reshape(shape), err_msg=f"{name} {opts}")
 
 
 def test_leading_dimensions_mismatched_shapes_name_the_callers_shapes():
