@@ -78,7 +78,7 @@ def prepare_call(hidden, weight, key, *, weight_layout, vocab_size, weight_scale
                       weight_layout=weight_layout, vocab_size=vocab_size,
                       vocab_shards=axes.vocab_shards(),
                       batch_shard=axes.batch_shard(), weight_scale=weight_scale)
-  axes.check_weight(p.weight, p.layout)
+  axes.check_weight(p.weight, p.layout, p.weight_scale)
   c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
                                  rows=p.total_rows, **controls)
   return p, c

@@ -109,43 +109,60 @@ class MeshAxes:
     size = _bound_size("batch_axis", self.batch)   # ValueError if unbound
     return _index(self.batch), size
 
-  def check_weight(self, weight, weight_layout: str = "vd") -> None:
-    """Refuses a ``weight`` that is not sharded over the vocabulary axes.
+  def check_weight(self, weight, weight_layout: str = "vd", weight_scale=None) -> None:
+    """Refuses a ``weight`` (or a per-row ``weight_scale``) that is not
+    sharded over the vocabulary axes.
 
     With ``vocab_axis`` each shard's ``weight`` must be its own slice of the
     vocabulary: a head replicated over the axis (``in_specs`` ``P()`` for
     it, or an array closed over) would be read as ``n`` slices of an ``n``
-    times larger vocabulary, and ids up to ``n * V - 1`` come back. JAX's
-    varying-manual-axes types tell: inside a ``shard_map`` with
-    ``check_vma=True`` (its default) a value sharded over an axis is typed
-    as varying over it. Under ``check_vma=False`` no value carries that
-    information, and a replicated head cannot be told from a sharded one:
-    the caller's ``in_specs`` are then trusted. Axes of size 1 are not
-    checked (replicated and sharded are the same there).
+    times larger vocabulary, and ids up to ``n * V - 1`` come back. A
+    ``[V]`` scale replicated beside a sharded head would scale every
+    shard's rows by the first shard's scales. JAX's varying-manual-axes
+    types tell: inside a ``shard_map`` with ``check_vma=True`` (its default)
+    a value sharded over an axis is typed as varying over it. Under
+    ``check_vma=False`` no value carries that information, and a replicated
+    head cannot be told from a sharded one: the caller's ``in_specs`` are
+    then trusted. Axes of size 1 are not checked (replicated and sharded are
+    the same there); a scalar scale is one value for every shard.
 
     Raises:
-      ValueError: ``weight`` is typed as replicated over a vocabulary axis
-        of size > 1.
+      ValueError: ``weight`` or a ``[V]`` ``weight_scale`` is typed as
+        replicated over a vocabulary axis of size > 1.
     """
-    if not self.vocab:
-      return
-    if not _varying_axes(_index(self.vocab)):
+    if not self.vocab or not _varying_axes(_index(self.vocab)):
       return                         # check_vma=False: no variance is tracked
-    varying = _varying_axes(weight)
-    missing = tuple(a for a in self.vocab if a not in varying)
-    if not missing or int(lax.axis_size(missing)) == 1:
-      return
     shown = self.vocab[0] if len(self.vocab) == 1 else self.vocab
     spec = (f"P({shown!r}, None)" if weight_layout == "vd"
             else f"P(None, {shown!r})")
-    raise ValueError(
-        f"weight is replicated over vocab_axis={shown!r} (weight of shape "
-        f"{tuple(weight.shape)} varies over {sorted(varying) or 'no mesh axis'}, "
-        f"not over {list(missing)}), but with vocab_axis each shard's weight must "
-        "be its own contiguous slice of the vocabulary, or ids beyond the "
-        "vocabulary come back. Shard the head over the axis (in_specs "
-        f"{spec} for {weight_layout=}), or drop vocab_axis to sample from the "
-        "whole head on every shard.")
+    varying, missing = self._not_varying(weight)
+    if missing:
+      raise ValueError(
+          f"weight is replicated over vocab_axis={shown!r} (weight of shape "
+          f"{tuple(weight.shape)} varies over {sorted(varying) or 'no mesh axis'}, "
+          f"not over {list(missing)}), but with vocab_axis each shard's weight must "
+          "be its own contiguous slice of the vocabulary, or ids beyond the "
+          "vocabulary come back. Shard the head over the axis (in_specs "
+          f"{spec} for {weight_layout=}), or drop vocab_axis to sample from the "
+          "whole head on every shard.")
+    if weight_scale is None or jnp.ndim(weight_scale) == 0:
+      return
+    varying, missing = self._not_varying(weight_scale)
+    if missing:
+      raise ValueError(
+          f"weight_scale is replicated over vocab_axis={shown!r} (weight_scale of "
+          f"shape {tuple(weight_scale.shape)} varies over "
+          f"{sorted(varying) or 'no mesh axis'}, not over {list(missing)}), but each "
+          "shard's weight rows need their own scales. Shard it like the head "
+          f"(in_specs P({shown!r})), or pass a scalar scale.")
+
+  def _not_varying(self, x):
+    """``(axes x varies over, vocabulary axes of size > 1 it does not)``."""
+    varying = _varying_axes(x)
+    missing = tuple(a for a in self.vocab if a not in varying)
+    if missing and int(lax.axis_size(missing)) == 1:
+      missing = ()
+    return varying, missing
 
   def vocab_offset(self, weight_rows: int):
     """Global vocabulary id of this shard's first weight row (0 unsharded)."""

@@ -262,7 +262,7 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
   p = _rows_problem(hidden, weight, keys, per_row, vocab,
                     _per_request("temperature", temperature, batch, positions),
                     weight_layout=weight_layout, weight_scale=weight_scale, axes=axes)
-  axes.check_weight(p.weight, p.layout)
+  axes.check_weight(p.weight, p.layout, p.weight_scale)
   c = controls.prepare_controls(
       batch=p.batch, vocab_size=vocab, rows=p.total_rows, logit_bias=logit_bias,
       softcap=softcap, truncation_order=truncation_order, return_logprobs=True,

@@ -404,6 +404,37 @@ def _replicated_weight(fn, h, w, mesh, *, w_spec_=P(), check_vma=True):
   return jax.jit(sm)(h, w)
 
 
+def test_a_per_row_scale_replicated_beside_a_sharded_head_is_refused():
+  # A shard's [V / n] weight_scale given replicated (P()) beside a head
+  # sharded over vocab_axis would scale every shard's rows by those scales:
+  # refused, naming weight_scale. Sharded like the head, or a scalar: the
+  # reference's tokens.
+  h, w = inputs.exact_inputs(8, 64, 512, seed=21)
+  w8, scale = fs.quantize_weight(w, "int8")
+  key = jax.random.key(5)
+  mesh = make_mesh(1, 4)
+
+  def sharded(scale_spec, scale):
+    fn = lambda h, w, s: fs.sample(h, w, key, weight_scale=s, vocab_axis="tp",
+                                   temperature=0.7, top_k=20)
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("tp", None), scale_spec),
+                       out_specs=P())
+    return np.asarray(jax.jit(sm)(h, w8, scale))
+
+  # A shard's worth of scales replicated (the whole [V] replicated has the
+  # wrong shape on every shard, which the shape check names).
+  with pytest.raises(ValueError, match=r"weight_scale is replicated over vocab_axis='tp'"
+                                       r".*in_specs P\('tp'\)"):
+    sharded(P(), scale[:128])
+  with pytest.raises(ValueError, match=r"weight_scale.shape=\(512,\) must be"):
+    sharded(P(), scale)
+  want = fs.reference.sample(h, w8, key, weight_scale=scale, temperature=0.7, top_k=20)
+  np.testing.assert_array_equal(sharded(P("tp"), scale), want)
+  one = jnp.float32(0.02)
+  want = fs.reference.sample(h, w8, key, weight_scale=one, temperature=0.7, top_k=20)
+  np.testing.assert_array_equal(sharded(P(), one), want)
+
+
 def test_check_weight_refuses_a_head_replicated_over_vocab_axis():
   # Issue #42, defect 4: a head replicated over vocab_axis is read as 4 slices
   # of a 4x larger vocabulary. vma types (check_vma=True) tell; the check
