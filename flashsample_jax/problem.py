@@ -456,7 +456,12 @@ def _weight_scale(weight_scale, weight, rows: int):
   if isinstance(weight_scale, bool):
     raise TypeError(f"weight_scale={weight_scale!r} must be a float or a float32 array")
   if isinstance(weight_scale, (int, float, np.integer, np.floating)):
-    return jnp.asarray(float(weight_scale), jnp.float32)
+    try:
+      value = float(weight_scale)
+    except OverflowError:
+      raise ValueError(f"weight_scale={weight_scale!r} must be a finite float32") from None
+    check_finite("weight_scale", value)
+    return jnp.asarray(value, jnp.float32)
   if not hasattr(weight_scale, "dtype") or not hasattr(weight_scale, "shape"):
     raise TypeError(f"weight_scale must be a float or a float32 array, got "
                     f"{type(weight_scale).__name__}")
@@ -468,7 +473,32 @@ def _weight_scale(weight_scale, weight, rows: int):
     raise ValueError(
         f"weight_scale.shape={tuple(weight_scale.shape)} must be () (per tensor) or "
         f"[V]=({rows},) (one scale per row of weight)")
+  check_finite("weight_scale", weight_scale)
   return jnp.asarray(weight_scale)
+
+
+def check_finite(name: str, value) -> None:
+  """Refuses NaN and infinite float32 values (a Python number too large for
+  float32 included). Concrete ``value``: ``ValueError`` naming the first bad
+  entry. Traced: a :func:`flashsample_jax.checks.debug_check` (nothing
+  unless traced checks are on, as :func:`check_normal`)."""
+  if _is_concrete(value):
+    if isinstance(value, jax.Array) and bool(jnp.all(jnp.isfinite(value))):
+      return                     # one flag from the device, not a [V] copy
+    raw = np.asarray(value)
+    with np.errstate(over="ignore"):            # 1e300 -> inf: refused below
+      bad = ~np.isfinite(raw.astype(np.float32).reshape(-1))
+    if bad.any():
+      i = int(np.argmax(bad))
+      where = name if raw.ndim == 0 else f"{name}[{i}]"
+      rows = f"; {int(bad.sum())} of {bad.size} invalid" if bad.size > 1 else ""
+      raise ValueError(f"{where}={raw.reshape(-1)[i].item()} must be a finite float32{rows}")
+    return
+  x = jnp.asarray(value, jnp.float32).reshape(-1)
+  ok = jnp.isfinite(x)
+  i = jnp.argmin(ok)
+  where = name if jnp.ndim(value) == 0 else f"{name}[{{i}}]"
+  checks.debug_check(jnp.all(ok), f"{where}={{v}} must be a finite float32", i=i, v=x[i])
 
 
 def prepare_logits(logits, key, *, temperature=1.0, vocab_size=None) -> Problem:

@@ -161,3 +161,18 @@ def test_unchecked_bad_traced_value_reports_nothing_and_turning_checks_on_report
   with pytest.raises(TypeError, match=r"enabled=1 must be a bool"):
     with fs.traced_checks(1):
       pass
+
+
+def test_traced_weight_scale_that_is_not_finite_fails_a_checkify_check():
+  # A traced scale cannot be checked eagerly (a concrete one raises:
+  # tests/test_quantized.py): the first NaN or infinite entry is named.
+  w8, scale = fs.quantize_weight(W, "int8")
+  f = jax.jit(lambda s: fs.sample(H, w8, KEY, backend="xla", weight_scale=s))
+  checked = checkify.checkify(f, errors=checkify.user_checks)
+  err, _ = checked(scale.at[3].set(jnp.nan))
+  assert err.get() is not None and re.search(r"weight_scale\[3\]=nan must be a finite float32",
+                                             err.get())
+  err, _ = checked(jnp.float32(jnp.inf))
+  assert err.get() is not None and re.search(r"weight_scale=inf must be a finite", err.get())
+  assert checked(scale)[0].get() is None
+

@@ -147,6 +147,21 @@ def test_errors_name_weight_scale():
     fs.sample(h, w.view(jnp.uint8), key, weight_scale=s)
   with pytest.raises(TypeError, match=r"hidden.dtype=float8_e4m3fn"):
     fs.sample(h.astype(jnp.float8_e4m3fn), w, key, weight_scale=s)
+  # Values: NaN and infinite scales (also Python numbers beyond float32)
+  # are refused, naming the first bad entry; 0 and negative scales are the
+  # formula's (logits = f32(dot) * weight_scale) and run.
+  for bad, shown in ((float("nan"), r"weight_scale=nan"), (1e300, r"weight_scale=1e\+300"),
+                     (10**400, r"weight_scale=1000+"), (float("-inf"), r"weight_scale=-inf"),
+                     (s.at[5].set(jnp.inf), r"weight_scale\[5\]=inf")):
+    with pytest.raises(ValueError, match=shown + r".* must be a finite float32"):
+      fs.sample(h, w, key, weight_scale=bad)
+  host = np.asarray(s).copy()
+  host[7] = np.nan
+  with pytest.raises(ValueError, match=r"weight_scale\[7\]=nan must be a finite float32"):
+    fs.sample(h, w, key, weight_scale=host)
+  for ok in (0.0, -s):
+    np.testing.assert_array_equal(fs.sample(h, w, key, weight_scale=ok),
+                                  fs.reference.sample(h, w, key, weight_scale=ok))
   # A Python number is a per-tensor scale.
   np.testing.assert_array_equal(fs.sample(h, w, key, weight_scale=2),
                                 fs.reference.sample(h, w, key, weight_scale=2.0))
