@@ -104,6 +104,12 @@ class QuantizedHead:
   bias: jax.Array | None
   layout: str = dataclasses.field(metadata=dict(static=True))
 
+  def __post_init__(self):
+    # The layout only: the array fields may be any leaves under tree
+    # transforms; sample() and logits() check them.
+    if self.layout not in problem.WEIGHT_LAYOUTS:
+      raise ValueError(f"layout={self.layout!r} must be one of {problem.WEIGHT_LAYOUTS}")
+
 
 def quantize_head(head, dtype="float8_e4m3fn") -> QuantizedHead:
   """Quantizes a Flax LM head per vocabulary row (absmax) to FP8 or int8.
@@ -436,6 +442,9 @@ def logits(head, hidden) -> jax.Array:
   """
   weight, layout, bias = _head_parts(head)
   hidden = jnp.asarray(hidden)
+  if not jnp.issubdtype(hidden.dtype, jnp.floating) or problem.is_quantized(hidden.dtype):
+    raise TypeError(f"hidden.dtype={hidden.dtype} must be a float dtype (bf16, f16, f32), "
+                    "as sample_from_head takes")
   c = problem.compute_dtype(hidden.dtype, weight.dtype)
   contract = 1 if layout == "vd" else 0
   l = jax.lax.dot_general(

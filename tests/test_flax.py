@@ -303,6 +303,12 @@ def test_bad_arguments():
     flax_heads.sample_from_head(head, h[:, :32], key)
   with pytest.raises(ValueError, match=r"\[B, D\]"):
     flax_heads.sample_from_head(head, h[0], key)
+  # logits() takes what sample_from_head takes; a QuantizedHead names its layout.
+  with pytest.raises(TypeError, match=r"hidden.dtype=int32 must be a float dtype"):
+    flax_heads.logits(head, h.astype(jnp.int32))
+  q = flax_heads.quantize_head(head, "int8")
+  with pytest.raises(ValueError, match=r"layout='xx' must be one of"):
+    flax_heads.QuantizedHead(q.weight, q.scale, None, "xx")
 
 
 # -- Heads whose logits are not hidden @ the stored parameter: refused --------
