@@ -163,7 +163,7 @@ def _allowed_rows(allowed_mask, batch: int, positions: int, vocab_size: int):
       raise ValueError(f"allowed_mask.shape={tuple(allowed_mask.shape)} must be [B, words] "
                        f"or [B, K + 1, words]=({batch}, {positions}, {words})")
     return allowed_mask.reshape(batch * positions, words)
-  if getattr(allowed_mask, "ndim", 0) == 2 and allowed_mask.shape[0] == batch:
+  if getattr(allowed_mask, "ndim", 0) == 2 and allowed_mask.shape == (batch, words):
     return jnp.repeat(allowed_mask, positions, axis=0)
   raise ValueError(f"allowed_mask.shape={tuple(getattr(allowed_mask, 'shape', ()))} must be "
                    f"[B, words]=({batch}, {words}) or [B, K + 1, words]")

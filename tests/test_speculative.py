@@ -206,6 +206,10 @@ def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match=r"allowed_mask.shape=\(6, 3, 32\) must be"):
     fs.verify_drafts(H, W, key, DRAFTS,
                      allowed_mask=jnp.zeros((B, K, 32), jnp.uint32))
+  # The caller's shape, not the [B (K + 1), words] it is repeated into.
+  with pytest.raises(ValueError, match=r"allowed_mask.shape=\(6, 3\) must be \[B, words\]"
+                                       r"=\(6, 32\)"):
+    fs.verify_drafts(H, W, key, DRAFTS, allowed_mask=jnp.zeros((B, 3), jnp.uint32))
   out = fs.verify_drafts(H[:0], W, key, DRAFTS[:0], return_logprobs=True)
   assert out.tokens.shape == (0, K1) and out.logprobs.shape == (0, K1)
 
