@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashsample_jax import problem
 
@@ -64,7 +65,8 @@ def quantize_weight(weight, dtype="float8_e4m3fn", *, weight_layout="vd"):
 
   Raises:
     TypeError: ``weight`` is not a 2-D float array.
-    ValueError: an unknown ``dtype`` or ``weight_layout``.
+    ValueError: an unknown ``dtype`` or ``weight_layout``, an empty
+      ``weight``, or (a concrete one) NaN or infinite entries.
   """
   name = _dtype_name(dtype)
   if weight_layout not in problem.WEIGHT_LAYOUTS:
@@ -75,7 +77,23 @@ def quantize_weight(weight, dtype="float8_e4m3fn", *, weight_layout="vd"):
                     f"{getattr(weight, 'dtype', type(weight).__name__)}")
   if weight.ndim != 2:
     raise TypeError(f"weight must be 2-D, got weight.shape={tuple(weight.shape)}")
-  return _quantize(weight, name=name, axis=1 if weight_layout == "vd" else 0)
+  if 0 in weight.shape:
+    raise ValueError(f"weight.shape={tuple(weight.shape)} has no entries to quantize "
+                     "(V and D must be >= 1)")
+  weight8, scale, finite = _quantize(weight, name=name, axis=1 if weight_layout == "vd" else 0)
+  _check_finite_rows(finite)
+  return weight8, scale
+
+
+def _check_finite_rows(finite) -> None:
+  """Refuses a concrete head with a NaN or infinite entry: its row's absmax
+  scale would be NaN or infinite, or (int8) the entry silently 0. A traced
+  head (``quantize_weight`` under ``jax.jit``) is not checked."""
+  if isinstance(finite, jax.core.Tracer) or bool(jnp.all(finite)):
+    return
+  rows = np.flatnonzero(~np.asarray(finite))
+  raise ValueError(f"weight has NaN or infinite entries in vocabulary row {int(rows[0])} "
+                   f"({rows.size} rows in all): absmax quantization needs finite weights")
 
 
 @functools.partial(jax.jit, static_argnames=("name", "axis"))
@@ -90,4 +108,4 @@ def _quantize(weight, *, name: str, axis: int):
   # Division can land a hair above qmax; e4m3fn has no infinity (it would
   # become NaN), so clip before the conversion.
   x = jnp.clip(x, -qmax, qmax)
-  return x.astype(target), scale
+  return x.astype(target), scale, jnp.all(jnp.isfinite(w), axis=axis)

@@ -239,6 +239,20 @@ def test_quantize_weight_errors():
     fs.quantize_weight(w.astype(jnp.int8), "int8")
   with pytest.raises(ValueError, match=r"weight_layout='x'"):
     fs.quantize_weight(w, "int8", weight_layout="x")
+  with pytest.raises(ValueError, match=r"weight.shape=\(10, 0\) has no entries"):
+    fs.quantize_weight(w[:, :0], "int8")
+  # A NaN or infinite entry: its row's scale would be NaN or infinite, or
+  # (int8) the entry silently 0. Named by its vocabulary row, either layout.
+  for bad in (jnp.nan, jnp.inf):
+    for dtype in ("int8", "fp8"):
+      with pytest.raises(ValueError, match=r"NaN or infinite entries in vocabulary row 3 "
+                                           r"\(1 rows in all\)"):
+        fs.quantize_weight(w.at[3, 2].set(bad), dtype)
+    with pytest.raises(ValueError, match=r"vocabulary row 3"):
+      fs.quantize_weight(w.at[3, 2].set(bad).T, "int8", weight_layout="dv")
+  # Under jax.jit the head is traced: not checked, the formula's result.
+  w8, scale = jax.jit(lambda w: fs.quantize_weight(w, "int8"))(w.at[3, 2].set(jnp.inf))
+  assert not np.isfinite(np.asarray(scale)[3]) and np.isfinite(np.asarray(scale)[4])
 
 
 def test_quantized_heads_prefer_xla_gemm_but_for_wide_steps_and_float_reports():
