@@ -483,8 +483,10 @@ def check_finite(name: str, value) -> None:
   entry. Traced: a :func:`flashsample_jax.checks.debug_check` (nothing
   unless traced checks are on, as :func:`check_normal`)."""
   if _is_concrete(value):
-    if isinstance(value, jax.Array) and bool(jnp.all(jnp.isfinite(value))):
-      return                     # one flag from the device, not a [V] copy
+    if isinstance(value, jax.Array):
+      with jax.ensure_compile_time_eval():      # a constant inside a trace too
+        if bool(jnp.all(jnp.isfinite(value))):
+          return                 # one flag from the device, not a [V] copy
     raw = np.asarray(value)
     with np.errstate(over="ignore"):            # 1e300 -> inf: refused below
       bad = ~np.isfinite(raw.astype(np.float32).reshape(-1))

@@ -155,6 +155,9 @@ def test_errors_name_weight_scale():
                      (s.at[5].set(jnp.inf), r"weight_scale\[5\]=inf")):
     with pytest.raises(ValueError, match=shown + r".* must be a finite float32"):
       fs.sample(h, w, key, weight_scale=bad)
+  closed = s.at[2].set(jnp.nan)                 # a constant of the trace: checked too
+  with pytest.raises(ValueError, match=r"weight_scale\[2\]=nan must be a finite float32"):
+    jax.jit(lambda h: fs.sample(h, w, key, weight_scale=closed))(h)
   host = np.asarray(s).copy()
   host[7] = np.nan
   with pytest.raises(ValueError, match=r"weight_scale\[7\]=nan must be a finite float32"):
