@@ -106,10 +106,12 @@ def score_tokens(hidden, weight, token_ids, params=None, *, temperature=1.0,
 
   Returns:
     A :class:`ScoreOutput`. For a token that ``sample`` returned for the
-    same arguments and batch on the same backend, its fields equal
+    same arguments and batch on the same backend (one of its
+    ``num_samples`` draws too: ``tokens[j]``), its fields equal
     ``sample``'s ``logprob``, ``logprob_truncated``, ``logprob_raw``,
     ``entropy`` and ``entropy_truncated`` bit for bit, and ``in_kept`` is
-    True.
+    True. (``"auto"`` may pick another backend for S samples than for one
+    row each: name the backend where the bits must match.)
 
   Raises:
     TypeError, ValueError: as :func:`flashsample_jax.sample`, and for

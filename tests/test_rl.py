@@ -249,6 +249,31 @@ def test_score_tokens_is_bit_for_bit_what_sample_returned(backend):
     assert np.all(np.asarray(sc.in_kept))
 
 
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_score_tokens_is_bit_for_bit_what_each_of_several_samples_returned(backend):
+  # A GRPO-style group: num_samples=4, then each sample's tokens scored. The
+  # streaming pass sizes its chunks for B x S rows when it reports no float;
+  # with floats for B (backends/xla.py, _chunk_rows), so that its merges are
+  # score_tokens' own. V spans several chunks either way.
+  b, v, s = 48, 12007, 4
+  h, w = inputs.random_inputs(b, 64, v, seed=4, logit_std=3.0)
+  t = jnp.asarray(np.random.default_rng(2).uniform(0.5, 1.5, b), jnp.float32)
+  keys = inputs.row_keys(b, seed=2)
+  for kw in (dict(), dict(top_k=50, top_p=0.9)):
+    kw = dict(kw, temperature=t, backend=backend)
+    out = fs.sample(h, w, keys, num_samples=s, return_logprobs=True, return_entropy=True,
+                    return_raw_logprobs=True, **kw)
+    for j in range(s):
+      sc = fs.score_tokens(h, w, out.tokens[j], **kw)
+      for name in ("logprob", "logprob_truncated", "logprob_raw", "entropy",
+                   "entropy_truncated"):
+        a = np.asarray(getattr(out, name))
+        a = a[j] if a.ndim == 2 else a                # entropies are per row
+        np.testing.assert_array_equal(a.view(np.uint32),
+                                      np.asarray(getattr(sc, name)).view(np.uint32),
+                                      err_msg=f"{name}, sample {j}, {kw}")
+
+
 def test_score_tokens_of_any_token_against_float64():
   kw = {k: v for k, v in cases.CASES["penalties_all"].items() if k != "top_logprobs"}
   r = np.random.default_rng(5)

@@ -170,6 +170,14 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
 # -- sampling controls ---------------------------------------------------------
 
 
+def _chunk_rows(p: Problem, c: controls.Controls) -> int:
+  """The rows :func:`chunk_size` sizes a pass's chunks for: B x S (each
+  sample's noise is a chunk's worth), but B where the call reports floats,
+  whose merges over the chunks must not depend on S: ``score_tokens`` (one
+  sample) then returns ``sample(num_samples=S)``'s floats bit for bit."""
+  return p.batch * (1 if c.reports_floats else c.samples)
+
+
 def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
                    chunk: int | None = None, list_select: str = "top_k") -> ControlsState:
   """The :class:`~pallas_kernels.state.ControlsState` of ``p``'s rows in one
@@ -179,8 +187,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   logit), an online log-sum-exp of the tempered logits, and (with
   truncation) the top-M tempered logits, exact per chunk (bound ``-inf``).
   """
-  samples = c.samples
-  vc = min(chunk or chunk_size(p.batch * samples, p.weight_rows), p.weight_rows)
+  vc = min(chunk or chunk_size(_chunk_rows(p, c), p.weight_rows), p.weight_rows)
   m = stage2.candidate_count(p, c)
   offset = jnp.asarray(vocab_offset, jnp.int32)
   product_is_x = _product_is_x(p, c, vocab_offset)
