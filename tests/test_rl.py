@@ -274,6 +274,31 @@ def test_score_tokens_is_bit_for_bit_what_each_of_several_samples_returned(backe
                                       err_msg=f"{name}, sample {j}, {kw}")
 
 
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_float_outputs_at_small_temperatures(backend):
+  # A temperature far below 1 is a normal float and samples (README): one
+  # ulp of t = l / T is then large, and a pass whose row maximum and
+  # exp(t - max) sum read two roundings of t reported entropies off by
+  # 1e-3 (T = 1e-3) and an infinite log-sum-exp (T = 1e-30). Against the
+  # reference: tokens, entropies to 1e-5, log-sum-exps to 2 ulp.
+  b, v = 8, 1003
+  k1, k2 = jax.random.split(jax.random.key(0))
+  h = jax.random.normal(k1, (b, 64)) * 0.6
+  w = jax.random.normal(k2, (v, 64))
+  keys = jax.random.split(jax.random.key(2), b)
+  for t in (1e-3, 1e-5, 1e-30):
+    kw = dict(temperature=t, return_logprobs=True, return_entropy=True, top_logprobs=2)
+    want = fs.reference.sample(h, w, keys, **kw)
+    got = fs.sample(h, w, keys, backend=backend, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    lse = np.asarray(want.logsumexp)
+    assert np.all(np.isfinite(lse)) and np.all(np.isfinite(np.asarray(got.logsumexp)))
+    np.testing.assert_allclose(got.logsumexp, lse, rtol=2 ** -22, err_msg=f"T={t}")
+    for name in ("entropy", "entropy_truncated"):
+      np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-5,
+                                 err_msg=f"{name}, T={t}")
+
+
 def test_score_tokens_of_any_token_against_float64():
   kw = {k: v for k, v in cases.CASES["penalties_all"].items() if k != "top_logprobs"}
   r = np.random.default_rng(5)

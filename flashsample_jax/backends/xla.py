@@ -197,7 +197,7 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
     dot = _block_logits(p, hidden, (w[0], None))
     l = problem.scaled(dot, w[1])
     x = controls.transform(l, gid, c, p.vocab_size)
-    t = stage2.tempered(p, x)
+    t = _one_t(p, c, stage2.tempered(p, x))
     slot = _kernel_slot(c, m, width, list_select)
     if slot is None:
       st = _pass_state(p, c, x, t, gid)
@@ -215,6 +215,21 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
 
 
 @jax.named_scope("xla.pass_state")
+def _one_t(p: Problem, c: controls.Controls, t):
+  """``t`` made once for all its readers where the call reports floats on a
+  CPU. XLA:CPU's ``x / T`` can round apart by an ulp between two fusions (a
+  vectorized loop and a scalar one), so the row's maximum and its
+  ``exp(t - max)`` sum would read two values of the top id's ``t``; at small
+  T one ulp of ``t`` is large, and the log-sum-exp and entropies went wrong
+  (T = 1e-30: infinite), while tokens do not depend on it. The reference and
+  the exact path fence ``t`` alike (``stage2.materialized_rows``). A GPU's
+  fusions divide with one instruction; the fence, which would write ``t``
+  out, is left off there (not yet checked on a GPU at small T)."""
+  if c.reports_floats and _platform() == "cpu":
+    return lax.optimization_barrier(t)
+  return t
+
+
 def _pass_state(p: Problem, c: controls.Controls, x, t, gid) -> ControlsState:
   """A block's best of each sample and online log-sum-exp, by XLA."""
   sc = stage2.pass_scores(p, c, x, t, gid)                         # [B, S, W]
