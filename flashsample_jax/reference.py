@@ -71,10 +71,13 @@ def _categorical(p, logits, samples):
 
 def _entropy(t):
   """``-sum(q log q)`` of ``q = softmax(t)`` per row, terms of ``q = 0`` left
-  out; NaN for a row of ``-inf`` (no distribution)."""
+  out; NaN for a row of ``-inf`` (no distribution) and for a row whose
+  softmax is NaN (a NaN or ``+inf`` logit), as its log-probabilities are:
+  the ``q > 0`` mask alone would drop the NaN terms and report 0."""
   q = jax.nn.softmax(t, axis=-1)
   h = -jnp.sum(jnp.where(q > 0, q * jax.nn.log_softmax(t, axis=-1), 0.0), axis=-1)
-  return jnp.where(jnp.all(t == -jnp.inf, axis=-1), jnp.nan, h)
+  undefined = jnp.all(t == -jnp.inf, axis=-1) | jnp.any(jnp.isnan(q), axis=-1)
+  return jnp.where(undefined, jnp.nan, h)
 
 
 @jax.jit

@@ -299,6 +299,25 @@ def test_float_outputs_at_small_temperatures(backend):
                                  err_msg=f"{name}, T={t}")
 
 
+def test_entropy_of_a_row_with_an_infinite_or_nan_logit_is_nan():
+  # Such a row's softmax is NaN, and so are its log-probabilities; the
+  # reference's entropy was -0.0 there (its q > 0 mask dropped the NaN
+  # terms) where the backends report NaN. Row 0: a NaN logit (+inf - inf);
+  # row 1: a +inf one; row 2: finite, a control.
+  h = jnp.asarray([[0.5] * 16, [0.5] * 15 + [-0.5], [0.5] * 16], jnp.float32)
+  w = jax.random.normal(jax.random.key(3), (300, 16))
+  w = w.at[7].set(jnp.inf).at[7, 15].set(-jnp.inf)
+  w = jnp.where((jnp.arange(3) == 2)[:, None, None], w.at[7].set(0.0), w[None])
+  keys = jax.random.split(jax.random.key(1), 3)
+  for b in range(3):
+    want = fs.reference.sample(h[b:b + 1], w[b], keys[b:b + 1], return_entropy=True)
+    got = fs.sample(h[b:b + 1], w[b], keys[b:b + 1], return_entropy=True, backend="xla")
+    for name in ("entropy", "entropy_truncated"):
+      a, x = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+      assert np.isnan(x[0]) == (b < 2), (b, name, x)
+      np.testing.assert_allclose(a, x, atol=1e-5, err_msg=f"row {b} {name}")
+
+
 def test_score_tokens_of_any_token_against_float64():
   kw = {k: v for k, v in cases.CASES["penalties_all"].items() if k != "top_logprobs"}
   r = np.random.default_rng(5)
