@@ -258,8 +258,14 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
     ids = jnp.arange(p.vocab_size)[None]
     sample = lambda logits: np.asarray(_categorical(p, logits, 1)[0])
     argmax = np.asarray(jnp.argmax(x, axis=1))
-    nothing = np.asarray(jnp.all(kept == -jnp.inf, axis=1))
-    token = np.where(greedy, argmax, np.where(nothing, -1, sample(kept)))
+    # Nothing to sample: -1, greedy rows too (every id -inf after the
+    # controls), as in sample().
+    nothing = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=1),
+                        jnp.all(kept == -jnp.inf, axis=1))
+    if mask is not None:
+      nothing |= _controls.none_allowed(mask, p.vocab_size)
+    nothing = np.asarray(nothing)
+    token = np.where(nothing, -1, np.where(greedy, argmax, sample(kept)))
     acc_key = (jax.vmap(lambda k: jax.random.fold_in(k, speculative.ACCEPT_STREAM))(key_j)
                if per_row else jax.random.fold_in(key_j, speculative.ACCEPT_STREAM))
     u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, ()))(acc_key) if per_row

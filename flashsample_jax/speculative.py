@@ -306,7 +306,9 @@ def _verify(p, c, d, u, *, backend, axes, method: str, batch: int, return_logpro
   if method == "strict":
     out = api.run(p, c, backend=backend, axes=axes)
     token, lp = out.tokens, out.logprob_truncated
-    accept = token == d
+    # A -1 (no draft there, or the bonus slot) never matches: a position
+    # with nothing to sample also returns -1.
+    accept = (token == d) & (d >= 0)
     emit, lp_emit = token, lp
     lp_draft = lp
   else:
@@ -374,6 +376,11 @@ def _verify_probabilistic(p, c, d, q, u, *, batch: int, axes, return_logprobs: b
   x, t, kept, gid = stage2.materialized_rows(p, c, axes.vocab)
   token, t_token = stage2.draw_kept(p, x, t, kept, gid, perturb)
   token, t_token = token[:, 0].astype(jnp.int32), t_token[:, 0]
+  greedy = p.temperature == 0
+  # Nothing to sample (every id -inf after the controls; for sampled rows
+  # also every id truncated away): -1, as sample() returns.
+  nothing = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=1), jnp.all(kept == -jnp.inf, axis=1))
+  token = jnp.where(nothing, -1, token)
   lse = jax.nn.logsumexp(kept, axis=1)
   probs = jnp.exp(kept - lse[:, None])
   q = jnp.concatenate([q, jnp.zeros((batch, 1, q.shape[2]), q.dtype)], axis=1)
@@ -381,7 +388,6 @@ def _verify_probabilistic(p, c, d, q, u, *, batch: int, axes, return_logprobs: b
   dd = jnp.clip(d, 0, probs.shape[1] - 1)[:, None]
   p_d = jnp.take_along_axis(probs, dd, axis=1)[:, 0]
   q_d = jnp.take_along_axis(q, dd, axis=1)[:, 0]
-  greedy = p.temperature == 0
   accept = jnp.where(greedy, token == d, u.reshape(-1) * q_d < p_d) & (d >= 0)
   res = jnp.maximum(probs - q, 0.0)
   res = jnp.where(jnp.sum(res, axis=1, keepdims=True) > 0, res, probs)

@@ -261,3 +261,31 @@ def test_rows_on_the_exact_path_equal_reference(exact_rows, group_rows, monkeypa
       check("xla", "one_hot", key, "top_k_top_p")
   finally:
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_positions_with_nothing_allowed_accept_no_minus_one(method):
+  # A grammar that allows nothing at a position (finished) samples -1 there.
+  # With strict acceptance that -1 matched the -1 of a missing draft or the
+  # bonus slot: num_accepted reached K + 1. And the reference's greedy rows
+  # with nothing allowed emitted id 0 (argmax of -inf), not sample()'s -1.
+  words = -(-V // 32)
+  mask = jnp.full((B, K1, words), 0xFFFFFFFF, jnp.uint32)
+  mask = mask.at[:, K].set(0).at[2, 1].set(0)        # the bonus slot; request 2's gap
+  drafts = jnp.argmax(LOGITS[:, :K], axis=-1).astype(jnp.int32).at[2, 1].set(-1)
+  kw = dict(method=method, temperature=T, allowed_mask=mask, return_logprobs=True)
+  if method == "probabilistic":
+    kw["draft_probs"] = Q
+  got = fs.verify_drafts(H, W, KEYS["scalar"], drafts, **kw)
+  want = fs.reference.verify_drafts(H, W, KEYS["scalar"], drafts, **kw)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+  assert int(jnp.max(got.num_accepted)) <= K
+  assert int(got.num_accepted[2]) <= 1                   # request 2: nothing after draft 1
+  # Greedy requests (T = 0: request 2) whose position allows nothing emit -1.
+  none = jnp.zeros((B, K1, words), jnp.uint32)
+  empty = jnp.full((B, K), -1, jnp.int32)
+  for verify in (fs.verify_drafts, fs.reference.verify_drafts):
+    out = verify(H, W, KEYS["scalar"], empty, **dict(kw, allowed_mask=none))
+    np.testing.assert_array_equal(out.tokens, -1)
+    np.testing.assert_array_equal(out.num_accepted, 0)
