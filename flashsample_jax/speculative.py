@@ -183,7 +183,43 @@ def _check_draft_probs(draft_probs, method: str, batch: int, drafts: int, vocab_
   if draft_probs.shape != (batch, drafts, vocab_size):
     raise ValueError(f"draft_probs.shape={tuple(draft_probs.shape)} must be [B, K, V]="
                      f"({batch}, {drafts}, {vocab_size})")
-  return jnp.asarray(draft_probs, jnp.float32)
+  q = jnp.asarray(draft_probs, jnp.float32)
+  _check_distributions(q)
+  return q
+
+
+# How far a row of draft_probs may sum from 1: bf16 probabilities of a 152k
+# vocabulary round each term by at most 2**-9 of itself, far inside it.
+_SUM_TOLERANCE = 1e-2
+
+
+def _check_distributions(q) -> None:
+  """Refuses draft probabilities that are no distribution: a negative,
+  NaN or infinite entry, or a row summing to more than
+  :data:`_SUM_TOLERANCE` away from 1 (a negative ``q(d)`` accepts any draft;
+  an unnormalized row skews the residual). Concrete ``q``: ``ValueError``
+  naming the first bad row; traced: a checkify check while traced checks
+  are on (``checks.debug_check``)."""
+  def flags(q):
+    entries = jnp.all(jnp.isfinite(q) & (q >= 0), axis=-1)
+    sums = jnp.abs(jnp.sum(q, axis=-1) - 1) <= _SUM_TOLERANCE
+    return entries, sums
+  if isinstance(q, jax.core.Tracer):
+    entries, sums = flags(q)
+    ok = entries & sums
+    i = jnp.argmin(ok.reshape(-1))
+    checks.debug_check(jnp.all(ok), "draft_probs row {i} (of B x K) is no distribution: "
+                       "entries must be finite and >= 0, each row sum 1", i=i)
+    return
+  with jax.ensure_compile_time_eval():
+    entries, sums = (np.asarray(f) for f in flags(q))
+  for bad, why in ((~entries, "has a negative, NaN or infinite entry"),
+                   (~sums, f"sums to {{}}, not 1 (within {_SUM_TOLERANCE})")):
+    if bad.any():
+      b, k = np.unravel_index(int(np.argmax(bad)), bad.shape)
+      total = float(np.asarray(jnp.sum(q[b, k])))
+      raise ValueError(f"draft_probs[{b}, {k}] {why.format(total)}: the drafter's "
+                       "probabilities, a distribution over the vocabulary per position")
 
 
 def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperature=1.0,

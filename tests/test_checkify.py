@@ -176,3 +176,18 @@ def test_traced_weight_scale_that_is_not_finite_fails_a_checkify_check():
   assert err.get() is not None and re.search(r"weight_scale=inf must be a finite", err.get())
   assert checked(scale)[0].get() is None
 
+
+def test_traced_draft_probs_that_are_no_distribution_fail_a_checkify_check():
+  h = jnp.stack([H, H], axis=1)                                    # [B, 2, D]
+  q = jnp.full((B, 1, V), 1.0 / V, jnp.float32)
+  drafts = jnp.zeros((B, 1), jnp.int32)
+  f = jax.jit(lambda q: fs.verify_drafts(h, W, KEY, drafts, method="probabilistic",
+                                         draft_probs=q, backend="xla").tokens)
+  checked = checkify.checkify(f, errors=checkify.user_checks)
+  err, _ = checked(q.at[2, 0, 7].set(-1.0))
+  assert err.get() is not None and re.search(r"draft_probs row 2 .* is no distribution",
+                                             err.get())
+  err, _ = checked(q * 3)
+  assert err.get() is not None and "row 0" in err.get()
+  assert checked(q)[0].get() is None
+

@@ -197,6 +197,12 @@ def test_bad_arguments_are_named():
     fs.verify_drafts(H, W, key, DRAFTS, method="probabilistic", draft_probs=Q[:, :, 1:])
   with pytest.raises(ValueError, match="draft_probs is read only by"):
     fs.verify_drafts(H, W, key, DRAFTS, draft_probs=Q)
+  # Values: a distribution per position (a negative q(d) accepted any draft).
+  for bad, why in ((Q.at[1, 2, 5].set(-0.1), r"draft_probs\[1, 2\] has a negative, NaN"),
+                   (Q.at[0, 1, 3].set(jnp.nan), r"draft_probs\[0, 1\] has a negative, NaN"),
+                   (Q.at[4, 0].multiply(2.0), r"draft_probs\[4, 0\] sums to 2.0.*, not 1")):
+    with pytest.raises(ValueError, match=why):
+      fs.verify_drafts(H, W, key, DRAFTS, method="probabilistic", draft_probs=bad)
   with pytest.raises(ValueError, match=r"hidden.shape=\(6, 64\) must be \[B, K \+ 1, D\]"):
     fs.verify_drafts(H[:, 0], W, key, DRAFTS)
   with pytest.raises(ValueError, match=r"top_p must be a scalar or have shape \[B\]=\(6,\), got top_p.shape=\(24,\)"):
