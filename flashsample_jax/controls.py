@@ -657,6 +657,17 @@ def kept_list(kept, n: int, ids=None):
   return jnp.where(vals > -jnp.inf, top, -1).astype(jnp.int32), count
 
 
+def nothing_to_sample(x, kept, greedy, allowed_mask=None, vocab_size: int | None = None):
+  """Rows with nothing to sample, bool ``[B]``: every id ``-inf`` after the
+  controls (``x [B, V]``), for sampled rows also every id truncated away
+  (``kept [B, V]``), or an ``allowed_mask`` that allows no id below
+  ``vocab_size``. Their token is -1, not categorical's id 0."""
+  none = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=-1), jnp.all(kept == -jnp.inf, axis=-1))
+  if allowed_mask is not None:
+    none |= none_allowed(allowed_mask, vocab_size)
+  return none
+
+
 def none_allowed(allowed_mask, vocab_size: int):
   """Rows of ``allowed_mask`` that allow no id below ``vocab_size``: bool ``[B]``."""
   words = allowed_mask.shape[1]

@@ -311,19 +311,30 @@ def check_normal(name: str, value, *, zero: str | None = None) -> None:
     bad = ~_normal_bits_ok(f32.reshape(-1).view(np.uint32), zero is not None)
     bad |= (wide.reshape(-1) != 0) & (f32.reshape(-1) == 0)        # rounds to 0
     if bad.any():
-      i = int(np.argmax(bad))
-      where = name if raw.ndim == 0 else f"{name}[{i}]"
-      shown = raw.reshape(-1)[i].item()
-      why = f": {_NORMAL_WHY}" if shown > 0 else ""
-      rows = f"; {int(bad.sum())} of {bad.size} invalid" if bad.size > 1 else ""
-      raise ValueError(f"{where}={shown} must be {accepted}{why}{rows}")
+      shown = raw.reshape(-1)[int(np.argmax(bad))].item()
+      _refuse_first(name, raw, bad, f"{accepted}{f': {_NORMAL_WHY}' if shown > 0 else ''}")
     return
+  _traced_check(name, value, lambda x: _normal_bits_ok(
+      lax.bitcast_convert_type(x, jnp.uint32), zero is not None), f"{accepted}: {_NORMAL_WHY}")
+
+
+def _refuse_first(name: str, raw, bad, must: str) -> None:
+  """``ValueError`` naming the first entry of ``raw`` (NumPy) where ``bad``
+  (flat bool) holds, and how many are bad."""
+  i = int(np.argmax(bad))
+  where = name if raw.ndim == 0 else f"{name}[{i}]"
+  rows = f"; {int(bad.sum())} of {bad.size} invalid" if bad.size > 1 else ""
+  raise ValueError(f"{where}={raw.reshape(-1)[i].item()} must be {must}{rows}")
+
+
+def _traced_check(name: str, value, ok_of, must: str) -> None:
+  """A :func:`flashsample_jax.checks.debug_check` that ``ok_of(x)`` holds for
+  every entry of the traced ``value`` (as f32), naming the first that fails."""
   x = jnp.asarray(value, jnp.float32).reshape(-1)
-  ok = _normal_bits_ok(lax.bitcast_convert_type(x, jnp.uint32), zero is not None)
+  ok = ok_of(x)
   i = jnp.argmin(ok)
   where = name if jnp.ndim(value) == 0 else f"{name}[{{i}}]"
-  checks.debug_check(jnp.all(ok), f"{where}={{v}} must be {accepted}: {_NORMAL_WHY}",
-                     i=i, v=x[i])
+  checks.debug_check(jnp.all(ok), f"{where}={{v}} must be {must}", i=i, v=x[i])
 
 
 def _temperature(temperature, batch: int) -> jax.Array:
@@ -491,16 +502,9 @@ def check_finite(name: str, value) -> None:
     with np.errstate(over="ignore"):            # 1e300 -> inf: refused below
       bad = ~np.isfinite(raw.astype(np.float32).reshape(-1))
     if bad.any():
-      i = int(np.argmax(bad))
-      where = name if raw.ndim == 0 else f"{name}[{i}]"
-      rows = f"; {int(bad.sum())} of {bad.size} invalid" if bad.size > 1 else ""
-      raise ValueError(f"{where}={raw.reshape(-1)[i].item()} must be a finite float32{rows}")
+      _refuse_first(name, raw, bad, "a finite float32")
     return
-  x = jnp.asarray(value, jnp.float32).reshape(-1)
-  ok = jnp.isfinite(x)
-  i = jnp.argmin(ok)
-  where = name if jnp.ndim(value) == 0 else f"{name}[{{i}}]"
-  checks.debug_check(jnp.all(ok), f"{where}={{v}} must be a finite float32", i=i, v=x[i])
+  _traced_check(name, value, jnp.isfinite, "a finite float32")
 
 
 def prepare_logits(logits, key, *, temperature=1.0, vocab_size=None) -> Problem:

@@ -98,13 +98,9 @@ def _sample(p: problem.Problem, c: _controls.Controls):
   tokens = jnp.where(greedy[None, :], jnp.argmax(x, axis=-1)[None, :],
                      _categorical(p, kept, c.samples)).astype(jnp.int32)   # [S, B]
   if not c.samples_only:
-    # Nothing to sample (every id -inf after the controls; for sampled rows
-    # also every id truncated away): -1, not categorical's id 0. Plain
-    # sampling (temperature, num_samples) stays categorical's own.
-    none = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=-1),
-                     jnp.all(kept == -jnp.inf, axis=-1))
-    if c.allowed_mask is not None:
-      none |= _controls.none_allowed(c.allowed_mask, p.vocab_size)
+    # Nothing to sample: -1. Plain sampling (temperature, num_samples)
+    # stays categorical's own.
+    none = _controls.nothing_to_sample(x, kept, greedy, c.allowed_mask, p.vocab_size)
     tokens = jnp.where(none[None, :], -1, tokens)
   out = tokens if num_samples is not None else tokens[0]
   if not c.returns_output:
@@ -258,13 +254,7 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
     ids = jnp.arange(p.vocab_size)[None]
     sample = lambda logits: np.asarray(_categorical(p, logits, 1)[0])
     argmax = np.asarray(jnp.argmax(x, axis=1))
-    # Nothing to sample: -1, greedy rows too (every id -inf after the
-    # controls), as in sample().
-    nothing = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=1),
-                        jnp.all(kept == -jnp.inf, axis=1))
-    if mask is not None:
-      nothing |= _controls.none_allowed(mask, p.vocab_size)
-    nothing = np.asarray(nothing)
+    nothing = np.asarray(_controls.nothing_to_sample(x, kept, greedy, mask, p.vocab_size))
     token = np.where(nothing, -1, np.where(greedy, argmax, sample(kept)))
     acc_key = (jax.vmap(lambda k: jax.random.fold_in(k, speculative.ACCEPT_STREAM))(key_j)
                if per_row else jax.random.fold_in(key_j, speculative.ACCEPT_STREAM))

@@ -200,26 +200,24 @@ def _check_distributions(q) -> None:
   an unnormalized row skews the residual). Concrete ``q``: ``ValueError``
   naming the first bad row; traced: a checkify check while traced checks
   are on (``checks.debug_check``)."""
-  def flags(q):
-    entries = jnp.all(jnp.isfinite(q) & (q >= 0), axis=-1)
-    sums = jnp.abs(jnp.sum(q, axis=-1) - 1) <= _SUM_TOLERANCE
-    return entries, sums
+  def flags(q):       # per row: entries finite and >= 0, and the row's sum
+    return jnp.all(jnp.isfinite(q) & (q >= 0), axis=-1), jnp.sum(q, axis=-1)
   if isinstance(q, jax.core.Tracer):
     entries, sums = flags(q)
-    ok = entries & sums
-    i = jnp.argmin(ok.reshape(-1))
+    ok = (entries & (jnp.abs(sums - 1) <= _SUM_TOLERANCE)).reshape(-1)
     checks.debug_check(jnp.all(ok), "draft_probs row {i} (of B x K) is no distribution: "
-                       "entries must be finite and >= 0, each row sum 1", i=i)
+                       "entries must be finite and >= 0, each row sum 1", i=jnp.argmin(ok))
     return
-  with jax.ensure_compile_time_eval():
+  with jax.ensure_compile_time_eval():         # a constant inside a trace too
     entries, sums = (np.asarray(f) for f in flags(q))
   for bad, why in ((~entries, "has a negative, NaN or infinite entry"),
-                   (~sums, f"sums to {{}}, not 1 (within {_SUM_TOLERANCE})")):
+                   (~(np.abs(sums - 1) <= _SUM_TOLERANCE),
+                    f"sums to {{}}, not 1 (within {_SUM_TOLERANCE})")):
     if bad.any():
       b, k = np.unravel_index(int(np.argmax(bad)), bad.shape)
-      total = float(np.asarray(jnp.sum(q[b, k])))
-      raise ValueError(f"draft_probs[{b}, {k}] {why.format(total)}: the drafter's "
-                       "probabilities, a distribution over the vocabulary per position")
+      raise ValueError(f"draft_probs[{b}, {k}] {why.format(float(sums[b, k]))}: the "
+                       "drafter's probabilities, a distribution over the vocabulary per "
+                       "position")
 
 
 def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperature=1.0,
@@ -413,10 +411,8 @@ def _verify_probabilistic(p, c, d, q, u, *, batch: int, axes, return_logprobs: b
   token, t_token = stage2.draw_kept(p, x, t, kept, gid, perturb)
   token, t_token = token[:, 0].astype(jnp.int32), t_token[:, 0]
   greedy = p.temperature == 0
-  # Nothing to sample (every id -inf after the controls; for sampled rows
-  # also every id truncated away): -1, as sample() returns.
-  nothing = jnp.where(greedy, jnp.all(x == -jnp.inf, axis=1), jnp.all(kept == -jnp.inf, axis=1))
-  token = jnp.where(nothing, -1, token)
+  # x holds the mask already (materialized_rows): -1 as sample() returns.
+  token = jnp.where(controls.nothing_to_sample(x, kept, greedy), -1, token)
   lse = jax.nn.logsumexp(kept, axis=1)
   probs = jnp.exp(kept - lse[:, None])
   q = jnp.concatenate([q, jnp.zeros((batch, 1, q.shape[2]), q.dtype)], axis=1)

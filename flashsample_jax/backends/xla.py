@@ -214,7 +214,6 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
   return _stream(p, block, stage2.state_combine(c, m), vc)
 
 
-@jax.named_scope("xla.pass_state")
 def _one_t(p: Problem, c: controls.Controls, t):
   """``t`` made once for all its readers where the call reports floats on a
   CPU. XLA:CPU's ``x / T`` can round apart by an ulp between two fusions (a
@@ -230,6 +229,7 @@ def _one_t(p: Problem, c: controls.Controls, t):
   return t
 
 
+@jax.named_scope("xla.pass_state")
 def _pass_state(p: Problem, c: controls.Controls, x, t, gid) -> ControlsState:
   """A block's best of each sample and online log-sum-exp, by XLA."""
   sc = stage2.pass_scores(p, c, x, t, gid)                         # [B, S, W]
