@@ -21,10 +21,11 @@ Truncation of sampled rows, on the tempered ``t``:
   sort ids by ``t`` descending (ties by id); keep an id if the probability
   mass ranked strictly before it is ``< p`` (so the most probable id is
   always kept), and also every id whose ``t`` equals the last kept one's.
-  In f32: ``e = exp(t - max t)`` in that order, ``q = e / Z`` with ``Z`` the
-  prefix sum of ``e`` at the set's last id, the mass before an id
-  ``prefix_sums(q) - q`` (:func:`nucleus_terms`, :func:`mass_before`; prefix sums whose
-  order of additions depends on the index alone).
+  In f32: ``e = exp(t - max t)`` in that order, ``s = prefix_sums(e)`` (prefix
+  sums whose order of additions depends on the index alone), ``Z`` the value
+  of ``s`` at the set's last id, the mass before an id the value of ``s`` at
+  the id before it over ``Z`` (0 for the first; :func:`nucleus_terms`,
+  :func:`mass_before`).
 * ``min_p[b] = m > 0``: keep ids with ``exp(t - max t) >= m``: probability at
   least ``m`` times the row's top probability. For finite logits the top id
   is never removed by any rule, so min-p's kept set does not depend on its
@@ -743,25 +744,28 @@ def prefix_sums(x):
 
 @jax.named_scope("controls.nucleus_terms")
 def nucleus_terms(ts):
-  """``(e [B, N], Z [B])`` of top-p's mass over ``ts [B, N]`` (descending,
-  ``-inf`` after the finite prefix the mass is measured over): ``e =
-  exp(ts - ts[0])`` and ``Z`` its prefix sum at the last finite entry.
-  Every step reads entries at or before that prefix's end only, so a list
-  holding the prefix gives the same bits as the whole sorted row (a NaN in
-  the row makes ``Z`` NaN, as a sum over the row would: nothing is then
-  below p)."""
+  """``(s [B, N], Z [B])`` of top-p's mass over ``ts [B, N]`` (descending,
+  ``-inf`` after the finite prefix the mass is measured over): ``s`` the
+  prefix sums of ``e = exp(ts - ts[0])`` and ``Z`` their value at the last
+  finite entry. Every step reads entries at or before that prefix's end
+  only, so a list holding the prefix gives the same bits as the whole
+  sorted row (a NaN in the row makes ``Z`` NaN, as a sum over the row
+  would: nothing is then below p)."""
   e = jnp.exp(ts - ts[:, :1])
+  s = prefix_sums(e)
   finite = jnp.sum(ts > -jnp.inf, axis=1)
-  z = jnp.take_along_axis(prefix_sums(e), jnp.maximum(finite - 1, 0)[:, None], axis=1)[:, 0]
-  return e, jnp.where(jnp.any(jnp.isnan(e), axis=1), jnp.nan, z)
+  z = jnp.take_along_axis(s, jnp.maximum(finite - 1, 0)[:, None], axis=1)[:, 0]
+  return s, jnp.where(jnp.any(jnp.isnan(e), axis=1), jnp.nan, z)
 
 
 @jax.named_scope("controls.mass_before")
-def mass_before(e, z):
-  """The probability mass ranked strictly before each entry: ``q = e / Z``
-  (``z [B]``), ``prefix_sums(q) - q``."""
-  q = e / z[:, None]
-  return prefix_sums(q) - q
+def mass_before(s, z):
+  """The probability mass ranked strictly before each entry: the prefix sum
+  ``s [B, N]`` of the entry before it over ``z [B]`` (0 for the first).
+  One scan serves ``Z`` and this mass (docs/design.md, "The nucleus edge,
+  bit for bit")."""
+  before = jnp.pad(s[:, :-1], ((0, 0), (1, 0)))
+  return before / z[:, None]
 
 
 @jax.named_scope("controls.keep_mask")

@@ -543,8 +543,8 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     tk = jnp.where(keep, cand_t, -jnp.inf)
     listed_set = restrict_in | complete
     z_all = lse[1] * jnp.where(lse[0] == -jnp.inf, 0.0, jnp.exp(lse[0] - top[:, 0]))
-    e, z_set = controls.nucleus_terms(tk)
-    before = controls.mass_before(e, jnp.where(listed_set, z_set, z_all))
+    sums, z_set = controls.nucleus_terms(tk)
+    before = controls.mass_before(sums, jnp.where(listed_set, z_set, z_all))
     # keep_mask's threshold: the t of the n-th id, n the count of ids with
     # mass < p before them (at least 1). A count, not the smallest such t:
     # rounding may leave the mass before an id a little below the one

@@ -292,8 +292,11 @@ def test_kernel_scopes_name_stage_2s_steps():
                                      top_k=50, top_p=0.9, weight_scale=s))
   kernels = kernel_scopes(f.lower(h, w).compile().as_text())
   scopes = {sc for k in kernels for sc, _ in k["scopes"]}
-  assert {"stage2.certify/controls.mass_before/controls.prefix_sums",
+  assert {"stage2.certify/controls.nucleus_terms/controls.prefix_sums",
           "stage2.pick_kept"} <= scopes
+  # One scan serves top-p's normalizer and the masses (controls.mass_before).
+  assert not any(sc.startswith("stage2.certify/controls.mass_before/controls.prefix_sums")
+                 for sc in scopes)
   # Top-k on every row: no readings of top-p's edge (stage2._truncate_decision).
   assert not any(sc.startswith("stage2.top_p_edge") for sc in scopes)
   assert any(k["opcode"] == "conditional" for k in kernels)
