@@ -13,7 +13,8 @@
 # (exp_row_phases) and top-k + top-p on the dense route with the kernels
 # beside plain sampling (exp_dense_lists), FP8 S and L at B = 1, 16, 64. Each
 # line of its JSON logs says which tree ("tree": "base" or "new").
-# TIMELINE=1 adds, per tree and round, a profiler trace of the dense route
+# PHASES=0 leaves the row program's phases out (a change outside the list
+# kernels). TIMELINE=1 adds, per tree and round, a profiler trace of the dense route
 # (exp_dense_lists --timeline: kernels per call, each one's device time) at
 # B = 1, 8, 16: for changes below the wall time's spread.
 # .ab/ is git-ignored: the device call carries it (carry: [".ab", ".whl"]).
@@ -51,8 +52,10 @@ case ${1:-} in
     mkdir -p "$OUT"
     for _ in $(seq "${ROUNDS:-2}"); do
       for tree in base new; do
-        in_tree $tree python3 -m benchmarks.experiments.exp_row_phases --heads S L \
-          --batches 1 16 64 2>&1 | tagged $tree "$OUT/ab_row_phases.jsonl"
+        if [ "${PHASES:-1}" = 1 ]; then
+          in_tree $tree python3 -m benchmarks.experiments.exp_row_phases --heads S L \
+            --batches 1 16 64 2>&1 | tagged $tree "$OUT/ab_row_phases.jsonl"
+        fi
         in_tree $tree python3 -m benchmarks.experiments.exp_dense_lists --heads S L \
           --batches 1 16 64 --weight-dtypes fp8 --variants dense_kernel plain --rounds 1 \
           2>&1 | tagged $tree "$OUT/ab_dense_lists.jsonl"
