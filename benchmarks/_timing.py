@@ -38,6 +38,23 @@ def median_us(f, *args, warmup: int = 5, reps: int = 15, inner: int = 10):
   return statistics.median(samples), samples
 
 
+def enqueue_us(f, args, calls: int = 8) -> float:
+  """Host microseconds per asynchronous call of ``f(*args)``, the device idle
+  at the start (best of 5 blocks of ``calls``): the host's dispatch cost
+  while the device queue is not full. Where it reaches the device's time
+  per call, the device waits on the host (docs/performance.md, "Small
+  batches")."""
+  best = float("inf")
+  for _ in range(5):
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = f(*args)
+    best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    jax.block_until_ready(out)
+  return best
+
+
 def timed_rounds(variants, *args, rounds: int, **tags):
   """Times ``variants`` (name -> function of ``args``) in turn, ``rounds``
   times, and prints one JSON line per round: ``tags`` and each variant's

@@ -12,21 +12,23 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import device_name, timed_rounds
+from benchmarks._timing import device_name, enqueue_us, timed_rounds
 from benchmarks.experiments.exp_small_b_timeline import timeline
 
 DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 
 
 def add_point_args(ap, *, heads, batches, weight_dtypes, rounds: int) -> None:
-  """``--heads``, ``--batches``, ``--weight-dtypes``, ``--rounds`` and
-  ``--timeline``, with these defaults."""
+  """``--heads``, ``--batches``, ``--weight-dtypes``, ``--rounds``,
+  ``--timeline`` and ``--enqueue``, with these defaults."""
   ap.add_argument("--heads", nargs="+", default=heads, choices=sorted(shapes.HEADS))
   ap.add_argument("--batches", type=int, nargs="+", default=batches)
   ap.add_argument("--weight-dtypes", nargs="+", default=weight_dtypes,
                   choices=[*DTYPES, "bf16"])
   ap.add_argument("--rounds", type=int, default=rounds)
   ap.add_argument("--timeline", action="store_true")
+  ap.add_argument("--enqueue", action="store_true",
+                  help="per round, each variant's host time per call too (enqueue_us)")
 
 
 def head(name: str, dtype: str):
@@ -51,12 +53,25 @@ def points(args):
                                 weight=dtype, B=b)
 
 
+def _enqueue_rounds(variants, h, w, *, rounds: int, **tags) -> None:
+  """Per round, one JSON line of each variant's host time per call
+  (:func:`benchmarks._timing.enqueue_us`): where a variant's wall time
+  follows its host's, the device waits on the host."""
+  for r in range(rounds):
+    rec = dict(tags, round=r, measure="enqueue_us")
+    for name, f in variants.items():
+      rec[name] = round(enqueue_us(f, (h, w)), 1)
+    print(json.dumps(rec), flush=True)
+
+
 def report(args, variants, h, w, tags, traced=None) -> None:
   """Alternating rounds of ``variants`` (name -> function of ``(h, w)``), or
   with ``--timeline`` the device timelines of those named in ``traced``
   (every variant by default), one JSON line each."""
   if not args.timeline:
     timed_rounds(variants, h, w, rounds=args.rounds, **tags)
+    if args.enqueue:
+      _enqueue_rounds(variants, h, w, rounds=args.rounds, **tags)
     return
   for name in traced or variants:
     print(json.dumps(dict(tags, variant=name, **timeline(variants[name], h, w, calls=20))),

@@ -31,25 +31,11 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import device_name, median_us, trace_events
+from benchmarks._timing import device_name, enqueue_us, median_us, trace_events
 from flashsample_jax import dense_lists
 from flashsample_jax.backends.xla import DenseBackend
 
 DTYPES = {"bf16": None, "fp8": "float8_e4m3fn", "int8": "int8"}
-
-
-def enqueue_us(f, args, calls: int) -> float:
-  """Host microseconds per asynchronous call of ``f(*args)``, the device idle
-  at the start (best of 5 blocks)."""
-  best = float("inf")
-  for _ in range(5):
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = f(*args)
-    best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    jax.block_until_ready(out)
-  return best
 
 
 def traced(f, args, calls: int) -> dict:
