@@ -309,16 +309,25 @@ def _debug_check_range(name: str, value, *, lo, hi, lo_open: bool, off: str) -> 
   _debug_check(name, x, ok & (x <= hi), f"{_range_text(lo, hi, lo_open)} ({off})")
 
 
-def _on_everywhere(value, on) -> bool:
+def _on_everywhere(value, on, dtype=np.float64) -> bool:
   """Whether a truncation argument is concrete (not traced) and ``on`` holds
-  for every row of it (called before its range check: NaN is not on)."""
+  for every row of it (called before its range check: NaN is not on).
+  ``on`` sees the values as ``dtype``: a float rule's as the float32 the
+  call keeps, so that a value on in float64 but off in float32 (``top_p``
+  0.99999999 is 1.0) is off here too, as stage 2 and the reference read it."""
   if value is None or isinstance(value, bool) or not _concrete(value):
     return False
   try:
-    raw = np.asarray(value, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+      raw = np.asarray(value).astype(dtype)
   except (TypeError, ValueError):
     return False
   return bool(raw.size) and bool(np.all(on(raw)))
+
+
+# The smallest normal float32: a min_p below it is 0 where a GPU flushes
+# subnormals (XLA does), so only one at or above it is on everywhere.
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 # Candidates a list holds beyond the largest N it decides (top-k's k,
@@ -421,9 +430,12 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
   """Checks the control arguments of :func:`flashsample_jax.sample`."""
   _static_choice("truncation_order", truncation_order, TRUNCATION_ORDERS)
   top_k_everywhere = _on_everywhere(top_k, lambda k: k > 0)
+  # The pass drops its noise when every row truncates (Controls.for_pass):
+  # a rule must then be on in every row as stage 2 reads it, else such a
+  # row would take the pass's noiseless best.
   every_row_truncates = (top_k_everywhere
-                         or _on_everywhere(top_p, lambda p: p < 1)
-                         or _on_everywhere(min_p, lambda m: m > 0))
+                         or _on_everywhere(top_p, lambda p: p < 1, np.float32)
+                         or _on_everywhere(min_p, lambda m: m >= _F32_TINY, np.float32))
   given = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
   checked_top_k = _per_row("top_k", top_k, batch, integer=True, lo=0, hi=2**31 - 1,

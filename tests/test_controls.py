@@ -527,7 +527,11 @@ def test_empty_histories_are_no_penalty():
     (dict(top_p=1.0), False), (dict(min_p=0.0), False), (dict(top_k=0, min_p=0.0), False),
     (dict(top_k=np.array([5, 0, 3])), False), (dict(top_k=np.array([5, 1, 3])), True),
     (dict(top_p=jnp.array([0.5, 1.0, 0.2])), False), ({}, False),
-    (dict(top_logprobs=5), False)])
+    (dict(top_logprobs=5), False),
+    # On in float64, off in the float32 the call keeps (0.99999999 is 1.0,
+    # 1e-50 is 0), or a subnormal min_p, which a GPU flushes to 0.
+    (dict(top_p=0.99999999), False), (dict(min_p=1e-50), False),
+    (dict(min_p=1e-40), False), (dict(min_p=np.float32(1.2e-38)), True)])
 def test_every_row_truncates_is_known_only_for_concrete_rules(kw, every):
   # for_pass drops the pass's noise only where every row is decided on the
   # candidates; anything else keeps the noise (and the samples).
@@ -535,6 +539,22 @@ def test_every_row_truncates_is_known_only_for_concrete_rules(kw, every):
   assert c.every_row_truncates is every
   pc = c.for_pass()
   assert (pc.noise, pc.num_samples) == ((False, None) if every else (True, 2))
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.99999999), dict(min_p=1e-50), dict(min_p=1e-40)])
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_a_rule_off_in_float32_leaves_the_rows_sampled(kw, backend):
+  # Found by review: such a rule counted as on in every row dropped the
+  # pass's noise, and stage 2, reading it off, took the noiseless argmax.
+  x = jax.random.normal(jax.random.key(0), (8, 1000)) * 0.5
+  keys = jax.random.split(jax.random.key(1), 8)
+  want = fs.reference.sample_logits(x, keys, **kw)
+  # eye(8) @ (x.T).T is x exactly: the head's logits are x.
+  got = fs.sample(jnp.eye(8, dtype=jnp.float32), x.T, keys, backend=backend, **kw)
+  np.testing.assert_array_equal(got, want)
+  got = fs.sample_logits(x, keys, **kw)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(want, jnp.argmax(x, axis=1))
 
 
 def test_traced_truncation_keeps_the_noise():
