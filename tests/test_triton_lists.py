@@ -346,6 +346,29 @@ def test_dense_route_with_the_kernels_contract_equals_reference(kernel_contract,
   np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k,top_p", [
+    (40, 0.9), (np.array([40, 0] * (B // 2), np.int32), np.array([0.9, 1.0] * (B // 2)))])
+def test_score_tokens_takes_the_kernels_where_sample_does(kernel_contract, top_k, top_p):
+  # score_tokens' pass draws no noise whatever the rules; sample's keeps it
+  # unless every row truncates. Found by review: score_tokens took the
+  # kernels' lists and log-sum-exp where sample took the slots' and XLA's,
+  # so a drawn token's floats could score with other bits.
+  del kernel_contract
+  h, w = inputs.list_inputs("random", B, D, V)
+  kw = dict(temperature=inputs.pow2_temperatures(B, greedy_every=4, seed=7), top_k=top_k,
+            top_p=top_p)
+  keys = inputs.row_keys(B, seed=8)
+  be = DenseBackend(list_select="kernel")
+  out = fs.sample(h, w, keys, backend=be, return_logprobs=True, return_entropy=True, **kw)
+  drawn = list(LAUNCHED)
+  sc = fs.score_tokens(h, w, out.tokens, backend=be, **kw)
+  assert drawn == ([B] if np.ndim(top_k) == 0 else [])   # [40, 0, ...]: rows without a rule
+  assert LAUNCHED == drawn * 2
+  for name in ("logprob", "logprob_truncated", "entropy", "entropy_truncated"):
+    np.testing.assert_array_equal(np.asarray(getattr(sc, name)).view(np.uint32),
+                                  np.asarray(getattr(out, name)).view(np.uint32), err_msg=name)
+
+
 def lists_under_vmap_match_their_contract():
   """Five blocks of two rows under ``jax.vmap``, with one offset and with
   one each: every block's lists are its own."""

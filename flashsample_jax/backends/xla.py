@@ -244,11 +244,17 @@ def _pass_state(p: Problem, c: controls.Controls, x, t, gid) -> ControlsState:
 
 def _kernel_slot(c: controls.Controls, m: int, width: int, list_select: str) -> int | None:
   """The slot size of :func:`_kernel_state` for a block, or None where it
-  does not serve: lists by ``"kernel"``, a pass without noise (its best is
-  the argmax of ``t``, read only for greedy rows, where ``t`` is ``x``;
-  ``Controls.for_pass``), lists of at most ``LISTS_MAX`` and a block wide
-  enough for slots (:func:`dense_lists.slot_size`)."""
-  if list_select != "kernel" or not c.lists or c.noise:
+  does not serve: lists by ``"kernel"``, a pass without noise because every
+  row truncates (its best is the argmax of ``t``, read only for greedy rows,
+  where ``t`` is ``x``; ``Controls.for_pass``), lists of at most
+  ``LISTS_MAX`` and a block wide enough for slots
+  (:func:`dense_lists.slot_size`). ``score_tokens``' pass draws no noise
+  whatever the rules: it takes the kernels only where ``sample``'s pass
+  does, so that both read the same lists and log-sum-exp, and a drawn
+  token scores with the bits it was drawn with (docs/design.md,
+  "Determinism and RL")."""
+  if (list_select != "kernel" or not c.lists or c.noise
+      or not c.every_row_truncates):
     return None
   from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
   if m > triton_lists.LISTS_MAX:
