@@ -48,9 +48,10 @@ _TOP_P_MARGIN = 1e-4
 
 def candidate_count(p: Problem, c: controls.Controls) -> int:
   """M: the candidates per row kept for truncation or top-N (at most the
-  rows): CANDIDATES with a truncation rule, fewer where top-k bounds every
-  row's kept set (``top_k_max + LIST_SLACK``: a shorter list is a cheaper
-  select and merge; docs/performance.md, "The list kernels"), and at least
+  rows): CANDIDATES with a truncation rule, ``top_k_max + LIST_SLACK``
+  where top-k bounds every row's kept set (shorter for the usual k: a
+  cheaper select and merge, docs/performance.md, "The list kernels";
+  longer past k = 120, up to ``RETURN_KEPT_MAX`` + the slack), and at least
   N + the slack with ``top_logprobs=N`` or ``return_kept=N``. The slack
   holds for every N up to the maximum: with none, the N-th listed value is
   the last and never certified, and every row took the exact path (issue
@@ -59,8 +60,12 @@ def candidate_count(p: Problem, c: controls.Controls) -> int:
   Lists are padded to M entries when a shard has fewer rows, so that
   shards' lists merge with one shape."""
   m = CANDIDATES if c.truncates else 0
-  if c.top_k_max:
-    m = min(m, c.top_k_max + controls.LIST_SLACK)
+  if c.top_k_max and c.top_k_max <= controls.RETURN_KEPT_MAX:
+    # As long as top-k needs, shorter or longer than CANDIDATES: lists
+    # shorter than k + the slack certify no k-th value, and every row of a
+    # call with top_k = 128 took the exact path (found by review). Past
+    # RETURN_KEPT_MAX (the longest lists any output asks for) rows do.
+    m = c.top_k_max + controls.LIST_SLACK
   if c.top_logprobs and not c.raw_top:
     m = max(m, c.top_logprobs + controls.LIST_SLACK)
   if c.return_kept:

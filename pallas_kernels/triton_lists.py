@@ -74,7 +74,8 @@ ENTRIES_MAX_ROWS = 8
 def caps(m: int) -> tuple[int, int]:
   """``(SLOT_CAP, CAP)`` for lists of ``m``: the slots at or above ``tau``
   and the values gathered from them that a row may have before it is handed
-  to the exact path. Twice ``m`` each: a row of distinct values has ``m``
+  to the exact path: twice ``m``, and twice ``m`` rounded up to a power of
+  two (the sort's width). A row of distinct values has ``m``
   such slots and, with ``W / SLOT >= 8 m`` slots, about ``m + m^2 / (2 S)``
   such values (each of the top values in a slot of its own but for a few)."""
   return 2 * m, 2 * triton.next_power_of_2(m)

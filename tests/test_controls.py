@@ -75,7 +75,8 @@ def test_k_bound_leaves_the_slack_in_a_power_of_two(k, bound):
 @pytest.mark.parametrize("kw, m", [
     (dict(top_k=50), 64), (dict(top_k=50, top_p=0.9, min_p=0.1), 64),
     (dict(top_k=np.array([3] * (B - 1) + [20])), 64), (dict(top_k=56), 64),
-    (dict(top_k=57), 128), (dict(top_k=500), 128),
+    (dict(top_k=57), 128), (dict(top_k=121), 256), (dict(top_k=500), 512),
+    (dict(top_k=1016), 1024), (dict(top_k=1017), 128),          # past RETURN_KEPT_MAX
     (dict(top_k=np.array([0] + [5] * (B - 1)), top_p=0.9), 128),   # a row without top-k
     (dict(top_p=0.9), 128), (dict(min_p=0.1), 128),
     (dict(top_k=20, top_logprobs=100), 108), (dict(top_k=20, return_kept=70), 78)])
@@ -83,6 +84,22 @@ def test_candidate_count_follows_a_concrete_top_k(kw, m):
   p = problem.prepare(H, W, KEYS["scalar"], temperature=T)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, **kw)
   assert stage2.candidate_count(p, c) == m
+
+
+@pytest.mark.parametrize("backend", [xla_backend.XlaBackend(), xla_backend.DenseBackend()])
+def test_a_top_k_past_the_default_lists_is_certified_on_longer_ones(backend):
+  # Found by review: lists of CANDIDATES (128) certify no k-th value past
+  # k = 120, and every row of a call with top_k = 128 or 200 took the exact
+  # path. Lists of k_bound(k) + 8 decide them.
+  h, w = inputs.random_inputs(B, D, V, dtype=jnp.float32, seed=4, logit_std=4.0)
+  for k in (128, 200):
+    p = problem.prepare(h, w, KEYS["scalar"], temperature=1.0)
+    c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, top_k=k, top_p=0.95)
+    st = stage2.per_sample(backend.controls_state(p, c.for_pass()), c.samples)
+    assert int(np.sum(np.asarray(stage2.finish(p, c, st)[2]))) == 0
+    got = fs.sample(h, w, KEYS["scalar"], backend=backend, top_k=k, top_p=0.95)
+    np.testing.assert_array_equal(got, fs.reference.sample(h, w, KEYS["scalar"], top_k=k,
+                                                           top_p=0.95))
 
 
 def test_traced_top_k_keeps_the_full_lists():

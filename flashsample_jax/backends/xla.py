@@ -185,7 +185,10 @@ def controls_state(p: Problem, c: controls.Controls, *, vocab_offset=0,
 
   Per row: the best perturbed score of each sample (with its tempered
   logit), an online log-sum-exp of the tempered logits, and (with
-  truncation) the top-M tempered logits, exact per chunk (bound ``-inf``).
+  truncation) the top-M tempered logits of each chunk: exact by
+  ``lax.top_k`` (bound ``-inf``), or from slots or the list kernels
+  (``list_select``, :func:`_block_lists`, :func:`_kernel_slot`), whose bound
+  sends a row they cannot certify to stage 2's exact path.
   """
   vc = min(chunk or chunk_size(_chunk_rows(p, c), p.weight_rows), p.weight_rows)
   m = stage2.candidate_count(p, c)
@@ -295,8 +298,9 @@ def _lists_kernel_usable() -> bool:
 def _block_lists(t, gid, m: int, width: int, list_select: str) -> dict:
   """A block's top-``m`` candidate list as ControlsState fields: exact by
   ``lax.top_k`` (bound ``-inf``), or by :func:`dense_lists.slot_lists`
-  where the block is wide enough for its slots (``list_select=
-  "slots"``, :func:`dense_lists.slot_size`)."""
+  where the block is wide enough for its slots (``list_select`` "slots",
+  or "kernel" where the list kernels do not serve the block,
+  :func:`dense_lists.slot_size`)."""
   slot = dense_lists.slot_size(width, m) if list_select in ("slots", "kernel") else None
   if slot is not None:
     vals, ids, bound = dense_lists.slot_lists(t, gid, m, slot=slot)
