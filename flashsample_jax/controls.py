@@ -356,8 +356,13 @@ def k_bound(k: int) -> int:
 
 def _top_k_max(top_k, on_everywhere: bool) -> int:
   """:attr:`Controls.top_k_max` for the ``top_k`` argument (called after its
-  range check), ``on_everywhere`` if it is concrete and on for every row."""
-  return k_bound(int(np.max(np.asarray(top_k, np.int64)))) if on_everywhere else 0
+  range check), ``on_everywhere`` if it is concrete and on for every row:
+  :func:`k_bound` of its largest k, at most ``RETURN_KEPT_MAX`` where k is
+  (the longest lists any output asks for: stage2.candidate_count)."""
+  if not on_everywhere:
+    return 0
+  k = int(np.max(np.asarray(top_k, np.int64)))
+  return min(k_bound(k), RETURN_KEPT_MAX) if k <= RETURN_KEPT_MAX else k_bound(k)
 
 
 # The largest ``top_logprobs``; the candidate lists hold a few more ids per

@@ -63,8 +63,8 @@ def candidate_count(p: Problem, c: controls.Controls) -> int:
   if c.top_k_max and c.top_k_max <= controls.RETURN_KEPT_MAX:
     # As long as top-k needs, shorter or longer than CANDIDATES: lists
     # shorter than k + the slack certify no k-th value, and every row of a
-    # call with top_k = 128 took the exact path (found by review). Past
-    # RETURN_KEPT_MAX (the longest lists any output asks for) rows do.
+    # call with top_k = 128 took the exact path (found by review). Past a
+    # k of RETURN_KEPT_MAX (the longest lists any output asks for) rows do.
     m = c.top_k_max + controls.LIST_SLACK
   if c.top_logprobs and not c.raw_top:
     m = max(m, c.top_logprobs + controls.LIST_SLACK)
@@ -558,7 +558,8 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
     thr = jnp.take_along_axis(tk, (n_before - 1)[:, None], axis=1)[:, 0]
     keep &= ~on[:, None] | (tk >= thr[:, None])
     # The nucleus edge lies in the list if a listed id already has mass
-    # >= p ranked before it (the mass before an id only grows down the list).
+    # >= p ranked before it (the mass before an id grows down the list, up to
+    # an ulp of rounding, far inside the margin of `near` below).
     edge_inside = jnp.any((tk > -jnp.inf) & (before >= pp[:, None]), axis=1)
     near = ~listed_set & jnp.any((tk > -jnp.inf) & (jnp.abs(before - pp[:, None])
                                                     <= margin * pp[:, None]), axis=1)

@@ -102,7 +102,7 @@ def _row(*groups):
 NUCLEUS_ROWS = {
     # The row: 1628 ids at p >= 1 - 1e-4 (120 at 1 - 1e-3).
     "wide_1628": _row((120, 0), (8, -10), (1500, -11)),
-    # Zipf, -2.6 log(rank) in bf16: 47 / 200 / 742 / 1603 ids.
+    # Zipf, -2.6 log(rank) in bf16: 47 / 200 / 742 / 1682 ids.
     "zipf": np.asarray(jnp.asarray(-2.6 * np.log(np.arange(1, NUCLEUS_V + 1)),
                                    jnp.bfloat16).astype(jnp.float32)),
     # Just above the lists: one id past them (129) from 1 - 1e-4 on ...

@@ -76,7 +76,8 @@ def test_k_bound_leaves_the_slack_in_a_power_of_two(k, bound):
     (dict(top_k=50), 64), (dict(top_k=50, top_p=0.9, min_p=0.1), 64),
     (dict(top_k=np.array([3] * (B - 1) + [20])), 64), (dict(top_k=56), 64),
     (dict(top_k=57), 128), (dict(top_k=121), 256), (dict(top_k=500), 512),
-    (dict(top_k=1016), 1024), (dict(top_k=1017), 128),          # past RETURN_KEPT_MAX
+    (dict(top_k=1016), 1024), (dict(top_k=1017), 1032), (dict(top_k=1024), 1032),
+    (dict(top_k=1025), 128),                                    # past RETURN_KEPT_MAX
     (dict(top_k=np.array([0] + [5] * (B - 1)), top_p=0.9), 128),   # a row without top-k
     (dict(top_p=0.9), 128), (dict(min_p=0.1), 128),
     (dict(top_k=20, top_logprobs=100), 108), (dict(top_k=20, return_kept=70), 78)])
@@ -350,13 +351,22 @@ def test_nan_and_inf_logits_with_truncation_match_reference():
       assert ((tok == -1).all() if "min_p" in kw else (tok >= 0).all()), kw
 
 
+def _second_id_mass(h, w):
+  """The reference's f32 mass ranked before the second sorted id of the row
+  ``h @ w.T`` (top-p alone: measured over the whole row)."""
+  t = jnp.asarray(h, jnp.float32) @ jnp.asarray(w, jnp.float32).T
+  desc = -jnp.sort(-t, axis=1)
+  return np.float32(controls.mass_before(*controls.nucleus_terms(desc))[0, 1])
+
+
 def test_top_p_at_a_rounding_boundary_matches_reference():
-  # p is the reference's f32 mass ranked before the second id, exactly:
-  # only the top id is kept (``before < p`` is false there). Another
-  # rounding path (the candidates' normalizer) could land on either side;
-  # rows this close to p take the exact path.
+  # p is the reference's f32 mass ranked before the second id, exactly
+  # (computed, so that it follows the definition's rounding): only the top
+  # id is kept (``before < p`` is false there). Another rounding path (the
+  # candidates' normalizer) could land on either side; rows this close to
+  # p take the exact path.
   h, w = inputs.exact_inputs(8, 4, 1000, scale=2, seed=2)
-  top_p = 0.4452131688594818
+  top_p = float(_second_id_mass(h[3:4], w))
   check(dict(top_p=top_p), key=jax.random.key(0), h=h[3:4], w=w, t=1.0, num_samples=64)
   c = controls.prepare_controls(batch=1, vocab_size=1000, rows=1000, top_p=top_p)
   t = jnp.asarray(h[3:4], jnp.float32) @ jnp.asarray(w, jnp.float32).T
@@ -370,7 +380,8 @@ def test_nucleus_edge_within_rounding_resolved_when_tokens_agree():
   # way the token must equal the reference's.
   h, w = inputs.exact_inputs(8, 4, 1000, scale=2, seed=2)
   h = h[3:4]
-  kw = dict(top_p=0.4452132284641266)
+  mass = _second_id_mass(h, w)           # p two f32 steps above it
+  kw = dict(top_p=float(np.nextafter(np.nextafter(mass, np.float32(1)), np.float32(1))))
   c = controls.prepare_controls(batch=1, vocab_size=1000, rows=1000, **kw)
   finish = jax.jit(xla_finish)   # one program for the 12 keys, as fs.sample runs it
   materialized = []
