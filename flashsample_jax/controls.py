@@ -399,8 +399,17 @@ def _history(name, ids, batch, vocab_size):
       b, j = np.argwhere(bad)[0]
       raise ValueError(f"{name}[{b}, {j}]={raw[b, j]} must be {want}")
   elif ids.size:
-    _debug_check(name, ids, (ids >= -1) & (ids < vocab_size), want)
+    _debug_check(name, ids, ids_in_range(ids, vocab_size), want)
   return jnp.asarray(ids, jnp.int32)
+
+
+def ids_in_range(ids, vocab_size: int):
+  """bool, where traced ``ids`` are ids in ``[0, vocab_size)`` or -1. An
+  unsigned dtype holds no -1, and ``ids >= -1`` would compare with the
+  dtype's largest value (-1 converted): only the upper bound applies."""
+  if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+    return ids < vocab_size
+  return (ids >= -1) & (ids < vocab_size)
 
 
 def _static_choice(name: str, value, choices: tuple[str, ...]) -> None:

@@ -117,6 +117,21 @@ def test_traced_draft_ids_out_of_range_fail_a_checkify_check():
   assert err.get() is not None and f"draft_ids must hold an id in [0, {V}) or -1" in err.get()
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint32, jnp.uint8])
+def test_traced_unsigned_ids_are_checked_against_the_vocabulary_alone(dtype):
+  # Found by review: ``ids >= -1`` converted -1 to the dtype's largest
+  # value, so every valid unsigned id failed the check.
+  hist = jax.jit(lambda ids: fs.sample(H, W, KEY, backend="xla", repetition_penalty=2.0,
+                                       output_ids=ids))
+  h = jnp.stack([H, H], axis=1)
+  drafts = jax.jit(lambda d: fs.verify_drafts(h, W, KEY, d, backend="xla").tokens)
+  for f, width, name in ((hist, 2, "output_ids"), (drafts, 1, "draft_ids")):
+    checked = checkify.checkify(f, errors=checkify.user_checks)
+    assert checked(jnp.full((B, width), 3, dtype))[0].get() is None
+    err, _ = checked(jnp.full((B, width), V, dtype))
+    assert err.get() is not None and name in err.get()
+
+
 # The default: no checks in the trace, so no effect, which would take every
 # call of a jitted program off JAX's fast dispatch path
 # (flashsample_jax/checks.py, docs/design.md, "Checks of traced values").
