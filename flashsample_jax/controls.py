@@ -481,16 +481,7 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
     allowed_mask = jax.lax.bitcast_convert_type(allowed_mask, jnp.uint32) \
         if allowed_mask.dtype == jnp.int32 else jnp.asarray(allowed_mask)
   if softcap is not None:
-    if isinstance(softcap, bool) or not (
-        isinstance(softcap, (int, float, np.integer, np.floating))
-        or (hasattr(softcap, "dtype") and getattr(softcap, "ndim", 1) == 0)):
-      raise TypeError(f"softcap={softcap!r} must be a positive float scalar")
-    if _concrete(softcap):
-      if not float(softcap) > 0:
-        raise ValueError(f"softcap={float(softcap)} must be > 0 (None turns it off)")
-    else:
-      _debug_check("softcap", softcap, softcap > 0, "> 0 (None turns it off)")
-    softcap = jnp.asarray(softcap, jnp.float32)
+    softcap = _softcap(softcap)
   if num_samples is not None:
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
       raise problem.static_arg_error("num_samples", num_samples, "a Python int or None")
@@ -540,6 +531,28 @@ def prepare_controls(*, batch: int, vocab_size: int, rows: int, top_k=None,
                   truncation_order=truncation_order, return_entropy=return_entropy,
                   return_raw_logprobs=return_raw_logprobs, return_kept=return_kept,
                   top_logprobs_mode=top_logprobs_mode, uniform=uniform)
+
+
+def _softcap(softcap):
+  """``softcap`` as an f32 scalar: a real number, finite and > 0 in float32
+  (``c * tanh(x / c)`` is NaN for every logit at ``c = inf``, and every row
+  would return id 0)."""
+  dtype = getattr(softcap, "dtype", None)
+  real = (isinstance(softcap, (int, float, np.integer, np.floating)) if dtype is None else
+          jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+  if (isinstance(softcap, (bool, np.bool_)) or not real or dtype == jnp.bool_
+      or getattr(softcap, "ndim", 0) != 0):
+    raise TypeError(f"softcap={softcap!r} must be a positive real scalar (a float or an int)")
+  want = "> 0 and finite in float32 (None turns it off)"
+  if _concrete(softcap):
+    with np.errstate(over="ignore"):
+      c = np.float32(np.asarray(softcap))
+    if not (np.isfinite(c) and c > 0):
+      raise ValueError(f"softcap={np.asarray(softcap).item()} must be {want}")
+  else:
+    c32 = jnp.asarray(softcap, jnp.float32)
+    _debug_check("softcap", softcap, jnp.isfinite(c32) & (c32 > 0), want)
+  return jnp.asarray(softcap, jnp.float32)
 
 
 def _uniform(given: dict, per_row: dict) -> tuple[str, ...]:

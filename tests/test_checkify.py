@@ -41,6 +41,7 @@ BAD = [
     ("top_k", -3, "-3", r"in \[0, 2147483647\]", {}),
     ("softcap", -1.0, "-1.0", r"> 0", {}),
     ("softcap", NAN, "nan", r"> 0", {}),
+    ("softcap", float("inf"), "inf", r"> 0 and finite", {}),
     ("presence_penalty", float("inf"), "inf", "finite", {"output_ids": HISTORY}),
     ("frequency_penalty", NAN, "nan", "finite", {"output_ids": HISTORY}),
     ("repetition_penalty", -2.0, "-2.0", "a normal float32", {"prompt_ids": HISTORY}),

@@ -235,6 +235,14 @@ def test_truncated_distribution_chi_square(kw):
      r"allowed_mask.dtype=float32"),
     (dict(softcap=0.0), ValueError, r"softcap=0.0 must be > 0"),
     (dict(softcap="big"), TypeError, r"softcap='big'"),
+    # Found by review: c = inf (or past float32) made every logit NaN and
+    # every row id 0; a bool was 1.0 and a complex lost its imaginary part.
+    (dict(softcap=float("inf")), ValueError, r"softcap=inf must be > 0 and finite"),
+    (dict(softcap=1e39), ValueError, r"softcap=1e\+39 must be > 0 and finite"),
+    (dict(softcap=jnp.array(True)), TypeError, r"softcap=.* must be a positive real"),
+    (dict(softcap=np.bool_(True)), TypeError, r"softcap=.* must be a positive real"),
+    (dict(softcap=np.complex64(1 + 1j)), TypeError, r"softcap=.* must be a positive real"),
+    (dict(softcap=jnp.ones(2)), TypeError, r"softcap=.* must be a positive real"),
     (dict(num_samples=0), ValueError, r"num_samples=0"),
     (dict(num_samples=2.0), TypeError, r"num_samples=2.0"),
     (dict(return_logprobs=1), TypeError, r"return_logprobs=1"),
