@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashsample_jax import controls, problem
+
 __all__ = ["SamplingParams", "CONTROL_NAMES", "STATIC_NAMES"]
 
 
@@ -126,6 +128,7 @@ class SamplingParams:
     if batch is not None:
       if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch={batch!r} must be a Python int >= 1")
+      _check_settings(fields)
       fields = {k: _broadcast(k, v, int(batch)) for k, v in fields.items()}
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - names)
@@ -178,6 +181,19 @@ def _reader(config):
     raise TypeError(f"config must be a mapping or a generation config object, "
                     f"got {type(config).__name__}")
   return lambda name: getattr(config, name, None)
+
+
+def _check_settings(fields: dict) -> None:
+  """The read settings checked as :func:`flashsample_jax.sample` checks
+  them, before :func:`_broadcast` casts them to int32 / float32 (a
+  temperature of 1e-50 would become 0, greedy; a ``top_k`` of 2.9, 2)."""
+  t = fields.get("temperature")
+  if t is not None:
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+      raise TypeError(f"generation config temperature={t!r} must be a number")
+    problem.check_normal("temperature", t, zero="greedy")
+  controls.prepare_controls(batch=1, vocab_size=1, rows=1,
+                            **{k: v for k, v in fields.items() if k != "temperature"})
 
 
 def _broadcast(name: str, value, batch: int):

@@ -145,6 +145,14 @@ def test_from_generation_config():
     fs.SamplingParams.from_generation_config("generation_config.json")
   with pytest.raises(ValueError, match="batch=0"):
     fs.SamplingParams.from_generation_config({}, batch=0)
+  # Checked before the broadcast casts them (found by review: 1e-50 became a
+  # greedy 0, a top_k of 2.9 became 2), as without batch.
+  for bad, exc, match in (({"temperature": 1e-50}, ValueError, "temperature=1e-50"),
+                          ({"top_k": 2.9}, TypeError, "top_k=2.9"),
+                          ({"top_p": 1.5}, ValueError, "top_p=1.5"),
+                          ({"temperature": "0.7"}, TypeError, "temperature='0.7'")):
+    with pytest.raises(exc, match=match):
+      fs.SamplingParams.from_generation_config({"do_sample": True, **bad}, batch=4)
   # The params sample as the keywords do.
   key = KEYS["per_row"]
   np.testing.assert_array_equal(
