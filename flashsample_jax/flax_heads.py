@@ -81,6 +81,7 @@ from flax import nnx
 
 from flashsample_jax import api, problem
 from flashsample_jax.controls import SampleOutput
+from flashsample_jax.params import SamplingParams
 from flashsample_jax.quantize import quantize_weight
 
 
@@ -354,6 +355,20 @@ def _restore_rows(out, lead: tuple):
 _LISTS_PER_ROW = ("top_ids", "top_logprobs", "kept_ids")
 
 
+def _params_as_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+  """``kwargs`` with its ``params`` (a :class:`flashsample_jax.SamplingParams`)
+  spelled out as control keywords, refused beside control keywords as
+  :func:`flashsample_jax.sample` refuses them: the head's bias and the
+  per-row reshapes then apply to its fields as to keywords (with ``params``
+  passed on, the bias was a keyword beside it, which sample refuses)."""
+  if kwargs.get("params") is None:
+    return {k: v for k, v in kwargs.items() if k != "params"}
+  rest = dict(kwargs)
+  params = rest.pop("params")
+  given = {f.name: rest.pop(f.name, f.default) for f in dataclasses.fields(SamplingParams)}
+  return {**rest, **api.settings(params, given)}
+
+
 def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   """Samples from ``softmax(head(hidden) / T)`` without the logits.
 
@@ -373,7 +388,8 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
       (``temperature``, ``top_k``, ``top_p``, ``min_p``, the penalties) may
       also have shape ``hidden.shape[:-1]``, and ``prompt_ids``,
       ``output_ids`` and ``allowed_mask`` ``[*hidden.shape[:-1], n]``.
-      ``weight_layout`` comes from the head.
+      ``params`` (a :class:`flashsample_jax.SamplingParams`) works as its
+      fields given as keywords. ``weight_layout`` comes from the head.
 
   Returns:
     What :func:`flashsample_jax.sample` returns, with the rows restored to
@@ -403,6 +419,7 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
     raise ValueError(
         f"hidden must have shape [B, D] or [..., D], got "
         f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+  kwargs = _params_as_keywords(kwargs)
   hidden2, key, kwargs, lead = _flatten_rows(hidden, key, kwargs)
   if bias is not None:
     extra = kwargs.get("logit_bias")

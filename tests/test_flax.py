@@ -283,6 +283,30 @@ def test_head_bias_is_the_logit_bias():
                           logit_bias=bias.astype(jnp.float32) + extra))
 
 
+def test_params_work_as_the_keywords_do():
+  # Found by review: with params, the head's bias went beside it as a
+  # keyword (which sample refuses) and params' per-row fields kept the
+  # leading dimensions' shape.
+  h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=10)
+  bias = jnp.asarray(np.random.default_rng(11).integers(-3, 4, V), jnp.bfloat16)
+  head = _linear(w, bias=True)
+  head.bias[...] = bias
+  key = jax.random.key(0)
+  lead = (2, B // 2)
+  t = jnp.asarray(np.random.default_rng(12).choice([0.5, 1.0, 2.0], lead), jnp.float32)
+  extra = jnp.ones((V,), jnp.float32)
+  kw = dict(temperature=t, top_k=5, logit_bias=extra)
+  want = flax_heads.sample_from_head(head, h.reshape(*lead, D), key, **kw)
+  got = flax_heads.sample_from_head(head, h.reshape(*lead, D), key,
+                                    params=fs.SamplingParams(**kw))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(
+      want.reshape(-1), fs.reference.sample(h, w, key, weight_layout="dv", temperature=t.reshape(-1),
+                                            top_k=5, logit_bias=bias.astype(jnp.float32) + extra))
+  with pytest.raises(TypeError, match=r"got params and \['top_k'\]"):
+    flax_heads.sample_from_head(head, h, key, params=fs.SamplingParams(), top_k=5)
+
+
 def test_bad_arguments():
   h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=11)
   head = _linear(w)
