@@ -177,7 +177,7 @@ def _reader(config):
   """``name -> value or None`` over a mapping or an object's attributes."""
   if isinstance(config, Mapping):
     return config.get
-  if config is None or isinstance(config, (str, bytes, int, float)):
+  if config is None or isinstance(config, (str, bytes, int, float, list, tuple)):
     raise TypeError(f"config must be a mapping or a generation config object, "
                     f"got {type(config).__name__}")
   return lambda name: getattr(config, name, None)

@@ -141,8 +141,9 @@ def test_from_generation_config():
   fs.SamplingParams.from_generation_config({"typical_p": 1.0, "num_beams": 1})
   with pytest.raises(TypeError, match="unknown SamplingParams fields"):
     fs.SamplingParams.from_generation_config({}, top_n=3)
-  with pytest.raises(TypeError, match="config must be a mapping"):
-    fs.SamplingParams.from_generation_config("generation_config.json")
+  for not_a_config in ("generation_config.json", [("temperature", 0.7)]):
+    with pytest.raises(TypeError, match="config must be a mapping"):
+      fs.SamplingParams.from_generation_config(not_a_config)
   with pytest.raises(ValueError, match="batch=0"):
     fs.SamplingParams.from_generation_config({}, batch=0)
   # Checked before the broadcast casts them (found by review: 1e-50 became a
