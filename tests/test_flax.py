@@ -262,11 +262,18 @@ def test_no_transpose_of_the_weight():
   assert "dot_general" in text
 
 
-def test_head_bias_is_the_logit_bias():
+def _biased_head(bias_seed: int):
+  """``(h, w, bias, head)``: exact inputs and an nnx.Linear head with an
+  integer bias."""
   h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=10)
-  bias = jnp.asarray(np.random.default_rng(10).integers(-3, 4, V), jnp.bfloat16)
+  bias = jnp.asarray(np.random.default_rng(bias_seed).integers(-3, 4, V), jnp.bfloat16)
   head = _linear(w, bias=True)
   head.bias[...] = bias
+  return h, w, bias, head
+
+
+def test_head_bias_is_the_logit_bias():
+  h, w, bias, head = _biased_head(10)
   key = jax.random.key(0)
   want = fs.reference.sample(h, w, key, weight_layout="dv",
                              logit_bias=bias.astype(jnp.float32))
@@ -287,10 +294,7 @@ def test_params_work_as_the_keywords_do():
   # Found by review: with params, the head's bias went beside it as a
   # keyword (which sample refuses) and params' per-row fields kept the
   # leading dimensions' shape.
-  h, w = inputs.exact_inputs(B, D, V, layout="dv", seed=10)
-  bias = jnp.asarray(np.random.default_rng(11).integers(-3, 4, V), jnp.bfloat16)
-  head = _linear(w, bias=True)
-  head.bias[...] = bias
+  h, w, bias, head = _biased_head(11)
   key = jax.random.key(0)
   lead = (2, B // 2)
   t = jnp.asarray(np.random.default_rng(12).choice([0.5, 1.0, 2.0], lead), jnp.float32)
