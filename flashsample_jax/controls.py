@@ -540,8 +540,7 @@ def _softcap(softcap):
   dtype = getattr(softcap, "dtype", None)
   real = (isinstance(softcap, (int, float, np.integer, np.floating)) if dtype is None else
           jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
-  if (isinstance(softcap, (bool, np.bool_)) or not real or dtype == jnp.bool_
-      or getattr(softcap, "ndim", 0) != 0):
+  if isinstance(softcap, bool) or not real or getattr(softcap, "ndim", 0) != 0:
     raise TypeError(f"softcap={softcap!r} must be a positive real scalar (a float or an int)")
   want = "> 0 and finite in float32 (None turns it off)"
   if _concrete(softcap):

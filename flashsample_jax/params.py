@@ -187,11 +187,8 @@ def _check_settings(fields: dict) -> None:
   """The read settings checked as :func:`flashsample_jax.sample` checks
   them, before :func:`_broadcast` casts them to int32 / float32 (a
   temperature of 1e-50 would become 0, greedy; a ``top_k`` of 2.9, 2)."""
-  t = fields.get("temperature")
-  if t is not None:
-    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
-      raise TypeError(f"generation config temperature={t!r} must be a number")
-    problem.check_normal("temperature", t, zero="greedy")
+  if fields.get("temperature") is not None:
+    problem.temperature_rows(fields["temperature"], 1)
   controls.prepare_controls(batch=1, vocab_size=1, rows=1,
                             **{k: v for k, v in fields.items() if k != "temperature"})
 

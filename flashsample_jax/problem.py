@@ -337,7 +337,9 @@ def _traced_check(name: str, value, ok_of, must: str) -> None:
   checks.debug_check(jnp.all(ok), f"{where}={{v}} must be {must}", i=i, v=x[i])
 
 
-def _temperature(temperature, batch: int) -> jax.Array:
+def temperature_rows(temperature, batch: int) -> jax.Array:
+  """``temperature`` (a number, or a scalar or ``[B]`` array) checked and as
+  f32 ``[batch]``; errors name it."""
   if isinstance(temperature, bool) or temperature is None:
     raise TypeError(f"temperature must be a float or a float array, got {temperature!r}")
   if isinstance(temperature, (int, float, np.integer, np.floating)):
@@ -550,7 +552,7 @@ def _problem(hidden, weight, key, temperature, *, layout: str, vocab_size: int,
   shard_count = _check_int("batch_shard count", shard_count, 1)
   data, per_row = key_data(key, batch)
   k0, k1 = key_words(data, batch)
-  temp = _temperature(temperature, batch)
+  temp = temperature_rows(temperature, batch)
   row_base = None
   global_batch = batch * shard_count
   if per_row:

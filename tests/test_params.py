@@ -151,7 +151,7 @@ def test_from_generation_config():
   for bad, exc, match in (({"temperature": 1e-50}, ValueError, "temperature=1e-50"),
                           ({"top_k": 2.9}, TypeError, "top_k=2.9"),
                           ({"top_p": 1.5}, ValueError, "top_p=1.5"),
-                          ({"temperature": "0.7"}, TypeError, "temperature='0.7'")):
+                          ({"temperature": "0.7"}, TypeError, "temperature must be a float")):
     with pytest.raises(exc, match=match):
       fs.SamplingParams.from_generation_config({"do_sample": True, **bad}, batch=4)
   # The params sample as the keywords do.
