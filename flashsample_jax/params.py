@@ -93,7 +93,9 @@ class SamplingParams:
         ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, and the
         OpenAI / vLLM names ``presence_penalty`` and ``frequency_penalty``.
         Keys that do not change a sampled token (``eos_token_id``,
-        ``max_new_tokens``, ...) are ignored. A ``None`` value is off.
+        ``max_new_tokens``, ...) are ignored. A ``None`` value is off. The
+        read settings are checked as :func:`flashsample_jax.sample` checks
+        them, here, so a bad config fails where it is read.
       batch: broadcast every read scalar to a ``[batch]`` array, so that rows
         can be edited one by one and the params keep one shape as a
         ``lax.scan`` carry.
@@ -103,32 +105,25 @@ class SamplingParams:
     Raises:
       ValueError: a setting this package does not sample with at a value
         that changes the tokens (``typical_p``, ``epsilon_cutoff``,
-        ``eta_cutoff``, ``num_beams > 1``, ``no_repeat_ngram_size``, ...),
-        or ``batch`` < 1.
-      TypeError: ``config`` is neither a mapping nor an object, or an
-        ``options`` name is not a field.
+        ``eta_cutoff``, ``num_beams > 1``, ``no_repeat_ngram_size``, ...);
+        one that depends on the decoding step (``min_new_tokens``,
+        ``min_length``, ``forced_bos_token_id``, ``forced_eos_token_id``,
+        ``exponential_decay_length_penalty``: the caller applies those per
+        step with ``allowed_mask`` or ``logit_bias``); a read setting out of
+        range; or ``batch`` < 1.
+      TypeError: ``config`` is neither a mapping nor an object, a setting's
+        value has the wrong type (``do_sample`` not a bool, ``top_k`` not an
+        int, a number given as a string), or an ``options`` name is not a
+        field.
     """
     get = _reader(config)
-    for name, off in _UNSUPPORTED.items():
-      value = get(name)
-      if value is not None and not off(value):
-        raise ValueError(
-            f"generation config {name}={value!r} changes sampling in a way "
-            f"flashsample_jax does not implement (supported: {', '.join(_READ)}); "
-            f"remove it or set it to its default")
-    do_sample = get("do_sample")
-    fields = {name: get(name) for name in _READ if name != "do_sample"}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if do_sample is False:
-      # Greedy: Hugging Face ignores every sampling setting then.
-      fields = {k: v for k, v in fields.items() if k not in _SAMPLING_ONLY}
-      fields["temperature"] = 0.0
-    elif fields.get("top_k") == 0:
-      del fields["top_k"]
+    _refuse_unsupported(get)
+    fields = _read_settings(get)
+    if batch is not None and (isinstance(batch, bool)
+                              or not isinstance(batch, (int, np.integer)) or batch < 1):
+      raise ValueError(f"batch={batch!r} must be a Python int >= 1")
+    _check_settings(fields, batch)
     if batch is not None:
-      if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-        raise ValueError(f"batch={batch!r} must be a Python int >= 1")
-      _check_settings(fields)
       fields = {k: _broadcast(k, v, int(batch)) for k, v in fields.items()}
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - names)
@@ -171,6 +166,55 @@ _UNSUPPORTED = {
     "watermarking_config": lambda v: False,
     "guidance_scale": lambda v: v == 1.0,
 }
+# Settings that change the tokens at some decoding steps only (Hugging Face
+# applies them from the generated length), and the values at which they are
+# off. A sampler call has no step; the caller applies them per step.
+_STEP_DEPENDENT = {
+    "min_length": lambda v: v == 0,
+    "min_new_tokens": lambda v: v == 0,
+    "forced_bos_token_id": lambda v: False,
+    "forced_eos_token_id": lambda v: False,
+    "exponential_decay_length_penalty": lambda v: False,
+}
+
+
+def _refuse_unsupported(get) -> None:
+  """A ValueError for each read setting that changes the tokens in a way this
+  package does not sample with; a TypeError (naming it) for a value that is
+  not a number, bool or list as the config's schema has it."""
+  for table, why in ((_UNSUPPORTED, "changes sampling in a way flashsample_jax does not "
+                      f"implement (supported: {', '.join(_READ)}); remove it or set it "
+                      "to its default"),
+                     (_STEP_DEPENDENT, "depends on the decoding step, which a sampler call "
+                      "does not know; apply it per step with allowed_mask or logit_bias "
+                      "and remove it from the config")):
+    for name, off in table.items():
+      value = get(name)
+      if value is None:
+        continue
+      if isinstance(value, (str, bytes)):
+        raise TypeError(f"generation config {name}={value!r} must be a number or a "
+                        f"list, not a string")
+      if not off(value):
+        raise ValueError(f"generation config {name}={value!r} {why}")
+
+
+def _read_settings(get) -> dict:
+  """The settings of :data:`_READ` that are set, as ``SamplingParams``
+  fields: greedy (temperature 0, truncation dropped) when ``do_sample`` is
+  False, as Hugging Face samples; ``top_k`` 0 is off."""
+  do_sample = get("do_sample")
+  if do_sample is not None and not isinstance(do_sample, (bool, np.bool_)):
+    raise TypeError(f"generation config do_sample={do_sample!r} must be a bool")
+  fields = {name: get(name) for name in _READ if name != "do_sample"}
+  fields = {k: v for k, v in fields.items() if v is not None}
+  if do_sample is not None and not do_sample:
+    # Greedy: Hugging Face ignores every sampling setting then.
+    fields = {k: v for k, v in fields.items() if k not in _SAMPLING_ONLY}
+    fields["temperature"] = 0.0
+  elif isinstance(fields.get("top_k"), (int, np.integer)) and fields["top_k"] == 0:
+    del fields["top_k"]
+  return fields
 
 
 def _reader(config):
@@ -183,13 +227,17 @@ def _reader(config):
   return lambda name: getattr(config, name, None)
 
 
-def _check_settings(fields: dict) -> None:
+def _check_settings(fields: dict, batch: int | None) -> None:
   """The read settings checked as :func:`flashsample_jax.sample` checks
-  them, before :func:`_broadcast` casts them to int32 / float32 (a
-  temperature of 1e-50 would become 0, greedy; a ``top_k`` of 2.9, 2)."""
+  them: where the config is read, and before :func:`_broadcast` casts them
+  to int32 / float32 (a temperature of 1e-50 would become 0, greedy; a
+  ``top_k`` of 2.9, 2). Without ``batch``, a config's ``[B]`` arrays set B."""
+  if batch is None:
+    lengths = {np.shape(v)[0] for v in fields.values() if np.ndim(v) == 1}
+    batch = lengths.pop() if len(lengths) == 1 else 1
   if fields.get("temperature") is not None:
-    problem.temperature_rows(fields["temperature"], 1)
-  controls.prepare_controls(batch=1, vocab_size=1, rows=1,
+    problem.temperature_rows(fields["temperature"], int(batch))
+  controls.prepare_controls(batch=int(batch), vocab_size=1, rows=int(batch),
                             **{k: v for k, v in fields.items() if k != "temperature"})
 
 

@@ -154,6 +154,29 @@ def test_from_generation_config():
                           ({"temperature": "0.7"}, TypeError, "temperature must be a float")):
     with pytest.raises(exc, match=match):
       fs.SamplingParams.from_generation_config({"do_sample": True, **bad}, batch=4)
+  # Without batch too: a bad config fails where it is read, naming the key,
+  # not in the sampler call that first uses it (found by review).
+  for bad, exc, match in (({"temperature": "0.7"}, TypeError, "temperature must be a float"),
+                          ({"top_k": 2.9}, TypeError, "top_k=2.9"),
+                          ({"min_p": -0.1}, ValueError, "min_p"),
+                          ({"typical_p": "0.9"}, TypeError, "typical_p='0.9' must be a number"),
+                          ({"do_sample": "false"}, TypeError, "do_sample='false' must be a bool")):
+    with pytest.raises(exc, match=match):
+      fs.SamplingParams.from_generation_config(bad)
+  # Per-row arrays in a config set its batch for the check.
+  rows = fs.SamplingParams.from_generation_config({"temperature": np.array([0.5, 0.7]),
+                                                  "top_k": np.array([5, 0])})
+  np.testing.assert_array_equal(rows.top_k, [5, 0])
+  with pytest.raises(ValueError, match="top_p"):
+    fs.SamplingParams.from_generation_config({"top_p": np.array([0.9, 1.5])})
+  # Settings Hugging Face applies from the generated length: refused when
+  # on, as a sampler call has no step; off values pass.
+  for name, value in (("min_new_tokens", 5), ("min_length", 3), ("forced_bos_token_id", 0),
+                      ("forced_eos_token_id", 2), ("exponential_decay_length_penalty", (8, 1.1))):
+    with pytest.raises(ValueError, match=f"{name}=.*depends on the decoding step"):
+      fs.SamplingParams.from_generation_config({"do_sample": True, name: value})
+  fs.SamplingParams.from_generation_config({"min_new_tokens": 0, "min_length": 0,
+                                            "forced_bos_token_id": None})
   # The params sample as the keywords do.
   key = KEYS["per_row"]
   np.testing.assert_array_equal(
