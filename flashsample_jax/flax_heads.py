@@ -422,11 +422,26 @@ def sample_from_head(head, hidden, key, **kwargs) -> jax.Array | SampleOutput:
   kwargs = _params_as_keywords(kwargs)
   hidden2, key, kwargs, lead = _flatten_rows(hidden, key, kwargs)
   if bias is not None:
-    extra = kwargs.get("logit_bias")
-    bias = bias.astype(jnp.float32)
-    kwargs = {**kwargs, "logit_bias": bias if extra is None else bias + extra}
+    kwargs = {**kwargs, "logit_bias": _with_callers_bias(bias, kwargs.get("logit_bias"))}
   out = api.sample(hidden2, weight, key, weight_layout=layout, **kwargs)
   return out if lead is None else _restore_rows(out, lead)
+
+
+def _with_callers_bias(bias: jax.Array, extra) -> jax.Array:
+  """The head's bias ``[V]`` in f32 plus a caller's ``logit_bias``, which
+  must be a float ``[n]`` array with ``n`` at most V (``vocab_size`` ids;
+  :func:`flashsample_jax.sample` checks ``n``): a scalar or a ``[B, V]``
+  array would broadcast in the sum and pass sample's check as a new bias."""
+  bias = bias.astype(jnp.float32)
+  if extra is None:
+    return bias
+  if not hasattr(extra, "dtype") or not jnp.issubdtype(extra.dtype, jnp.floating):
+    raise TypeError(f"logit_bias must be a float array [V], got "
+                    f"{getattr(extra, 'dtype', type(extra).__name__)}")
+  if extra.ndim != 1 or extra.shape[0] > bias.shape[0]:
+    raise ValueError(f"logit_bias.shape={tuple(extra.shape)} must be [V] (V <= the head's "
+                     f"{bias.shape[0]} rows), as the head's bias adds to it")
+  return bias[:extra.shape[0]] + extra
 
 
 def sample_from_linear(head: nnx.Linear, hidden, key, **kwargs) -> jax.Array | SampleOutput:
@@ -464,6 +479,9 @@ def logits(head, hidden) -> jax.Array:
                     "as sample_from_head takes")
   c = problem.compute_dtype(hidden.dtype, weight.dtype)
   contract = 1 if layout == "vd" else 0
+  if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[contract]:
+    raise ValueError(f"hidden.shape={tuple(hidden.shape)} must end in the head's "
+                     f"D={weight.shape[contract]}")
   l = jax.lax.dot_general(
       hidden.astype(c), weight.astype(c),
       (((hidden.ndim - 1,), (contract,)), ((), ())),

@@ -288,6 +288,19 @@ def test_head_bias_is_the_logit_bias():
       flax_heads.sample_from_params(params, h, key, logit_bias=extra),
       fs.reference.sample(h, w, key, weight_layout="dv",
                           logit_bias=bias.astype(jnp.float32) + extra))
+  # With vocab_size, the caller's [vocab_size] bias adds to the head's first ids.
+  n = V - 24
+  np.testing.assert_array_equal(
+      flax_heads.sample_from_params(params, h, key, vocab_size=n, logit_bias=extra[:n]),
+      fs.reference.sample(h, w, key, weight_layout="dv", vocab_size=n,
+                          logit_bias=bias.astype(jnp.float32)[:n] + extra[:n]))
+  # A caller's bias that would broadcast in the sum is refused by name (found
+  # by review: a scalar or a [B, V] array passed as a new [V] bias).
+  for bad, exc in ((jnp.float32(1.0), ValueError), (jnp.ones((B, V), jnp.float32), ValueError),
+                   (jnp.ones((V + 1,), jnp.float32), ValueError), (1.0, TypeError),
+                   (jnp.ones((V,), jnp.int32), TypeError)):
+    with pytest.raises(exc, match="logit_bias"):
+      flax_heads.sample_from_params(params, h, key, logit_bias=bad)
 
 
 def test_params_work_as_the_keywords_do():
@@ -334,6 +347,8 @@ def test_bad_arguments():
   # logits() takes what sample_from_head takes; a QuantizedHead names its layout.
   with pytest.raises(TypeError, match=r"hidden.dtype=int32 must be a float dtype"):
     flax_heads.logits(head, h.astype(jnp.int32))
+  with pytest.raises(ValueError, match=rf"hidden.shape=\({B}, 32\) must end in the head's D={D}"):
+    flax_heads.logits(head, h[:, :32])
   q = flax_heads.quantize_head(head, "int8")
   with pytest.raises(ValueError, match=r"layout='xx' must be one of"):
     flax_heads.QuantizedHead(q.weight, q.scale, None, "xx")
