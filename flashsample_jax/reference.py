@@ -280,7 +280,7 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
       res = np.where(res.sum(axis=1, keepdims=True) > 0, res, pf)
       residual = sample(jnp.log(jnp.asarray(res)))
     accept[:, j] = np.where(greedy, token == d, acc) & (d >= 0)
-    emit[:, j] = np.where(greedy | (d < 0), token, residual)
+    emit[:, j] = np.where(greedy | (d < 0) | (token < 0), token, residual)
     lp_draft[:, j] = lp[np.arange(b), dd]
     lp_emit[:, j] = np.where(emit[:, j] >= 0, lp[np.arange(b), np.maximum(emit[:, j], 0)],
                              np.nan)

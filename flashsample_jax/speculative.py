@@ -110,8 +110,18 @@ def draft_history(output_ids, drafts):
   return jnp.concatenate([out, hist], axis=2)
 
 
+def _reached(is_id):
+  """bool ``[B, K]``: the positions a request's drafts reach, those before
+  its first entry that is no id, and that entry (the rest are ignored).
+  NumPy for a NumPy ``is_id`` (a constant inside a trace too)."""
+  xp = np if isinstance(is_id, np.ndarray) else jnp
+  before = xp.cumprod(is_id, axis=1).astype(bool)
+  return xp.concatenate([xp.ones_like(before[:, :1]), before[:, :-1]], axis=1)
+
+
 def _check_drafts(draft_ids, batch: int, positions: int, vocab_size: int):
-  """``draft_ids`` int32 ``[B, K]``, ids after a row's first -1 set to -1."""
+  """``draft_ids`` int32 ``[B, K]``, ids after a row's first -1 set to -1.
+  Only the positions the drafts reach are checked (:func:`_reached`)."""
   if not hasattr(draft_ids, "dtype") or not hasattr(draft_ids, "shape"):
     raise TypeError(f"draft_ids must be an int array [B, K], got {type(draft_ids).__name__}")
   if not jnp.issubdtype(draft_ids.dtype, jnp.integer) or draft_ids.dtype == jnp.bool_:
@@ -121,13 +131,14 @@ def _check_drafts(draft_ids, batch: int, positions: int, vocab_size: int):
                      f"{positions - 1}): hidden holds K + 1 = {positions} positions")
   want = f"an id in [0, {vocab_size}) or -1 (no more drafts)"
   if not isinstance(draft_ids, jax.core.Tracer):
-    raw = np.asarray(draft_ids)
-    bad = (raw < -1) | (raw >= vocab_size)
+    raw = np.asarray(draft_ids).astype(np.int64)
+    bad = _reached(raw >= 0) & ((raw < -1) | (raw >= vocab_size))
     if bad.any():
       b, j = np.argwhere(bad)[0]
       raise ValueError(f"draft_ids[{b}, {j}]={raw[b, j]} must be {want}")
   else:
-    ok = jnp.all(controls.ids_in_range(draft_ids, vocab_size))
+    reached = _reached(controls.ids_in_range(draft_ids, vocab_size) & (draft_ids != -1))
+    ok = jnp.all(controls.ids_in_range(draft_ids, vocab_size) | ~reached)
     checks.debug_check(ok, f"draft_ids must hold {want}")
   d = jnp.asarray(draft_ids, jnp.int32)
   live = jnp.cumprod(d >= 0, axis=1).astype(bool)   # before the row's first -1
@@ -169,7 +180,11 @@ def _allowed_rows(allowed_mask, batch: int, positions: int, vocab_size: int):
                    f"[B, words]=({batch}, {words}) or [B, K + 1, words]")
 
 
-def _check_draft_probs(draft_probs, method: str, batch: int, drafts: int, vocab_size: int):
+def _check_draft_probs(draft_probs, method: str, drafts, vocab_size: int):
+  """``draft_probs`` f32 ``[B, K, V]``, checked (and zeroed) at the positions
+  that hold a draft (``drafts`` >= 0): a ragged caller's rows past its
+  drafts are ignored, as ``draft_ids``' entries there are."""
+  batch, k = drafts.shape
   if method != "probabilistic":
     if draft_probs is not None:
       raise ValueError(f"draft_probs is read only by method='probabilistic', not {method!r}")
@@ -180,12 +195,12 @@ def _check_draft_probs(draft_probs, method: str, batch: int, drafts: int, vocab_
   if not hasattr(draft_probs, "dtype") or not jnp.issubdtype(draft_probs.dtype, jnp.floating):
     raise TypeError(f"draft_probs must be a float array [B, K, V], got "
                     f"{getattr(draft_probs, 'dtype', type(draft_probs).__name__)}")
-  if draft_probs.shape != (batch, drafts, vocab_size):
+  if draft_probs.shape != (batch, k, vocab_size):
     raise ValueError(f"draft_probs.shape={tuple(draft_probs.shape)} must be [B, K, V]="
-                     f"({batch}, {drafts}, {vocab_size})")
+                     f"({batch}, {k}, {vocab_size})")
   q = jnp.asarray(draft_probs, jnp.float32)
-  _check_distributions(q)
-  return q
+  _check_distributions(q, drafts >= 0)
+  return jnp.where((drafts >= 0)[:, :, None], q, 0.0)
 
 
 # How far a row of draft_probs may sum from 1: bf16 probabilities of a 152k
@@ -193,25 +208,27 @@ def _check_draft_probs(draft_probs, method: str, batch: int, drafts: int, vocab_
 _SUM_TOLERANCE = 1e-2
 
 
-def _check_distributions(q) -> None:
+def _check_distributions(q, live) -> None:
   """Refuses draft probabilities that are no distribution: a negative,
   NaN or infinite entry, or a row summing to more than
   :data:`_SUM_TOLERANCE` away from 1 (a negative ``q(d)`` accepts any draft;
   an unnormalized row skews the residual). Concrete ``q``: ``ValueError``
   naming the first bad row; traced: a checkify check while traced checks
-  are on (``checks.debug_check``)."""
+  are on (``checks.debug_check``). Rows where ``live`` ``[B, K]`` is False
+  are not checked."""
   def flags(q):       # per row: entries finite and >= 0, and the row's sum
     return jnp.all(jnp.isfinite(q) & (q >= 0), axis=-1), jnp.sum(q, axis=-1)
-  if isinstance(q, jax.core.Tracer):
+  if isinstance(q, jax.core.Tracer) or isinstance(live, jax.core.Tracer):
     entries, sums = flags(q)
-    ok = (entries & (jnp.abs(sums - 1) <= _SUM_TOLERANCE)).reshape(-1)
+    ok = (~live | (entries & (jnp.abs(sums - 1) <= _SUM_TOLERANCE))).reshape(-1)
     checks.debug_check(jnp.all(ok), "draft_probs row {i} (of B x K) is no distribution: "
                        "entries must be finite and >= 0, each row sum 1", i=jnp.argmin(ok))
     return
   with jax.ensure_compile_time_eval():         # a constant inside a trace too
     entries, sums = (np.asarray(f) for f in flags(q))
-  for bad, why in ((~entries, "has a negative, NaN or infinite entry"),
-                   (~(np.abs(sums - 1) <= _SUM_TOLERANCE),
+    live = np.asarray(live)
+  for bad, why in ((live & ~entries, "has a negative, NaN or infinite entry"),
+                   (live & ~(np.abs(sums - 1) <= _SUM_TOLERANCE),
                     f"sums to {{}}, not 1 (within {_SUM_TOLERANCE})")):
     if bad.any():
       b, k = np.unravel_index(int(np.argmax(bad)), bad.shape)
@@ -272,7 +289,7 @@ def verify_drafts(hidden, weight, key, draft_ids, *, method="one_hot", temperatu
                           vocab_shards=axes.vocab_shards(), weight_scale=weight_scale)
   vocab = p_req.vocab_size
   drafts = _check_drafts(draft_ids, batch, positions, vocab)
-  q = _check_draft_probs(draft_probs, method, batch, positions - 1, vocab)
+  q = _check_draft_probs(draft_probs, method, drafts, vocab)
   per_request = dict(top_k=top_k, top_p=top_p, min_p=min_p,
                      repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
@@ -420,13 +437,18 @@ def _verify_probabilistic(p, c, d, q, u, *, batch: int, axes, return_logprobs: b
   dd = jnp.clip(d, 0, probs.shape[1] - 1)[:, None]
   p_d = jnp.take_along_axis(probs, dd, axis=1)[:, 0]
   q_d = jnp.take_along_axis(q, dd, axis=1)[:, 0]
-  accept = jnp.where(greedy, token == d, u.reshape(-1) * q_d < p_d) & (d >= 0)
+  # An id past the vocabulary (a traced draft the checks could not refuse)
+  # is never accepted, as the fused methods never accept it.
+  accept = (jnp.where(greedy, token == d, u.reshape(-1) * q_d < p_d) & (d >= 0)
+            & (d < probs.shape[1]))
   res = jnp.maximum(probs - q, 0.0)
   res = jnp.where(jnp.sum(res, axis=1, keepdims=True) > 0, res, probs)
   r_tok, _ = stage2.draw_kept(p, x, jnp.log(res), jnp.log(res), gid, perturb)
   r_tok = r_tok[:, 0].astype(jnp.int32)
   r_tok = jnp.where(jnp.all(res == 0, axis=1), -1, r_tok)
-  emit = jnp.where(greedy | (d < 0), token, r_tok)
+  # A row with nothing to sample (token -1) emits -1, as sample() returns:
+  # its probs are NaN, and so its residual draw would be an arbitrary id.
+  emit = jnp.where(greedy | (d < 0) | (token < 0), token, r_tok)
   lp = kept - lse[:, None]
   lp_emit = jnp.take_along_axis(lp, jnp.maximum(emit, 0)[:, None], axis=1)[:, 0]
   lp_draft = jnp.take_along_axis(lp, dd, axis=1)[:, 0]

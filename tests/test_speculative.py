@@ -295,3 +295,51 @@ def test_positions_with_nothing_allowed_accept_no_minus_one(method):
     out = verify(H, W, KEYS["scalar"], empty, **dict(kw, allowed_mask=none))
     np.testing.assert_array_equal(out.tokens, -1)
     np.testing.assert_array_equal(out.num_accepted, 0)
+  # A live draft at a position that allows nothing is rejected and the
+  # position emits -1 (found by review: probabilistic drew its residual from
+  # NaN probabilities and emitted id 0, in the reference too).
+  first_none = mask.at[:, 0].set(0)
+  for verify in (fs.verify_drafts, fs.reference.verify_drafts):
+    out = verify(H, W, KEYS["scalar"], drafts, **dict(kw, allowed_mask=first_none))
+    np.testing.assert_array_equal(out.num_accepted, 0)
+    np.testing.assert_array_equal(out.tokens[:, 0], -1)
+    assert bool(jnp.all(jnp.isnan(out.logprobs[:, 0])))
+
+
+def test_ragged_drafts_ignore_what_follows_the_first_minus_one():
+  # The docstring's promise (found by review: ids and draft_probs rows past a
+  # request's first -1 were still checked, so zero-padded q was refused).
+  drafts = DRAFTS.at[:, 1].set(-1).at[:, 2].set(V + 5).at[0, 2].set(-9)
+  q = Q.at[:, 1:].set(0.0)
+  for method in METHODS:
+    extra = {"draft_probs": q} if method == "probabilistic" else {}
+    got = fs.verify_drafts(H, W, KEYS["scalar"], drafts, method=method, temperature=T,
+                           return_logprobs=True, **extra)
+    want = fs.verify_drafts(H, W, KEYS["scalar"], DRAFTS.at[:, 1:].set(-1), method=method,
+                            temperature=T, return_logprobs=True,
+                            **({"draft_probs": Q} if extra else {}))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+  # A reached entry is still checked: the first -1's own place, and q's rows
+  # of the drafts before it.
+  with pytest.raises(ValueError, match=r"draft_ids\[3, 1\]=-4 must be an id"):
+    fs.verify_drafts(H, W, KEYS["scalar"], drafts.at[3, 1].set(-4))
+  with pytest.raises(ValueError, match=r"draft_probs\[5, 0\] sums to 0.0"):
+    fs.verify_drafts(H, W, KEYS["scalar"], drafts, method="probabilistic",
+                     draft_probs=q.at[5, 0].set(0.0))
+
+
+def test_traced_drafts_past_the_vocabulary_are_never_accepted():
+  # Found by review: under jit (no eager check) the probabilistic method read
+  # q and p at a clipped id and accepted a padding row's id as a token.
+  vocab = V - 40
+  drafts = DRAFTS.at[:, 0].set(V - 10)                   # a padding row of W
+  # q 0 at the last id, the clip's target: u * q < p there for any u.
+  q = jnp.full((B, K, vocab), 1.0 / (vocab - 1), jnp.float32).at[:, :, -1].set(0.0)
+  for method in METHODS:
+    extra = {"draft_probs": q} if method == "probabilistic" else {}
+    out = jax.jit(lambda d: fs.verify_drafts(H, W, KEYS["scalar"], d, method=method,
+                                             vocab_size=vocab, **extra))(drafts)
+    np.testing.assert_array_equal(out.num_accepted, 0)
+    assert int(jnp.max(out.tokens)) < vocab
