@@ -69,9 +69,11 @@ def timed_rounds(variants, *args, rounds: int, **tags):
     print(json.dumps(rec), flush=True)
 
 
-def trace_events(f, *args, calls: int = 6):
+def trace_events(f, *args, calls: int = 6, synced: bool = False):
   """Device and host events of ``calls`` back-to-back calls of ``f(*args)``
-  (after one warm-up call), from a JAX profiler trace.
+  (after one warm-up call), from a JAX profiler trace. ``synced``: each call
+  waits for the one before it (no two in flight, so each reuses the last
+  one's buffers where the allocator gives them back).
 
   Returns ``(device, host)``, each sorted by start: ``device`` holds
   ``(start_ns, duration_ns, name, line)`` of the GPU streams' kernels and
@@ -86,6 +88,8 @@ def trace_events(f, *args, calls: int = 6):
   jax.profiler.start_trace(trace_dir)
   for _ in range(calls):
     out = f(*args)
+    if synced:
+      out = jax.block_until_ready(out)
   jax.block_until_ready(out)
   jax.profiler.stop_trace()
   path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]

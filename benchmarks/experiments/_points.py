@@ -5,6 +5,7 @@ rounds of wall time, or device timelines)."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import device_name, enqueue_us, timed_rounds
+from benchmarks._timing import device_name, enqueue_us, timed_rounds, trace_events
 from benchmarks.experiments.exp_small_b_timeline import timeline
 
 DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
@@ -29,6 +30,9 @@ def add_point_args(ap, *, heads, batches, weight_dtypes, rounds: int) -> None:
   ap.add_argument("--timeline", action="store_true")
   ap.add_argument("--enqueue", action="store_true",
                   help="per round, each variant's host time per call too (enqueue_us)")
+  ap.add_argument("--host-events", action="store_true",
+                  help="each variant's host events per call in a profiler trace, by name "
+                       "(where the host's time goes: thunks, graph updates, launches)")
 
 
 def head(name: str, dtype: str):
@@ -64,10 +68,36 @@ def _enqueue_rounds(variants, h, w, *, rounds: int, **tags) -> None:
     print(json.dumps(rec), flush=True)
 
 
+def host_events(f, *args, calls: int = 20, top: int = 40, synced: bool = False) -> dict:
+  """The host events of ``calls`` back-to-back calls in a profiler trace
+  (``synced``: each waiting for the last, see ``trace_events``), by name:
+  the ``top`` names by time, each ``[count per call, us per call]`` (nested
+  events count in their parents too), and the span of the host's events
+  per call."""
+  _, host = trace_events(f, *args, calls=calls, synced=synced)
+  count, time_ns = collections.Counter(), collections.Counter()
+  for _, dur, _, name in host:
+    if name.startswith("$"):          # Python frames: the caller's, not the call's
+      continue
+    key = name[:70]
+    count[key] += 1
+    time_ns[key] += dur
+  span = (max(s + d for s, d, _, _ in host) - host[0][0]) / calls / 1e3 if host else 0.0
+  return dict(host_span_us=round(span, 1),
+              events={n: [round(count[n] / calls, 2), round(t / calls / 1e3, 2)]
+                      for n, t in time_ns.most_common(top)})
+
+
 def report(args, variants, h, w, tags, traced=None) -> None:
   """Alternating rounds of ``variants`` (name -> function of ``(h, w)``), or
   with ``--timeline`` the device timelines of those named in ``traced``
   (every variant by default), one JSON line each."""
+  if getattr(args, "host_events", False):
+    for name, f in variants.items():
+      for synced in (False, True):
+        print(json.dumps(dict(tags, variant=name, synced=synced,
+                              **host_events(f, h, w, synced=synced))), flush=True)
+    return
   if not args.timeline:
     timed_rounds(variants, h, w, rounds=args.rounds, **tags)
     if args.enqueue:

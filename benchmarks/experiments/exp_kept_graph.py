@@ -4,7 +4,8 @@
   XLA_FLAGS=--xla_dump_to=$OUT/dump python3 -m benchmarks.experiments.exp_kept_graph \
       [--head S] [--batch 16] [--sets none kept64 ...]
 
-Compiles and runs, once each, top-k 50 + top-p 0.9 sampling with each output
+Compiles and runs, once each, top-k 50 + top-p 0.9 sampling (``--weight-dtype
+fp8``: an FP8 head, the dense route with its list kernels) with each output
 set of ``bench_controls.RL_OUTPUTS`` (``none``: tokens only), each in its own
 jitted function named ``rl_<set>``, so that XLA's dump holds one module per
 set. Then, for every ``*thunk_sequence_after_thunk_passes.txt`` of those
@@ -27,13 +28,15 @@ import jax.numpy as jnp
 import flashsample_jax as fs
 from benchmarks import shapes
 from benchmarks.bench_controls import RL_OUTPUTS, TOP_K, TOP_P
+from benchmarks.experiments._points import DTYPES, head
 
 SETS = {"none": {}, **RL_OUTPUTS}
 
 
-def _function(name: str, kw: dict, key, backend: str):
+def _function(name: str, kw: dict, key, backend: str, scale):
   def f(h, w):
-    return fs.sample(h, w, key, backend=backend, top_k=TOP_K, top_p=TOP_P, **kw)
+    return fs.sample(h, w, key, backend=backend, top_k=TOP_K, top_p=TOP_P,
+                     weight_scale=scale, **kw)
   f.__name__ = f"rl_{name}"
   return jax.jit(f)
 
@@ -68,16 +71,18 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
   ap.add_argument("--backend", default="auto")
+  ap.add_argument("--weight-dtype", default="bf16", choices=["bf16", *DTYPES],
+                  help="the head quantized per row (8-bit heads take the dense route's lists)")
   args = ap.parse_args(argv)
   m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
   if not m:
     raise SystemExit("set XLA_FLAGS=--xla_dump_to=DIR")
   d, _ = shapes.HEADS[args.head]
-  w = shapes.random_head(args.head)
+  w, scale = head(args.head, args.weight_dtype)
   h = jax.random.normal(jax.random.key(args.batch), (args.batch, d), jnp.bfloat16)
   key = jax.random.key(0)
   for name in args.sets:
-    jax.block_until_ready(_function(name, SETS[name], key, args.backend)(h, w))
+    jax.block_until_ready(_function(name, SETS[name], key, args.backend, scale)(h, w))
   for name in args.sets:
     report(m.group(1), name)
 
