@@ -36,7 +36,8 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 def settings(params, given: dict) -> dict:
-  """The controls of a call: ``params``' fields, or the keywords ``given``.
+  """The controls of a call: ``params``' fields, or the keywords ``given``
+  (those not in ``given`` hold their defaults).
 
   Raises:
     TypeError: ``params`` is not a :class:`SamplingParams`, or keywords were
@@ -48,7 +49,7 @@ def settings(params, given: dict) -> dict:
     raise TypeError(f"params must be a flashsample_jax.SamplingParams or None, got "
                     f"{type(params).__name__} (controls as keywords go after key: "
                     f"sample(hidden, weight, key, temperature=...))")
-  mixed = [k for k in CONTROL_NAMES if not _is_default(given[k], _DEFAULTS[k])]
+  mixed = [k for k in CONTROL_NAMES if not _is_default(given.get(k, _DEFAULTS[k]), _DEFAULTS[k])]
   if mixed:
     raise TypeError(f"pass the controls either in params or as keywords, not both: "
                     f"got params and {mixed} (params.replace(...) changes a field)")

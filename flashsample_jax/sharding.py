@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from flashsample_jax import api, backends, controls as _controls, mesh as _mesh, problem
+from flashsample_jax.params import CONTROL_NAMES
 from flashsample_jax.mesh import AxisName, combine_over_axis  # noqa: F401  (re-exported)
 
 __all__ = ["AxisName", "sample_sharded", "combine_over_axis"]
@@ -134,7 +135,7 @@ def _sample_sharded(p, c, *, mesh, backend, axes: _mesh.MeshAxes):
                        out_specs=out_spec, check_vma=False)(p, c)
 
 
-def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
+def sample_sharded(hidden, weight, key, params=None, *, mesh, vocab_axis: AxisName,
                    batch_axis: AxisName | None = None, temperature=1.0,
                    weight_layout="vd", vocab_size=None, weight_scale=None,
                    backend="auto", **controls):
@@ -159,7 +160,11 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
       ``vocab_size``).
     key: as in :func:`flashsample_jax.sample`; a ``[B]`` key array is split
       with the batch.
-    mesh: the ``jax.sharding.Mesh`` (Auto or Explicit axes).
+    params: a :class:`flashsample_jax.SamplingParams` holding the controls
+      (and the temperature), in place of the keywords, as in
+      :func:`flashsample_jax.sample`.
+    mesh: the ``jax.sharding.Mesh`` (Auto or Explicit axes), or its
+      ``AbstractMesh`` while that mesh is set (``jax.set_mesh``).
     vocab_axis: the mesh axis name (or tuple of names) ``weight``'s
       vocabulary dimension is sharded over.
     batch_axis: optional mesh axis name(s) for the batch (data parallel); ``B``
@@ -171,7 +176,9 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
     weight_scale: for a quantized ``weight``: f32 ``[V]`` (global; split
       with the vocabulary) or a scalar, as in :func:`flashsample_jax.sample`.
     backend: ``"auto"``, one of :data:`flashsample_jax.BACKENDS` or a
-      backend instance; runs on each shard.
+      backend instance; runs on each shard (``"auto"`` picks it for one
+      shard's part of the head and batch, as :func:`flashsample_jax.sample`
+      inside ``shard_map`` does).
     **controls: the sampling controls of :func:`flashsample_jax.sample`
       (``top_k``, ``top_p``, ``min_p``, ``logit_bias``, ``allowed_mask``,
       ``softcap``, the penalties and histories, ``num_samples``,
@@ -184,13 +191,15 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
     ``vocab_axis``.
 
   Raises:
-    TypeError: a wrong type or dtype.
+    TypeError: a wrong type or dtype, a keyword that is no control, or
+      controls given both in ``params`` and as keywords.
     ValueError: an axis name not in ``mesh``, overlapping axes, ``V`` or
-      ``B`` not divisible by the axis sizes, and everything
-      :func:`flashsample_jax.sample` rejects.
+      ``B`` not divisible by the axis sizes, an ``AbstractMesh`` that is not
+      the one set, and everything :func:`flashsample_jax.sample` rejects.
   """
-  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  _check_mesh(mesh)
+  controls = _control_keywords(params, temperature, controls)
+  temperature = controls.pop("temperature")
   axes = _mesh.MeshAxes.of(vocab_axis, batch_axis)
   if axes.vocab is None:
     raise ValueError("vocab_axis=None: sample_sharded needs the mesh axis the "
@@ -206,7 +215,6 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
   c = _controls.prepare_controls(batch=p.batch, vocab_size=p.vocab_size,
                                  rows=p.weight_rows, num_samples=num_samples,
                                  return_logprobs=return_logprobs, **controls)
-  impl = backends.resolve(backend, p, c)
   if p.weight_rows % n_vocab:
     dim = 0 if weight_layout == "vd" else 1
     raise ValueError(
@@ -220,4 +228,65 @@ def sample_sharded(hidden, weight, key, *, mesh, vocab_axis: AxisName,
         f"the size {n_batch} of batch_axis={batch_axis!r}")
   if p.batch == 0:
     return api.empty_result(c)
+  impl = backends.resolve(backend, _one_shard(p, n_vocab, n_batch), c)
+  if isinstance(mesh, jax.sharding.Mesh):
+    p, c = _on_mesh(p, c, mesh, axes)
   return _sample_sharded(p, c, mesh=mesh, backend=impl, axes=axes)
+
+
+def _check_mesh(mesh) -> None:
+  """A ``Mesh``, or an ``AbstractMesh`` that is the one set: ``shard_map``
+  over an abstract mesh needs its devices from ``jax.set_mesh``."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    if jax.sharding.get_abstract_mesh() != mesh:
+      raise ValueError(
+          "mesh is an AbstractMesh that is not the one set: pass the "
+          "jax.sharding.Mesh, or call inside `with jax.set_mesh(mesh):`")
+    return
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+
+
+def _control_keywords(params, temperature, controls: dict) -> dict:
+  """The call's controls (the temperature among them) from ``params`` or the
+  keywords, as :func:`flashsample_jax.sample` takes them."""
+  unknown = sorted(set(controls) - set(CONTROL_NAMES))
+  if unknown:
+    raise TypeError(f"sample_sharded() got unexpected keyword arguments {unknown}; "
+                    f"the controls are {list(CONTROL_NAMES)}")
+  return dict(api.settings(params, {**controls, "temperature": temperature}))
+
+
+def _one_shard(p: problem.Problem, n_vocab: int, n_batch: int) -> problem.Problem:
+  """``p`` as one shard holds it, as shapes: its part of the head's rows and
+  of the batch. The backend is chosen for what each shard runs (an 8-bit
+  head's slice may be too short for a kernel that the whole head suits)."""
+  def part(x, dim: int, n: int):
+    if x is None or x.ndim <= dim:
+      return x
+    shape = list(x.shape)
+    shape[dim] //= n
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+  vocab_dim = 0 if p.layout == "vd" else 1
+  rows = {name: part(getattr(p, name), 0, n_batch)
+          for name in ("hidden", "k0", "k1", "ctr_hi", "ctr_lo", "temperature")}
+  if p.per_row_keys:
+    rows["key_data"] = part(p.key_data, 0, n_batch)
+  return dataclasses.replace(p, weight=part(p.weight, vocab_dim, n_vocab),
+                             weight_scale=part(p.weight_scale, 0, n_vocab),
+                             vocab_shards=n_vocab, **rows)
+
+
+def _on_mesh(p, c, mesh, axes: _mesh.MeshAxes):
+  """``p`` and ``c``'s concrete arrays that live on other devices than the
+  mesh's, put in their layout on it (an array committed to one device fails
+  the jitted call's sharding otherwise); traced ones are left to the caller's
+  jit, and arrays already on the mesh to its sharding constraint."""
+  devices = set(mesh.devices.flat)
+  def put(x, spec):
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and x.sharding.device_set != devices):
+      return jax.device_put(x, NamedSharding(mesh, spec))
+    return x
+  return (jax.tree.map(put, p, _problem_specs(p, axes)),
+          jax.tree.map(put, c, _controls_specs(c, axes)))

@@ -134,6 +134,67 @@ def test_unsharded_weight_is_resharded_and_explicit_axes_work():
       np.testing.assert_array_equal(got, want)
 
 
+def test_arrays_committed_elsewhere_are_moved_to_the_mesh():
+  # The docstring's "resharded first" for arrays committed to one device or
+  # to another device set (found by review: a raw "incompatible devices"
+  # error that named p.hidden for the weight).
+  b, d, v = 8, 64, 512
+  h, w = inputs.exact_inputs(b, d, v, seed=6)
+  key = jax.random.key(6)
+  want = np.asarray(fs.reference.sample(h, w, key, top_k=5))
+  mesh = jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[4:8])
+  for hh, ww, kk in ((h, jax.device_put(w, jax.devices()[0]), key),
+                     (jax.device_put(h, jax.devices()[1]), w, jax.device_put(key, jax.devices()[3])),
+                     (h, jax.device_put(w, NamedSharding(make_mesh(2, 4), P("tp"))), key)):
+    got = fs.sample_sharded(hh, ww, kk, mesh=mesh, vocab_axis="tp", top_k=5)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_params_and_abstract_meshes():
+  # Found by review: params= reached prepare_controls as an unknown keyword,
+  # a misspelled control was reported under that internal name, and an
+  # AbstractMesh failed in the runtime unless it was the one set.
+  b, d, v = 8, 64, 512
+  h, w = inputs.exact_inputs(b, d, v, seed=7)
+  key = jax.random.key(7)
+  t = inputs.pow2_temperatures(b, seed=7)
+  want = np.asarray(fs.reference.sample(h, w, key, temperature=t, top_k=5, top_p=0.9))
+  mesh = make_mesh(2, 4)
+  params = fs.SamplingParams(temperature=t, top_k=5, top_p=0.9)
+  np.testing.assert_array_equal(
+      fs.sample_sharded(h, w, key, params, mesh=mesh, vocab_axis="tp", batch_axis="dp"), want)
+  with pytest.raises(TypeError, match=r"sample_sharded\(\) got unexpected keyword "
+                                      r"arguments \['topk'\]"):
+    fs.sample_sharded(h, w, key, mesh=mesh, vocab_axis="tp", topk=5)
+  with pytest.raises(TypeError, match=r"got params and \['top_k'\]"):
+    fs.sample_sharded(h, w, key, params, mesh=mesh, vocab_axis="tp", top_k=5)
+  with pytest.raises(ValueError, match="AbstractMesh that is not the one set"):
+    fs.sample_sharded(h, w, key, mesh=mesh.abstract_mesh, vocab_axis="tp")
+  with jax.set_mesh(mesh):
+    np.testing.assert_array_equal(
+        fs.sample_sharded(h, w, key, params, mesh=mesh.abstract_mesh, vocab_axis="tp"), want)
+
+
+def test_auto_picks_the_backend_for_one_shard(monkeypatch):
+  # Found by review on two H200s: an 8-bit head of 192 rows suits the mosaic
+  # kernel, its 96-row halves do not, and auto chose by the whole head.
+  from flashsample_jax import backends
+  seen = []
+  resolve = backends.resolve
+  monkeypatch.setattr(backends, "resolve",
+                      lambda b, p, c: seen.append((p.weight.shape, p.hidden.shape,
+                                                   p.weight_scale.shape, p.vocab_shards))
+                      or resolve(b, p, c))
+  b, d, v = 8, 64, 512
+  h, w = inputs.exact_inputs(b, d, v, seed=8)
+  w8, scale = fs.quantize_weight(w, "int8")
+  key = jax.random.key(8)
+  got = fs.sample_sharded(h, w8, key, mesh=make_mesh(2, 4), vocab_axis="tp", batch_axis="dp",
+                          weight_scale=scale)
+  assert seen == [((v // 4, d), (b // 2, d), (v // 4,), 4)]
+  np.testing.assert_array_equal(got, fs.reference.sample(h, w8, key, weight_scale=scale))
+
+
 def test_sample_sharded_flagged_rows_on_every_batch_shard():
   # Zero hidden rows (all-equal logits) take the exact path on each batch
   # shard; its branches make the noise counters again, which must be each
