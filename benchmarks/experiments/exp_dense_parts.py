@@ -31,6 +31,8 @@ kernels (``DenseBackend()``: the list kernels on a GPU with jax-triton):
   16 / 64 rows, the nested one past them (each left out where its program
   is the call's; the three-way switch they were measured against before is
   gone, docs/performance.md, "The exact path's conditional");
+* ``copied_hidden``: the whole call with the exact path's branches reading
+  a copy of ``hidden`` made before the conditional, not the call's input;
 * ``dense``: the whole call;
 * ``plain``: ``fs.sample`` through ``auto`` without controls (the bar's
   denominator).
@@ -94,6 +96,17 @@ def _keyed_only(p):
   return rebuild
 
 
+IN_BRANCH = problem.in_branch
+
+
+def _copied_hidden(p):
+  """``problem.in_branch`` with the branch reading a copy of ``hidden`` made
+  before the conditional (a product with a 1 the compiler cannot see), not
+  the call's input (docs/performance.md, "Where that host time goes")."""
+  one = jnp.where(p.temperature[0] >= 0, 1, 2).astype(p.hidden.dtype)
+  return IN_BRANCH(dataclasses.replace(p, hidden=p.hidden * one))
+
+
 # name -> the attributes patched while the call is traced (stage 2's, or
 # "module.name" of problem / controls; none: the call as it is).
 VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
@@ -104,6 +117,8 @@ VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
             # The two-way conditional up to 16 / 64 rows (every row redone
             # when one is flagged).
             "two_branches_16": {"EXACT_COND_ROWS": 16},
+            # The branches reading a copy of hidden, not the input.
+            "copied_hidden": {"problem.in_branch": _copied_hidden},
             "two_branches_64": {"EXACT_COND_ROWS": 64},
             "dense": {}}
 
