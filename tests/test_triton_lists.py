@@ -478,6 +478,22 @@ def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
   assert DenseBackend().lists_by() == "kernel"
 
 
+@pytest.mark.parametrize("platform,capability,usable",
+                         [("gpu", "9.0", True), ("gpu", "8.0", True), ("gpu", "gfx90a", False),
+                          ("gpu", "", False), ("cpu", "", False)])
+def test_kernel_lists_need_a_cuda_device(monkeypatch, platform, capability, usable):
+  # A ROCm device is a "gpu" too, where jax-triton's CUDA launch cannot run
+  # (found by review): the dense route then keeps its slot lists.
+  import importlib.util
+  device = type("Device", (), dict(platform=platform, compute_capability=capability))()
+  monkeypatch.setattr(xla_backend.jax, "devices", lambda *a: [device])
+  found = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: object() if name in ("triton", "jax_triton")
+                      else found(name, *a))
+  assert xla_backend._lists_kernel_usable() is usable
+
+
 # ----------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------

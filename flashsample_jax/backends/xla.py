@@ -289,9 +289,17 @@ def _kernel_state(p: Problem, x, scale, first_id, m: int, slot: int) -> Controls
 
 
 def _lists_kernel_usable() -> bool:
-  """triton and jax-triton are installed (the list kernels' launch; the
-  caller knows the platform is a GPU)."""
-  return all(importlib.util.find_spec(name) is not None for name in ("triton", "jax_triton"))
+  """The list kernels can launch: the default device is a CUDA GPU (a
+  numeric compute capability; jax-triton launches CUDA kernels, and a ROCm
+  device is a "gpu" too), and triton and jax-triton are installed."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return False
+  capability = str(getattr(device, "compute_capability", ""))
+  return (device.platform == "gpu" and capability[:1].isdigit()
+          and all(importlib.util.find_spec(name) is not None
+                  for name in ("triton", "jax_triton")))
 
 
 @jax.named_scope("xla.block_lists")
