@@ -190,8 +190,16 @@ def _linen_params(head: Mapping) -> Mapping:
 def _head_parts(head) -> tuple[jax.Array, str, jax.Array | None]:
   """``(weight, weight_layout, bias or None)`` of a supported head; see the module doc."""
   if isinstance(head, QuantizedHead):
-    return head.weight, head.layout, head.bias
-  weight, layout, bias = _stored_parts(head)
+    weight, layout, bias = head.weight, head.layout, head.bias
+  else:
+    weight, layout, bias = _stored_parts(head)
+    if hasattr(weight, "dtype") and problem.is_quantized(weight.dtype):
+      # Its scales live elsewhere: sampled without them, or with a guessed
+      # 1, the logits would be another distribution's.
+      raise TypeError(
+          f"the head's stored parameter is {weight.dtype}: an 8-bit head samples with "
+          "its per-row scales; wrap it as QuantizedHead(weight, scale, bias, layout) "
+          "(or quantize the float head with quantize_head)")
   # Checked here, not left to sample(): its message would name logit_bias,
   # an argument the caller never passed.
   if bias is not None and getattr(weight, "ndim", None) == 2:
@@ -477,8 +485,13 @@ def logits(head, hidden) -> jax.Array:
   if not jnp.issubdtype(hidden.dtype, jnp.floating) or problem.is_quantized(hidden.dtype):
     raise TypeError(f"hidden.dtype={hidden.dtype} must be a float dtype (bf16, f16, f32), "
                     "as sample_from_head takes")
-  c = problem.compute_dtype(hidden.dtype, weight.dtype)
   contract = 1 if layout == "vd" else 0
+  # The checks sample() applies to the weight and its scale (a hand-built
+  # QuantizedHead's too): logits() must refuse what sampling refuses.
+  scale = problem.checked_weight_scale(
+      head.scale if isinstance(head, QuantizedHead) else None, weight,
+      weight.shape[1 - contract])
+  c = problem.compute_dtype(hidden.dtype, weight.dtype)
   if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[contract]:
     raise ValueError(f"hidden.shape={tuple(hidden.shape)} must end in the head's "
                      f"D={weight.shape[contract]}")
@@ -486,6 +499,6 @@ def logits(head, hidden) -> jax.Array:
       hidden.astype(c), weight.astype(c),
       (((hidden.ndim - 1,), (contract,)), ((), ())),
       preferred_element_type=jnp.float32)
-  if isinstance(head, QuantizedHead):
-    l = l * head.scale
+  if scale is not None:
+    l = l * scale
   return l if bias is None else l + bias.astype(jnp.float32)

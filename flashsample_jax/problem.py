@@ -426,7 +426,7 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
                            f"the rows of weight for {weight_layout=}"
                            + (f" times {vocab_shards} vocabulary shards"
                               if vocab_shards > 1 else ""))
-  scale = _weight_scale(weight_scale, weight, rows)
+  scale = checked_weight_scale(weight_scale, weight, rows)
   p = _problem(hidden.astype(compute_dtype(hidden.dtype, weight.dtype)), weight, key,
                temperature, layout=weight_layout, vocab_size=vocab_size,
                vocab_shards=vocab_shards, batch_shard=batch_shard)
@@ -444,7 +444,7 @@ def compute_dtype(hidden_dtype, weight_dtype):
   return jnp.dtype(jnp.bfloat16)
 
 
-def _weight_scale(weight_scale, weight, rows: int):
+def checked_weight_scale(weight_scale, weight, rows: int):
   """The checked f32 scale of a quantized ``weight`` (``()`` or
   ``[rows]``), or None for a float head.
 

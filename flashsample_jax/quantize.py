@@ -96,12 +96,18 @@ def _check_finite_rows(finite) -> None:
                    f"({rows.size} rows in all): absmax quantization needs finite weights")
 
 
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
 @functools.partial(jax.jit, static_argnames=("name", "axis"))
 def _quantize(weight, *, name: str, axis: int):
   target, qmax = QUANT_DTYPES[name]
   w = weight.astype(jnp.float32)
   amax = jnp.max(jnp.abs(w), axis=axis)
-  scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+  # At least the smallest normal float32: below it amax / qmax is flushed
+  # to 0 on CPUs and GPUs, and the row would become 0 / 0 (NaN). Such a
+  # row's entries then land at or below qmax, and its logits stay ~0.
+  scale = jnp.where(amax > 0, jnp.maximum(amax / qmax, _F32_TINY), 1.0).astype(jnp.float32)
   x = w / jnp.expand_dims(scale, axis)
   if name == "int8":
     x = jnp.round(x)

@@ -352,6 +352,26 @@ def test_bad_arguments():
   q = flax_heads.quantize_head(head, "int8")
   with pytest.raises(ValueError, match=r"layout='xx' must be one of"):
     flax_heads.QuantizedHead(q.weight, q.scale, None, "xx")
+  # A hand-built QuantizedHead (one restored from a checkpoint) is checked as
+  # sample checks it, by logits() too (found by review: logits() returned
+  # logits for heads sampling refuses, and a bad bias was named logit_bias).
+  QH = flax_heads.QuantizedHead
+  for bad, exc, match in (
+      (QH(q.weight, q.scale, jnp.zeros(5), "dv"), ValueError, r"the head's bias has shape \(5,\)"),
+      (QH(q.weight, None, None, "dv"), TypeError, "needs weight_scale"),
+      (QH(q.weight, q.scale[:, None], None, "dv"), ValueError, r"weight_scale.shape=\(1000, 1\)"),
+      (QH(q.weight, q.scale.astype(jnp.float16), None, "dv"), TypeError, "must be float32"),
+      (QH(q.weight.astype(jnp.bfloat16), q.scale, None, "dv"), TypeError,
+       "weight_scale is for quantized weights")):
+    for f in (lambda: flax_heads.logits(bad, h), lambda: flax_heads.sample_from_head(bad, h, key)):
+      with pytest.raises(exc, match=match):
+        f()
+  # An 8-bit stored parameter: its scales are elsewhere, so it is refused
+  # with a pointer to QuantizedHead, not sampled or quantized again.
+  for helper in (lambda p: flax_heads.sample_from_params(p, h, key),
+                 lambda p: flax_heads.logits(p, h), flax_heads.quantize_head):
+    with pytest.raises(TypeError, match=r"stored parameter is int8.*QuantizedHead"):
+      helper({"kernel": q.weight})
 
 
 # -- Heads whose logits are not hidden @ the stored parameter: refused --------

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import flashsample_jax as fs
-from flashsample_jax import api
+from flashsample_jax import api, problem
 from tests import inputs
 from tests.conftest import has_gpu
 
@@ -253,6 +253,18 @@ def test_quantize_weight_errors():
         fs.quantize_weight(w.at[3, 2].set(bad), dtype)
     with pytest.raises(ValueError, match=r"vocabulary row 3"):
       fs.quantize_weight(w.at[3, 2].set(bad).T, "int8", weight_layout="dv")
+  # A row whose absmax / qmax is below float32's smallest normal: that
+  # quotient was flushed to 0, the row became 0 / 0 (NaN in FP8, which won
+  # every argmax) (found by review). Its scale is now the smallest normal.
+  tiny = np.finfo(np.float32).tiny
+  wt = np.asarray(w, np.float32).copy()
+  wt[5] = 0.0
+  wt[5, 0] = 1e-36
+  for dtype in ("int8", "fp8", "float8_e5m2"):
+    w8, scale = fs.quantize_weight(jnp.asarray(wt), dtype)
+    assert np.isfinite(np.asarray(w8, np.float32)).all() and float(scale[5]) == tiny
+    logits = problem.logits(jnp.ones((3, 64), jnp.bfloat16), w8, "vd", scale)
+    assert np.isfinite(np.asarray(logits)).all() and np.abs(np.asarray(logits)[:, 5]).max() < 1e-30
   # Under jax.jit the head is traced: not checked, the formula's result.
   w8, scale = jax.jit(lambda w: fs.quantize_weight(w, "int8"))(w.at[3, 2].set(jnp.inf))
   assert not np.isfinite(np.asarray(scale)[3]) and np.isfinite(np.asarray(scale)[4])
