@@ -328,7 +328,10 @@ def sample_logits(logits, key, params=None, *, temperature=1.0, vocab_size=None,
   :func:`sample` with ``hidden @ weight.T`` replaced by ``logits`` (cast to
   f32): the tokens equal ``jax.random.categorical(key, kept / T)``
   (:func:`flashsample_jax.reference.sample_logits`), and ``-1`` where a
-  row has nothing to sample. The package's stage 2 runs over the logits as
+  row has nothing to sample with any control or output asked for (as
+  :func:`sample`'s Returns say; plain sampling of a row of ``-inf`` logits
+  returns ``jax.random.categorical``'s id 0, as the reference does). The
+  package's stage 2 runs over the logits as
   one chunk (the ``dense`` route), so one sampler serves fused and
   materialized logits alike.
 

@@ -246,10 +246,12 @@ def key_words(data, batch: int):
   return (jnp.broadcast_to(data[0], (batch,)), jnp.broadcast_to(data[1], (batch,)))
 
 
-# The options of ``sample`` that are Python values (api.STATIC_ARGNAMES):
-# what to say when one arrives traced, e.g. under ``jax.jit(fs.sample)``.
-STATIC_HINT = ("pass it as a static argument, e.g. jax.jit(fs.sample, "
-               "static_argnames=fs.STATIC_ARGNAMES), or close over it")
+def static_hint(name: str) -> str:
+  """What to say when an option that is a Python value (api.STATIC_ARGNAMES
+  lists ``sample``'s) arrives traced, e.g. under ``jax.jit(fs.sample)``:
+  for any entry point (``sample_logits``, ``verify_drafts``, ...)."""
+  return (f"pass it as a static argument, e.g. jax.jit(f, static_argnames=({name!r},)) "
+          "(for fs.sample: static_argnames=fs.STATIC_ARGNAMES), or close over it")
 
 
 def static_arg_error(name: str, value, want: str) -> TypeError:
@@ -258,7 +260,7 @@ def static_arg_error(name: str, value, want: str) -> TypeError:
   when ``value`` is traced."""
   if isinstance(value, jax.core.Tracer):
     return TypeError(f"{name}={value!r} must be {want}, static under jax.jit, but "
-                     f"is traced: {STATIC_HINT}")
+                     f"is traced: {static_hint(name)}")
   return TypeError(f"{name}={value!r} must be {want}")
 
 

@@ -895,8 +895,15 @@ def _raw_top_n(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows)
                                             | (last == -jnp.inf))
   vals, ids = controls.top_n(st.raw_vals, n, ids=st.raw_ids)
   certain = (complete | (vals[:, n - 1] > last)) & jnp.isfinite(st.raw_max)
-  return rows._replace(top=(vals - _raw_lse(st)[:, None], ids),
+  return rows._replace(top=(vals - _raw_lse(st)[:, None], _raw_top_ids(vals, ids)),
                        fallback=rows.fallback | ~certain)
+
+
+def _raw_top_ids(raw, ids):
+  """``-1`` where the raw logit is ``-inf``, decided on the raw values: as
+  log-probabilities a row of ``-inf`` reads NaN, and a finite logit beside
+  a ``+inf`` one reads ``-inf`` (the reference keeps its id)."""
+  return jnp.where(raw == -jnp.inf, -1, ids)
 
 
 @jax.named_scope("stage2.top_n")
@@ -1082,8 +1089,8 @@ def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
                        logprob_truncated=rows.t_tok - rows.lse_kept,
                        logsumexp=jnp.broadcast_to(rows.lse_all, rows.tokens.shape))
   if rows.top is not None:
-    vals, ids = rows.top       # raw_top: already log-probabilities (_raw_top_n)
-    out = out._replace(top_ids=jnp.where(vals == -jnp.inf, -1, ids),
+    vals, ids = rows.top       # raw_top: log-probabilities and ids (_raw_top_n)
+    out = out._replace(top_ids=ids if c.raw_top else jnp.where(vals == -jnp.inf, -1, ids),
                        top_logprobs=vals if c.raw_top else vals - rows.lse_all[:, None])
   if c.return_entropy:
     out = out._replace(entropy=rows.ent_all, entropy_truncated=rows.ent_kept)
@@ -1177,7 +1184,7 @@ def materialized_raw_top(p: Problem, c: controls.Controls, axis=None):
   raw = controls.raw_logits(l, lax.iota(jnp.int32, l.shape[1]), c, p.vocab_size)
   raw = raw[:, :p.vocab_size]
   vals, ids = controls.top_n(raw, c.top_logprobs)
-  return vals - jax.nn.logsumexp(raw, axis=1)[:, None], ids
+  return vals - jax.nn.logsumexp(raw, axis=1)[:, None], _raw_top_ids(vals, ids)
 
 
 def draw_kept(p: Problem, x, t, kept, gid, perturbed):

@@ -1,6 +1,7 @@
 """The public API: backend selection and the every-backend contract."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -86,6 +87,18 @@ def test_traced_static_option_says_how_to_make_it_static():
                                       r"static under jax.jit, but is traced: .*"
                                       r"static_argnames=fs.STATIC_ARGNAMES"):
     jax.jit(fs.sample)(h, w, jax.random.key(0), vocab_size=200)
+
+
+def test_traced_option_of_sample_logits_gets_a_hint_that_works():
+  # Found by review: the hint named fs.STATIC_ARGNAMES, which holds options
+  # sample_logits does not take (jax.jit refused them as argnames).
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+  key = jax.random.key(0)
+  with pytest.raises(TypeError, match=r"return_kept=.*is traced: .*"
+                                      r"static_argnames=\('return_kept',\)"):
+    jax.jit(fs.sample_logits)(logits, key, return_kept=2)
+  got = jax.jit(fs.sample_logits, static_argnames=("return_kept",))(logits, key, return_kept=2)
+  np.testing.assert_array_equal(got.kept_ids, fs.sample_logits(logits, key, return_kept=2).kept_ids)
 
 
 @pytest.mark.parametrize("option", [dict(return_logprobs=True), dict(num_samples=2),

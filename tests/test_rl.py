@@ -318,6 +318,23 @@ def test_entropy_of_a_row_with_an_infinite_or_nan_logit_is_nan():
       np.testing.assert_allclose(a, x, atol=1e-5, err_msg=f"row {b} {name}")
 
 
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_entropy_at_a_tiny_temperature_is_the_reference(backend):
+  # Found by review: at T = 1e-37 (accepted) t - max(t) overflowed to -inf
+  # for finite t, and exp(-inf) * -inf made the entropy NaN; the reference's
+  # is 0 (one id holds all the mass). Logits h @ w.T = [20, 0, -20] and
+  # [1, 1, -5], exact in bf16.
+  h = jnp.asarray([[1.0, 0.0], [0.0, 1.0]], jnp.bfloat16)
+  w = jnp.asarray([[20.0, 1.0], [0.0, 1.0], [-20.0, -5.0]], jnp.bfloat16)
+  key = jax.random.key(0)
+  for t in (1e-37, 1e-30, 1.0):
+    got = fs.sample(h, w, key, temperature=t, return_entropy=True, backend=backend)
+    want = fs.reference.sample(h, w, key, temperature=t, return_entropy=True)
+    for name in ("entropy", "entropy_truncated"):
+      assert np.isfinite(np.asarray(getattr(got, name))).all(), (t, name)
+      np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-6)
+
+
 def test_score_tokens_of_any_token_against_float64():
   kw = {k: v for k, v in cases.CASES["penalties_all"].items() if k != "top_logprobs"}
   r = np.random.default_rng(5)
@@ -465,6 +482,15 @@ def test_raw_top_logprobs(backend):
   np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-6)
   with pytest.raises(ValueError, match=r"top_logprobs_mode='logits' must be one of"):
     fs.sample(h, w, jax.random.key(0), top_logprobs=5, top_logprobs_mode="logits")
+  # Rows of -inf logits and rows with +inf ones: -1 where the raw logit is
+  # -inf, decided before the log-sum-exp (found by review: a row of -inf
+  # listed ids 0, 1 with NaN; a finite id beside two +inf ones became -1).
+  logits = jnp.asarray([[1.0, 2.0, 3.0, 0.0], [-jnp.inf] * 4, [jnp.inf, 1.0, jnp.inf, -jnp.inf]])
+  for f in (fs.sample_logits, fs.reference.sample_logits):
+    out = f(logits, jax.random.key(0), top_logprobs=4, top_logprobs_mode="raw")
+    np.testing.assert_array_equal(out.top_ids, [[2, 1, 0, 3], [-1] * 4, [0, 2, 1, -1]])
+    assert np.isnan(np.asarray(out.top_logprobs[1])).all()
+    np.testing.assert_array_equal(np.asarray(out.top_logprobs[2, 2:]), [-np.inf, -np.inf])
 
 
 def test_parts_sum_adds_in_a_fixed_pairwise_order():
