@@ -670,14 +670,12 @@ def _sum_last(x):
 def entropy_terms(t, m, row_sum=_sum_last):
   """``sum(exp(t - m) * (t - m))`` over the last axis, ``m`` the rows' max
   (``[B]``, as ``t``'s leading axes): with ``s = sum(exp(t - m))`` the
-  entropy of ``softmax(t)`` is ``log(s) - terms / s``. Ids whose ``t - m``
-  is ``-inf`` (probability 0: ``t = -inf``, or a finite ``t`` that far
-  below the max, as at a temperature of 1e-37) add nothing; rows whose max
-  is ``-inf`` add 0.
+  entropy of ``softmax(t)`` is ``log(s) - terms / s``. Ids with ``t = -inf``
+  (probability 0) add nothing; rows whose max is ``-inf`` add 0.
   ``row_sum``: the sum over the last axis (a fixed-order one where the
   bits must not follow the batch, :func:`flashsample_jax.stage2.fixed_logsumexp`)."""
   d = t - m[..., None]
-  return row_sum(jnp.where(d > -jnp.inf, jnp.exp(d) * d, 0.0))
+  return row_sum(jnp.where(t > -jnp.inf, jnp.exp(d) * d, 0.0))
 
 
 def entropy(t, row_sum=_sum_last):

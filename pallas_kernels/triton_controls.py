@@ -360,9 +360,8 @@ def _controls_kernel(
     _store_rows(f_ptr, tl.sum(e, AXIS), rows_b, pid_v, R_LSE + 1, F_ROWS, B,
                 N_TILES)
     if ENT:
-      # controls.entropy_terms: finite t - max only (NaN, -inf and a t
-      # that far below the max add nothing).
-      ent = tl.sum(tl.where(d > float("-inf"), e * d, 0.0), AXIS)
+      # controls.entropy_terms: finite t only (NaN and -inf add nothing).
+      ent = tl.sum(tl.where(t > float("-inf"), e * d, 0.0), AXIS)
       _store_rows(f_ptr, ent, rows_b, pid_v, R_ENT, F_ROWS, B, N_TILES)
   if FINITE:
     count = tl.sum((t > float("-inf")).to(tl.int32), AXIS)
