@@ -170,6 +170,23 @@ def test_list_pairings_must_be_a_count(bad):
     triton_backend.TritonBackend(list_pairings=bad)
 
 
+@pytest.mark.parametrize("platform,capability,want",
+                         [("gpu", "9.0", (9, 0)), ("gpu", "8.6", (8, 6)), ("gpu", "gfx90a", None),
+                          ("gpu", "", None), ("cpu", "", None)])
+def test_cuda_capability_of_cuda_devices_only(monkeypatch, platform, capability, want):
+  # A ROCm device is a "gpu" too, with a "gfx..." capability: the backend
+  # cannot run there (NotImplementedError, so that auto moves on), where
+  # int("gfx90a") raised a ValueError (found by review).
+  device = type("Device", (), dict(platform=platform, compute_capability=capability,
+                                   device_kind="test"))()
+  monkeypatch.setattr(triton_backend.jax, "devices", lambda *a: [device])
+  if want is None:
+    with pytest.raises(NotImplementedError, match="needs a CUDA GPU"):
+      triton_backend._cuda_capability()
+  else:
+    assert triton_backend._cuda_capability() == want
+
+
 def test_check_takes_quantized_heads_with_their_scale(monkeypatch):
   # The GPU checks pass as on an H100 (sm90, triton and jax_triton present);
   # what remains is the dtype rule: an 8-bit weight needs its scale and

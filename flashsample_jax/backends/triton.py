@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from typing import Any, ClassVar
 
 import jax
@@ -83,12 +84,14 @@ def _cuda_capability() -> tuple[int, int]:
     dev = jax.devices()[0]
   except RuntimeError as e:
     raise NotImplementedError(f"the triton backend needs a CUDA GPU: {e}") from None
-  cc = getattr(dev, "compute_capability", None)
-  if dev.platform != "gpu" or not cc:
+  cc = str(getattr(dev, "compute_capability", "") or "")
+  # A ROCm device is a "gpu" too, its capability a "gfx..." name.
+  if dev.platform != "gpu" or not re.fullmatch(r"\d+\.\d+", cc):
     raise NotImplementedError(
         f"the triton backend needs a CUDA GPU; the default device is a "
-        f"{dev.platform} device {getattr(dev, 'device_kind', dev)}")
-  major, minor = str(cc).split(".")[:2]
+        f"{dev.platform} device {getattr(dev, 'device_kind', dev)}"
+        + (f" (compute capability {cc!r})" if cc else ""))
+  major, minor = cc.split(".")
   return int(major), int(minor)
 
 
