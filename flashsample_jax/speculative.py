@@ -137,8 +137,8 @@ def _check_drafts(draft_ids, batch: int, positions: int, vocab_size: int):
       b, j = np.argwhere(bad)[0]
       raise ValueError(f"draft_ids[{b}, {j}]={raw[b, j]} must be {want}")
   else:
-    reached = _reached(controls.ids_in_range(draft_ids, vocab_size) & (draft_ids != -1))
-    ok = jnp.all(controls.ids_in_range(draft_ids, vocab_size) | ~reached)
+    in_range = controls.ids_in_range(draft_ids, vocab_size)
+    ok = jnp.all(in_range | ~_reached(in_range & (draft_ids != -1)))
     checks.debug_check(ok, f"draft_ids must hold {want}")
   d = jnp.asarray(draft_ids, jnp.int32)
   live = jnp.cumprod(d >= 0, axis=1).astype(bool)   # before the row's first -1

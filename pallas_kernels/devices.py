@@ -4,9 +4,11 @@ jax's ``device_kind``."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 
-__all__ = ["device_kind", "is_kind"]
+__all__ = ["cuda_capability", "device_kind", "is_kind"]
 
 
 def device_kind() -> str:
@@ -27,3 +29,18 @@ def is_kind(kind: str, name: str) -> bool:
   NVL"`` for ``"NVIDIA H200"``), not one that only contains the name
   (``"NVIDIA GH200 480GB"``)."""
   return kind == name or kind.startswith(name + " ")
+
+
+def cuda_capability() -> tuple[int, int] | None:
+  """The default device's CUDA compute capability ``(major, minor)``, or None
+  where it is not a CUDA GPU: no device, another platform, or a ROCm GPU
+  (a "gpu" too, whose capability is a "gfx..." name)."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return None
+  cc = str(getattr(device, "compute_capability", "") or "")
+  if device.platform != "gpu" or not re.fullmatch(r"\d+\.\d+", cc):
+    return None
+  major, minor = cc.split(".")
+  return int(major), int(minor)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import re
 from typing import Any, ClassVar
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 
 from flashsample_jax import stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
-from pallas_kernels import rules
+from pallas_kernels import devices, rules
 from pallas_kernels.rowdata import pack_rows
 from pallas_kernels.state import halve_parts
 
@@ -80,19 +79,18 @@ def _kernels():
 def _cuda_capability() -> tuple[int, int]:
   """The default device's CUDA compute capability; NotImplementedError if
   it is not a CUDA GPU."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError as e:
-    raise NotImplementedError(f"the triton backend needs a CUDA GPU: {e}") from None
-  cc = str(getattr(dev, "compute_capability", "") or "")
-  # A ROCm device is a "gpu" too, its capability a "gfx..." name.
-  if dev.platform != "gpu" or not re.fullmatch(r"\d+\.\d+", cc):
+  capability = devices.cuda_capability()
+  if capability is None:
+    try:
+      dev = jax.devices()[0]
+    except RuntimeError as e:
+      raise NotImplementedError(f"the triton backend needs a CUDA GPU: {e}") from None
+    cc = getattr(dev, "compute_capability", "")
     raise NotImplementedError(
         f"the triton backend needs a CUDA GPU; the default device is a "
         f"{dev.platform} device {getattr(dev, 'device_kind', dev)}"
         + (f" (compute capability {cc!r})" if cc else ""))
-  major, minor = cc.split(".")
-  return int(major), int(minor)
+  return capability
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jax import lax
 from flashsample_jax import controls, dense_lists, problem, stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from flashsample_jax.problem import Problem
-from pallas_kernels import rowdata, rules
+from pallas_kernels import devices, rowdata, rules
 from pallas_kernels.state import ControlsState
 
 # Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
@@ -292,12 +292,7 @@ def _lists_kernel_usable() -> bool:
   """The list kernels can launch: the default device is a CUDA GPU (a
   numeric compute capability; jax-triton launches CUDA kernels, and a ROCm
   device is a "gpu" too), and triton and jax-triton are installed."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return False
-  capability = str(getattr(device, "compute_capability", ""))
-  return (device.platform == "gpu" and capability[:1].isdigit()
+  return (devices.cuda_capability() is not None
           and all(importlib.util.find_spec(name) is not None
                   for name in ("triton", "jax_triton")))
 
