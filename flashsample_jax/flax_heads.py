@@ -65,6 +65,10 @@ decode step), and :func:`sample_from_head` samples from it::
 
   qhead = flax_heads.quantize_head(head, "fp8")
   tokens = flax_heads.sample_from_head(qhead, hidden, key, temperature=0.7)
+
+The quantized head is stored ``[V, D]`` whatever the original's layout
+(``layout="vd"``, the Mosaic kernels' fastest 8-bit path), unless asked
+otherwise.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class QuantizedHead:
   ``jax.jit`` and can be stored beside a model's parameters.
 
   Attributes:
-    weight: the 8-bit head in the original head's layout.
+    weight: the 8-bit head in ``layout``.
     scale: f32 ``[V]``, one scale per vocabulary row.
     bias: the original head's bias ``[V]`` in f32, or None.
     layout: ``"vd"`` or ``"dv"``.
@@ -112,7 +116,7 @@ class QuantizedHead:
       raise ValueError(f"layout={self.layout!r} must be one of {problem.WEIGHT_LAYOUTS}")
 
 
-def quantize_head(head, dtype="float8_e4m3fn") -> QuantizedHead:
+def quantize_head(head, dtype="float8_e4m3fn", layout: str = "vd") -> QuantizedHead:
   """Quantizes a Flax LM head per vocabulary row (absmax) to FP8 or int8.
 
   Args:
@@ -120,15 +124,29 @@ def quantize_head(head, dtype="float8_e4m3fn") -> QuantizedHead:
       a Linen parameter dict).
     dtype: ``"float8_e4m3fn"`` (alias ``"fp8"``), ``"float8_e5m2"`` or
       ``"int8"`` (:func:`flashsample_jax.quantize_weight`).
+    layout: how the 8-bit head is stored, ``"vd"`` (``[V, D]``, the default)
+      or ``"dv"`` (``[D, V]``), whatever the original's layout (an
+      ``nnx.Linear``'s kernel is ``[D, V]``). The quantized head is a new
+      array either way; ``"vd"`` is the one the Mosaic kernels read on
+      their fastest 8-bit path, their register path at B <= 16
+      (docs/performance.md, "Quantized heads"). The values and scales are
+      the same in both.
 
   Returns:
     A :class:`QuantizedHead` for :func:`sample_from_head` and :func:`logits`.
 
   Raises:
+    ValueError: ``layout`` is not ``"vd"`` or ``"dv"``.
     What :func:`head_weight` and :func:`flashsample_jax.quantize_weight` raise.
   """
-  weight, layout, bias = _head_parts(head)
-  w8, scale = quantize_weight(weight, dtype, weight_layout=layout)
+  if layout not in problem.WEIGHT_LAYOUTS:
+    raise ValueError(f"layout={layout!r} must be one of {problem.WEIGHT_LAYOUTS}")
+  weight, stored, bias = _head_parts(head)
+  w8, scale = quantize_weight(weight, dtype, weight_layout=stored)
+  if layout != stored:
+    # Transposed after quantizing: per-row scales do not depend on the
+    # layout, and the copy moves 8-bit values, not the original's.
+    w8 = w8.T
   return QuantizedHead(w8, scale, None if bias is None else bias.astype(jnp.float32),
                        layout)
 

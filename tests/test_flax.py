@@ -349,7 +349,7 @@ def test_bad_arguments():
     flax_heads.logits(head, h.astype(jnp.int32))
   with pytest.raises(ValueError, match=rf"hidden.shape=\({B}, 32\) must end in the head's D={D}"):
     flax_heads.logits(head, h[:, :32])
-  q = flax_heads.quantize_head(head, "int8")
+  q = flax_heads.quantize_head(head, "int8", layout="dv")
   with pytest.raises(ValueError, match=r"layout='xx' must be one of"):
     flax_heads.QuantizedHead(q.weight, q.scale, None, "xx")
   # A hand-built QuantizedHead (one restored from a checkpoint) is checked as
@@ -509,14 +509,24 @@ def test_quantized_head_in_two_lines(dtype):
   head.bias[...] = jnp.asarray(np.arange(V) % 5, jnp.bfloat16)
   qhead = flax_heads.quantize_head(head, dtype)
   name = fs.quantize._dtype_name(dtype)
-  assert qhead.layout == "dv" and qhead.weight.shape == w.shape
+  # Stored [V, D] by default (the kernels' register path), the same values
+  # and scales as in the original's [D, V] layout.
+  as_stored = flax_heads.quantize_head(head, dtype, layout="dv")
+  assert qhead.layout == "vd" and qhead.weight.shape == w.T.shape
+  assert as_stored.layout == "dv" and as_stored.weight.shape == w.shape
+  np.testing.assert_array_equal(np.asarray(qhead.weight.T.astype(jnp.float32)),
+                                np.asarray(as_stored.weight.astype(jnp.float32)))
+  np.testing.assert_array_equal(qhead.scale, as_stored.scale)
+  with pytest.raises(ValueError, match=r"layout='VD' must be one of"):
+    flax_heads.quantize_head(head, dtype, layout="VD")
   assert qhead.weight.dtype == jnp.dtype(fs.quantize.QUANT_DTYPES[name][0])
   # The materialized logits are the definition written out, and close to
   # the float head's (the quantization error, not the sampling's).
   l = flax_heads.logits(qhead, h)
-  want = jnp.dot(h.astype(jnp.bfloat16), qhead.weight.astype(jnp.bfloat16),
+  want = jnp.dot(h.astype(jnp.bfloat16), as_stored.weight.astype(jnp.bfloat16),
                  preferred_element_type=jnp.float32) * qhead.scale + qhead.bias
   np.testing.assert_array_equal(l, want)
+  np.testing.assert_array_equal(flax_heads.logits(as_stored, h), want)
   step = {"int8": 0.5 / 127, "float8_e5m2": 2**-3, "float8_e4m3fn": 2**-4}[name]
   bound = step * 3 * np.abs(np.asarray(h)).sum(axis=1, keepdims=True) + 1e-3
   assert np.all(np.abs(np.asarray(l) - np.asarray(head(h))) <= bound)
@@ -524,8 +534,9 @@ def test_quantized_head_in_two_lines(dtype):
   for key in _keys():
     got = flax_heads.sample_from_head(qhead, h, key, temperature=t, top_k=40)
     _assert_same(got, fs.reference.sample(h, qhead.weight, key, temperature=t, top_k=40,
-                                          weight_layout="dv", weight_scale=qhead.scale,
+                                          weight_layout="vd", weight_scale=qhead.scale,
                                           logit_bias=qhead.bias))
+    _assert_same(got, flax_heads.sample_from_head(as_stored, h, key, temperature=t, top_k=40))
     _assert_same(got, fs.reference.sample_logits(l, key, temperature=t, top_k=40))
   with pytest.raises(TypeError, match="weight_scale is set by the head"):
     flax_heads.sample_from_head(qhead, h, jax.random.key(0), weight_scale=qhead.scale)

@@ -17,7 +17,10 @@ after it (so that XLA's graph holds the conditional). Variants:
   an output;
 * ``cond_reads_input``: the branch reads the call's input;
 * ``cond_reads_fixed_input``: the branch reads the first steps' result and
-  an input passed unchanged on every call (as a weight is).
+  an input passed unchanged on every call (as a weight is);
+* ``cond_loop_reads_temp``: as ``cond_reads_temp`` with the branch's steps
+  one ``fori_loop`` (a WHILE node of one step's kernels in the graph, if XLA
+  keeps it there) instead of ``--steps`` unrolled steps.
 
 If XLA re-recorded only the commands whose buffers moved, the first would
 cost the host less than the second.
@@ -49,6 +52,11 @@ def _steps(x, steps: int):
   return x
 
 
+def _step(i, x):
+  """One of ``_steps``' steps with a traced ``i``, for a loop's body."""
+  return x * 0.5 + jnp.max(x, axis=1, keepdims=True) * (1.0 / (i + 2).astype(x.dtype))
+
+
 def _programs(steps: int):
   around = lambda x: _steps(x, 3)
   branch = lambda y: _steps(y, steps)
@@ -65,8 +73,12 @@ def _programs(steps: int):
   def cond_reads_fixed_input(x, go, z):
     # z: an input passed unchanged on every call (as a weight is)
     return around(jax.lax.cond(go[0] > 0, lambda y: branch(y) + z, lambda y: y, around(x)))
+  def cond_loop_reads_temp(x, go, z):
+    loop = lambda y: jax.lax.fori_loop(0, steps, _step, y)
+    return around(jax.lax.cond(go[0] > 0, loop, lambda y: y, around(x)))
   return {f.__name__: jax.jit(f)
-          for f in (plain, cond_reads_temp, cond_reads_input, cond_reads_fixed_input)}
+          for f in (plain, cond_reads_temp, cond_reads_input, cond_reads_fixed_input,
+                    cond_loop_reads_temp)}
 
 
 def main(argv=None):
@@ -74,11 +86,15 @@ def main(argv=None):
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--cols", type=int, default=151936)
   ap.add_argument("--steps", type=int, default=40)
+  ap.add_argument("--variants", nargs="*", default=None,
+                  help="the variants to run (default: all)")
   args = ap.parse_args(argv)
   xs = [jax.random.normal(jax.random.key(i), (args.rows, args.cols)) for i in range(4)]
   go = jnp.asarray([0.0])                            # the branch is never taken
   z = jax.random.normal(jax.random.key(9), (args.rows, args.cols))
   for name, f in _programs(args.steps).items():
+    if args.variants and name not in args.variants:
+      continue
     for mode in ("same_input", "new_input"):
       calls = iter(range(10**9))
       pick = ((lambda: xs[0]) if mode == "same_input"
