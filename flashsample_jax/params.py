@@ -93,7 +93,12 @@ class SamplingParams:
         ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, and the
         OpenAI / vLLM names ``presence_penalty`` and ``frequency_penalty``.
         Keys that do not change a sampled token (``eos_token_id``,
-        ``max_new_tokens``, ...) are ignored. A ``None`` value is off. The
+        ``max_new_tokens``, ...) are ignored. A ``None`` value is off, and
+        so is a key a mapping does not have: a dict is read as written, as
+        vLLM reads ``generation_config.json`` (no ``do_sample``: sampling;
+        no ``top_k``: no top-k), where ``transformers.GenerationConfig``
+        fills in its own defaults (``do_sample=False``, ``top_k=50``). An
+        object is read with the values it holds, its defaults included. The
         read settings are checked as :func:`flashsample_jax.sample` checks
         them, here, so a bad config fails where it is read.
       batch: broadcast every read scalar to a ``[batch]`` array, so that rows

@@ -201,9 +201,10 @@ def _check_float_array(name: str, x, *, quantized_ok: bool = False) -> jax.Array
   return jnp.asarray(x)
 
 
-def key_data(key, batch: int):
+def key_data(key, batch: int, rows_of: str = "hidden"):
   """Checks ``key``; returns its raw data (uint32 ``[2]`` or ``[B, 2]``) and
-  whether it holds one key per row."""
+  whether it holds one key per row (of ``rows_of``, the argument the errors
+  name)."""
   if isinstance(key, (int, np.integer)) or not hasattr(key, "dtype"):
     raise TypeError(
         "key must be a JAX key from jax.random.key (or raw uint32 key data "
@@ -233,8 +234,8 @@ def key_data(key, batch: int):
     per_row = key.ndim == 2
   if per_row and data.shape[0] != batch:
     raise ValueError(
-        f"per-row keys need one key per row of hidden: key has "
-        f"{data.shape[0]} keys, hidden has B={batch} rows")
+        f"per-row keys need one key per row of {rows_of}: key has "
+        f"{data.shape[0]} keys, {rows_of} has B={batch} rows")
   return data, per_row
 
 
@@ -528,7 +529,7 @@ def prepare_logits(logits, key, *, temperature=1.0, vocab_size=None) -> Problem:
   vocab_size = _vocab_size(vocab_size, rows, "the columns of logits")
   return _problem(jnp.zeros((batch, 0), logits.dtype), logits, key, temperature,
                   layout="logits", vocab_size=vocab_size, vocab_shards=1,
-                  batch_shard=(0, 1))
+                  batch_shard=(0, 1), rows_of="logits")
 
 
 def _vocab_size(vocab_size, total_rows: int, rows_are: str) -> int:
@@ -546,13 +547,13 @@ def _vocab_size(vocab_size, total_rows: int, rows_are: str) -> int:
 
 
 def _problem(hidden, weight, key, temperature, *, layout: str, vocab_size: int,
-             vocab_shards: int, batch_shard) -> Problem:
+             vocab_shards: int, batch_shard, rows_of: str = "hidden") -> Problem:
   """The :class:`Problem` of checked arrays: the key, the temperature and
   each row's noise counters (the class docstring)."""
   batch = hidden.shape[0]
   shard_index, shard_count = batch_shard
   shard_count = _check_int("batch_shard count", shard_count, 1)
-  data, per_row = key_data(key, batch)
+  data, per_row = key_data(key, batch, rows_of)
   k0, k1 = key_words(data, batch)
   temp = temperature_rows(temperature, batch)
   row_base = None

@@ -191,7 +191,7 @@ def _check_draft_probs(draft_probs, method: str, drafts, vocab_size: int):
     return None
   if draft_probs is None:
     raise ValueError("method='probabilistic' needs draft_probs, the drafter's "
-                     f"probabilities f32 [B, K, V]=({batch}, {drafts}, {vocab_size})")
+                     f"probabilities f32 [B, K, V]=({batch}, {k}, {vocab_size})")
   if not hasattr(draft_probs, "dtype") or not jnp.issubdtype(draft_probs.dtype, jnp.floating):
     raise TypeError(f"draft_probs must be a float array [B, K, V], got "
                     f"{getattr(draft_probs, 'dtype', type(draft_probs).__name__)}")

@@ -134,6 +134,13 @@ def test_from_generation_config():
       do_sample=False, temperature=0.6, top_k=50, top_p=0.9, num_beams=1))
   assert g.temperature == 0.0 and g.top_k is None and g.top_p is None
   assert fs.SamplingParams.from_generation_config({"do_sample": True, "top_k": 0}).top_k is None
+  # A dict is read as written (vLLM's reading): no do_sample samples, no
+  # top_k is none; an object's own defaults are read as it holds them.
+  d = fs.SamplingParams.from_generation_config({"temperature": 0.6, "top_p": 0.9})
+  assert (d.temperature, d.top_k, d.top_p) == (0.6, None, 0.9)
+  o = fs.SamplingParams.from_generation_config(types.SimpleNamespace(
+      do_sample=True, temperature=0.6, top_k=50, top_p=0.9))
+  assert (o.temperature, o.top_k, o.top_p) == (0.6, 50, 0.9)
   with pytest.raises(ValueError, match="typical_p=0.9"):
     fs.SamplingParams.from_generation_config({"typical_p": 0.9})
   with pytest.raises(ValueError, match="num_beams=4"):

@@ -58,6 +58,14 @@ def test_bad_input(sampler, kwargs, exc, match):
     sampler(args.pop("hidden"), args.pop("weight"), args.pop("key"), **args)
 
 
+def test_sample_logits_errors_name_logits():
+  # found by review: a per-row key count mismatch named hidden, an argument
+  # sample_logits does not have.
+  logits = jnp.zeros((4, 100))
+  with pytest.raises(ValueError, match=r"one key per row of logits: key has 3 keys, logits has B=4"):
+    fs.sample_logits(logits, jax.random.split(KEY, 3))
+
+
 def test_raw_key_data_equals_typed_key():
   typed = jax.random.key(7)
   raw = jax.random.key_data(typed)
