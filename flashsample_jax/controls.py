@@ -806,6 +806,15 @@ def mass_before(s, z):
   return before / z[:, None]
 
 
+def truncated_logprob(t_tok, lse_kept):
+  """``t_tok - lse_kept``, NaN where the kept set is empty (``lse_kept`` is
+  ``-inf``): a greedy row keeps its argmax token when truncation keeps
+  nothing (a ``+inf`` logit with min-p, a traced invalid rule), and a
+  log-probability of ``+inf`` in no distribution means nothing; rows with
+  nothing to sample report NaN already."""
+  return jnp.where(lse_kept == -jnp.inf, jnp.nan, t_tok - lse_kept)
+
+
 @jax.named_scope("controls.keep_mask")
 def keep_mask(t, c: Controls):
   """The truncation rules of the module docstring on materialized rows.

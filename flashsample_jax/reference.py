@@ -111,7 +111,8 @@ def _sample(p: problem.Problem, c: _controls.Controls):
   t_tok = jnp.where(tokens < 0, jnp.nan, t_tok)
   lp = _controls.SampleOutput(tokens, None, None, None)
   if return_logprobs:
-    lp = lp._replace(logprob=t_tok - lse, logprob_truncated=t_tok - lse_kept,
+    lp = lp._replace(logprob=t_tok - lse,
+                     logprob_truncated=_controls.truncated_logprob(t_tok, lse_kept),
                      logsumexp=jnp.broadcast_to(lse, tokens.shape))
   if c.raw_top:
     raw = raw_logits(p, c)

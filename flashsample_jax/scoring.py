@@ -36,7 +36,8 @@ class ScoreOutput(NamedTuple):
       tempered processed logits; greedy rows: temperature 1), as
       ``SampleOutput.logprob``.
     logprob_truncated: f32, the same over the kept set (renormalized);
-      ``-inf`` where truncation removes the token.
+      ``-inf`` where truncation removes the token, NaN where it keeps
+      nothing (as ``SampleOutput.logprob_truncated`` of a greedy row then).
     logprob_raw: f32 under the raw logits (soft-capped only), as
       ``SampleOutput.logprob_raw``.
     entropy, entropy_truncated: f32, the row's entropies before and after
@@ -110,8 +111,11 @@ def score_tokens(hidden, weight, token_ids, params=None, *, temperature=1.0,
     ``num_samples`` draws too: ``tokens[j]``), its fields equal
     ``sample``'s ``logprob``, ``logprob_truncated``, ``logprob_raw``,
     ``entropy`` and ``entropy_truncated`` bit for bit, and ``in_kept`` is
-    True. (``"auto"`` may pick another backend for S samples than for one
-    row each: name the backend where the bits must match.)
+    True, but for a greedy row whose kept set is empty (a ``+inf`` logit
+    with min-p, a traced invalid rule): its argmax is returned, not kept,
+    and ``logprob_truncated`` is NaN in both. (``"auto"`` may pick another
+    backend for S samples than for one row each: name the backend where
+    the bits must match.)
 
   Raises:
     TypeError, ValueError: as :func:`flashsample_jax.sample`, and for
@@ -156,7 +160,8 @@ def _run(p: problem.Problem, c: _controls.Controls, *, backend, axes: mesh.MeshA
   offset = axes.vocab_offset(p.weight_rows)
   st = api.pass_state(p, c, backend, offset)
   sc = stage2.score(p, c, st, axis=axes.vocab)
-  kept_lp = jnp.where(sc.in_kept, sc.t_tok - sc.lse_kept, -jnp.inf)
+  kept_lp = jnp.where(sc.in_kept | (sc.lse_kept == -jnp.inf),
+                      _controls.truncated_logprob(sc.t_tok, sc.lse_kept), -jnp.inf)
   return ScoreOutput(logprob=sc.t_tok - sc.lse_all, logprob_truncated=kept_lp,
                      logprob_raw=sc.logprob_raw, entropy=sc.ent_all,
                      entropy_truncated=sc.ent_kept, in_kept=sc.in_kept)

@@ -1086,7 +1086,7 @@ def _output(c: controls.Controls, rows: _Rows) -> controls.SampleOutput:
   out = controls.SampleOutput(rows.tokens, None, None, None)
   if c.return_logprobs:
     out = out._replace(logprob=rows.t_tok - rows.lse_all[None],
-                       logprob_truncated=rows.t_tok - rows.lse_kept,
+                       logprob_truncated=controls.truncated_logprob(rows.t_tok, rows.lse_kept),
                        logsumexp=jnp.broadcast_to(rows.lse_all, rows.tokens.shape))
   if rows.top is not None:
     vals, ids = rows.top       # raw_top: log-probabilities and ids (_raw_top_n)
@@ -1255,7 +1255,9 @@ def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> 
   if axis:
     st = _gather_shards(st, axis, state_combine(c, candidate_count(p, c)))
   rows = _pass_rows(c, st)
-  in_kept = st.given_t > -jnp.inf
+  # NaN-safe: a NaN token (a row of NaN logits, sampled without
+  # truncation) is the token sample() returned, scored NaN as it reported.
+  in_kept = ~(st.given_t == -jnp.inf)
   sc = Scores(t_tok=st.given_t, lse_all=rows.lse_all, lse_kept=rows.lse_all,
               in_kept=in_kept, ent_all=rows.ent_all, ent_kept=rows.ent_kept,
               logprob_raw=_raw_logprob(p, c, st, c.given_ids[None], axis)[0])
@@ -1278,7 +1280,7 @@ def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> 
     tk = jnp.take_along_axis(kept, g, axis=1)[:, 0]
     new = Scores(t_tok=jnp.take_along_axis(t, g, axis=1)[:, 0],
                  lse_all=jax.nn.logsumexp(t, axis=1),
-                 lse_kept=jax.nn.logsumexp(kept, axis=1), in_kept=tk > -jnp.inf,
+                 lse_kept=jax.nn.logsumexp(kept, axis=1), in_kept=~(tk == -jnp.inf),
                  ent_all=controls.entropy(t), ent_kept=controls.entropy(kept),
                  logprob_raw=sub.logprob_raw)
     return jax.tree.map(lambda a, b: jnp.where(flags, a, b), new, sub)

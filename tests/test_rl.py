@@ -250,6 +250,36 @@ def test_score_tokens_is_bit_for_bit_what_sample_returned(backend):
 
 
 @pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_score_tokens_of_non_finite_rows_is_what_sample_returned(backend):
+  # Found by review: a row of NaN logits sampled plainly scored -inf and
+  # in_kept False for the token sample returned (in_kept tested t > -inf);
+  # a greedy row whose kept set is empty (a +inf logit with min_p) reported
+  # logprob_truncated +inf from sample and -inf from score_tokens. Both NaN.
+  b, d, v = 3, 8, 64
+  rng = np.random.default_rng(0)
+  h = rng.normal(size=(b, d)).astype(np.float32)
+  w = rng.normal(size=(v, d)).astype(np.float32)
+  h[0, 3] = np.nan                       # row 0: every logit NaN
+  h[1] = 0.0
+  h[1, 0] = 2.0                          # row 1: the logit of id 40 is +inf
+  w[:, 0] = 0.1
+  w[40, 0] = 3e38
+  h, w = jnp.asarray(h), jnp.asarray(w)
+  for kw, kept in ((dict(temperature=1.0), [True, True, True]),
+                   (dict(temperature=jnp.asarray([1.0, 0.0, 1.0]), min_p=0.1),
+                    [False, False, True])):
+    key = jax.random.key(0)
+    out = fs.sample(h, w, key, backend=backend, return_logprobs=True, **kw)
+    ref = fs.reference.sample(h, w, key, return_logprobs=True, **kw)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.logprob_truncated, ref.logprob_truncated)
+    sc = fs.score_tokens(h, w, jnp.maximum(out.tokens, 0), backend=backend, **kw)
+    np.testing.assert_array_equal(sc.logprob_truncated, out.logprob_truncated)
+    np.testing.assert_array_equal(sc.in_kept, kept)
+    assert np.isnan(np.asarray(out.logprob_truncated)[:2]).all(), kw
+
+
+@pytest.mark.parametrize("backend", ["xla", "dense"])
 def test_score_tokens_is_bit_for_bit_what_each_of_several_samples_returned(backend):
   # A GRPO-style group: num_samples=4, then each sample's tokens scored. The
   # streaming pass sizes its chunks for B x S rows when it reports no float;
