@@ -503,9 +503,10 @@ def logits(head, hidden) -> jax.Array:
   if not jnp.issubdtype(hidden.dtype, jnp.floating) or problem.is_quantized(hidden.dtype):
     raise TypeError(f"hidden.dtype={hidden.dtype} must be a float dtype (bf16, f16, f32), "
                     "as sample_from_head takes")
-  contract = 1 if layout == "vd" else 0
   # The checks sample() applies to the weight and its scale (a hand-built
   # QuantizedHead's too): logits() must refuse what sampling refuses.
+  weight = problem.checked_float_array("weight", weight, quantized_ok=True)
+  contract = 1 if layout == "vd" else 0
   scale = problem.checked_weight_scale(
       head.scale if isinstance(head, QuantizedHead) else None, weight,
       weight.shape[1 - contract])

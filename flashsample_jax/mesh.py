@@ -124,7 +124,12 @@ class MeshAxes:
     ``check_vma=False`` no value carries that information, and a replicated
     head cannot be told from a sharded one: the caller's ``in_specs`` are
     then trusted. Axes of size 1 are not checked (replicated and sharded are
-    the same there); a scalar scale is one value for every shard.
+    the same there); a scalar scale is one value for every shard. Nor can
+    the types tell the order of the axes: a scale sharded ``P(("b", "a"))``
+    beside a head sharded ``P(("a", "b"))`` varies over the same axes and
+    passes, though each shard then holds another shard's scales; the
+    ``in_specs`` must give both the same entry (README, "Vocabulary-parallel
+    sampling").
 
     Raises:
       ValueError: ``weight`` or a ``[V]`` ``weight_scale`` is typed as

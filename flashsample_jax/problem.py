@@ -188,7 +188,10 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _check_float_array(name: str, x, *, quantized_ok: bool = False) -> jax.Array:
+def checked_float_array(name: str, x, *, quantized_ok: bool = False) -> jax.Array:
+  """``x`` as a 2-D array of a float dtype (or an 8-bit one where
+  ``quantized_ok``), or the TypeError / ValueError naming ``name`` that
+  :func:`prepare` raises for ``hidden`` and ``weight``."""
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
   allowed = _FLOAT_DTYPES + (QUANTIZED_DTYPES if quantized_ok else ())
@@ -401,8 +404,8 @@ def prepare(hidden, weight, key, *, temperature=1.0, weight_layout="vd",
   """
   if weight_layout not in WEIGHT_LAYOUTS:
     raise ValueError(f"{weight_layout=} must be one of {WEIGHT_LAYOUTS}")
-  hidden = _check_float_array("hidden", hidden)
-  weight = _check_float_array("weight", weight, quantized_ok=True)
+  hidden = checked_float_array("hidden", hidden)
+  weight = checked_float_array("weight", weight, quantized_ok=True)
   batch, dim = hidden.shape
   if weight_layout == "vd":
     rows, wdim = weight.shape
@@ -522,7 +525,7 @@ def prepare_logits(logits, key, *, temperature=1.0, vocab_size=None) -> Problem:
   Raises:
     TypeError, ValueError: as :func:`prepare`, naming ``logits``.
   """
-  logits = _check_float_array("logits", logits)
+  logits = checked_float_array("logits", logits)
   batch, rows = logits.shape
   if rows == 0:
     raise ValueError(f"logits.shape={tuple(logits.shape)} needs V >= 1")

@@ -151,7 +151,10 @@ def sample_sharded(hidden, weight, key, params=None, *, mesh, vocab_axis: AxisNa
   are split over ``batch_axis`` (replicated if it is None).
 
   Tokens equal single-device :func:`flashsample_jax.sample` and the reference
-  for the same key, whatever the mesh shape.
+  for the same key, whatever the mesh shape. Checkified (traced checks on),
+  the error comes back sharded over the mesh; on Explicit axes place it
+  replicated (``jax.device_put`` to ``NamedSharding(mesh, P())``) before
+  ``get`` or ``throw``, which otherwise fail inside JAX.
 
   Args:
     hidden: ``[B, D]`` hidden states (global).

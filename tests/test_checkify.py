@@ -193,6 +193,21 @@ def test_traced_weight_scale_that_is_not_finite_fails_a_checkify_check():
   assert checked(scale)[0].get() is None
 
 
+def test_sample_sharded_checks_are_read_once_the_error_is_replicated():
+  # Found by review: on an Explicit mesh checkify hands the error back
+  # sharded over the mesh and err.get() fails inside JAX; replicated as the
+  # README says, it names the bad scale.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((4,), ("tp",))
+  w8, _ = fs.quantize_weight(W, "int8")
+  wg = jax.device_put(w8, NamedSharding(mesh, P("tp", None)))
+  f = jax.jit(lambda s: fs.sample_sharded(H, wg, KEY, mesh=mesh, vocab_axis="tp",
+                                          weight_scale=s))
+  err, _ = checkify.checkify(f, errors=checkify.user_checks)(jnp.float32(jnp.nan))
+  err = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), err)
+  assert err.get() is not None and re.search(r"weight_scale=nan must be a finite", err.get())
+
+
 def test_traced_draft_probs_that_are_no_distribution_fail_a_checkify_check():
   h = jnp.stack([H, H], axis=1)                                    # [B, 2, D]
   q = jnp.full((B, 1, V), 1.0 / V, jnp.float32)

@@ -362,7 +362,9 @@ def test_bad_arguments():
       (QH(q.weight, q.scale[:, None], None, "dv"), ValueError, r"weight_scale.shape=\(1000, 1\)"),
       (QH(q.weight, q.scale.astype(jnp.float16), None, "dv"), TypeError, "must be float32"),
       (QH(q.weight.astype(jnp.bfloat16), q.scale, None, "dv"), TypeError,
-       "weight_scale is for quantized weights")):
+       "weight_scale is for quantized weights"),
+      # found by review: logits() indexed a 1-D weight's shape (IndexError).
+      (QH(q.weight[0], q.scale, None, "dv"), ValueError, r"weight must be 2-D")):
     for f in (lambda: flax_heads.logits(bad, h), lambda: flax_heads.sample_from_head(bad, h, key)):
       with pytest.raises(exc, match=match):
         f()
