@@ -582,9 +582,13 @@ class _Rows(NamedTuple):
   ``[S, B]``, their tempered logits ``t_tok [S, B]``, the kept set's
   log-sum-exp ``lse_kept [S, B]``, the row's ``lse_all [B]``, the top N
   ``(vals [B, N], ids [B, N])`` or None, ``fallback`` bool ``[B]``, the
-  rows the exact materialized path redoes, and with the RL outputs the
-  entropies ``ent_all``/``ent_kept`` ``[B]`` and the kept set ``(ids [B,
-  N], count [B])`` (None where not asked for)."""
+  rows whose token the exact materialized path redoes, and with the RL
+  outputs the entropies ``ent_all``/``ent_kept`` ``[B]`` and the kept set
+  ``(ids [B, N], count [B])`` (None where not asked for). ``relist`` bool
+  ``[B]``: rows whose token the pass decided but whose top-N list or kept
+  set the candidates cannot certify; the exact path redoes their lists
+  only, so that their token's floats stay the pass's, the bits
+  :func:`score` finds for it (docs/design.md, "Determinism and RL")."""
 
   tokens: jax.Array
   t_tok: jax.Array
@@ -595,6 +599,7 @@ class _Rows(NamedTuple):
   ent_all: jax.Array | None = None
   ent_kept: jax.Array | None = None
   kept: tuple | None = None
+  relist: jax.Array | None = None
 
   @staticmethod
   def batch_axes(rows: "_Rows") -> "_Rows":
@@ -602,7 +607,7 @@ class _Rows(NamedTuple):
     pair = lambda x: None if x is None else (0, 0)
     one = lambda x: None if x is None else 0
     return _Rows(1, 1, 1, 0, pair(rows.top), 0, one(rows.ent_all), one(rows.ent_kept),
-                 pair(rows.kept))
+                 pair(rows.kept), 0)
 
 
 class MergedLists(NamedTuple):
@@ -674,7 +679,7 @@ def _finished(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows, 
     out = out._replace(logprob_raw=_raw_logprob(p, c, st, rows.tokens, axis))
   if not c.samples_only:
     rows, out = _nothing_to_sample(p, c, st, rows, out)
-  return rows.tokens, out, rows.fallback
+  return rows.tokens, out, rows.fallback | rows.relist
 
 
 @jax.named_scope("stage2.gather_shards")
@@ -702,6 +707,7 @@ def _pass_rows(c: controls.Controls, st: ControlsState) -> _Rows:
   return _Rows(tokens=tokens, t_tok=st.best_t.T,
                lse_kept=jnp.broadcast_to(lse_all, tokens.shape), lse_all=lse_all,
                top=None, fallback=jnp.zeros((tokens.shape[1],), bool),
+               relist=jnp.zeros((tokens.shape[1],), bool),
                ent_all=ent, ent_kept=ent)
 
 
@@ -874,7 +880,7 @@ def _kept_sets(c: controls.Controls, st: ControlsState, lists: MergedLists, rows
     ids = jnp.where(r[:, None], k_ids, ids)
     count = jnp.where(r, k_count, count)
     fallback &= ~r
-  return rows._replace(kept=(ids, count), fallback=rows.fallback | fallback)
+  return rows._replace(kept=(ids, count), relist=rows.relist | fallback)
 
 
 def _raw_lse(st: ControlsState):
@@ -896,7 +902,7 @@ def _raw_top_n(p: Problem, c: controls.Controls, st: ControlsState, rows: _Rows)
   vals, ids = controls.top_n(st.raw_vals, n, ids=st.raw_ids)
   certain = (complete | (vals[:, n - 1] > last)) & jnp.isfinite(st.raw_max)
   return rows._replace(top=(vals - _raw_lse(st)[:, None], _raw_top_ids(vals, ids)),
-                       fallback=rows.fallback | ~certain)
+                       relist=rows.relist | ~certain)
 
 
 def _raw_top_ids(raw, ids):
@@ -921,7 +927,7 @@ def _top_n(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _R
   if exact_top is None:
     # The lists are ordered by value only.
     top = controls.top_n(v, n, ids=i)
-    return rows._replace(top=top, fallback=rows.fallback | ~certain(top))
+    return rows._replace(top=top, relist=rows.relist | ~certain(top))
   # Lists already in top_n's order (state.top_m(by_id=True)) are read as
   # they are; a row whose list is not (from a merge that keeps equal values
   # in any order) takes the exact kernels too.
@@ -931,7 +937,7 @@ def _top_n(c: controls.Controls, st: ControlsState, lists: MergedLists, rows: _R
   flags = ~(certain(top) & in_order)
   vals, ids = exact_top(flags)
   top = (jnp.where(flags[:, None], vals, top[0]), jnp.where(flags[:, None], ids, top[1]))
-  return rows._replace(top=top, fallback=rows.fallback | flags)
+  return rows._replace(top=top, relist=rows.relist | flags)
 
 
 # The exact path redoes at most this many rows on their own (a compacted
@@ -975,10 +981,13 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=Non
   samples = c.samples
 
   def redo(ps, cs, sub, flags):
-    return _materialized(ps, cs, sub._replace(fallback=flags),
-                         lambda x, t, gid: perturbed(ps, x, t, gid, samples), axis)
+    # flags: the rows redone here (the compacted batch's padding is not).
+    sub = sub._replace(fallback=sub.fallback & flags, relist=sub.relist & flags)
+    return _materialized(ps, cs, sub, lambda x, t, gid: perturbed(ps, x, t, gid, samples),
+                         axis)
 
-  return _redo_flagged(p, c, rows.fallback, rows, _Rows.batch_axes(rows), redo, then=then)
+  return _redo_flagged(p, c, rows.fallback | rows.relist, rows, _Rows.batch_axes(rows), redo,
+                       then=then)
 
 
 def exact_group_rows(vocab_size: int) -> int:
@@ -1198,9 +1207,11 @@ def draw_kept(p: Problem, x, t, kept, gid, perturbed):
 
 
 def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis) -> _Rows:
-  """The exact path for ``rows.fallback``: full logits, :func:`controls.keep_mask`;
-  the other rows' results are kept."""
+  """The exact path: full logits, :func:`controls.keep_mask`. Rows
+  ``rows.fallback`` take every result from them, rows ``rows.relist``
+  their lists only (top N, kept set); the other rows' results are kept."""
   r = rows.fallback
+  listed = r | rows.relist
   x, t, kept, gid = materialized_rows(p, c, axis)
   j, new_t = draw_kept(p, x, t, kept, gid, perturbed)
   top = rows.top
@@ -1211,14 +1222,15 @@ def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis
       top_t, top_i = materialized_raw_top(p, c, axis)
     else:
       top_t, top_i = controls.top_n(t, top[0].shape[1])
-    top = (jnp.where(r[:, None], top_t, top[0]), jnp.where(r[:, None], top_i, top[1]))
+    top = (jnp.where(listed[:, None], top_t, top[0]),
+           jnp.where(listed[:, None], top_i, top[1]))
   if rows.ent_all is not None:
     rows = rows._replace(ent_all=jnp.where(r, controls.entropy(t), rows.ent_all),
                          ent_kept=jnp.where(r, controls.entropy(kept), rows.ent_kept))
   if rows.kept is not None:
     ids, count = controls.kept_list(kept, rows.kept[0].shape[1])
-    rows = rows._replace(kept=(jnp.where(r[:, None], ids, rows.kept[0]),
-                               jnp.where(r, count, rows.kept[1])))
+    rows = rows._replace(kept=(jnp.where(listed[:, None], ids, rows.kept[0]),
+                               jnp.where(listed, count, rows.kept[1])))
   return rows._replace(
       tokens=jnp.where(r[None], j.T.astype(jnp.int32), rows.tokens),
       t_tok=jnp.where(r[None], new_t.T, rows.t_tok),

@@ -237,6 +237,41 @@ class BackendSuite:
     assert not differ, differ
     assert np.all(np.asarray(sc.in_kept))
 
+  def test_score_tokens_is_what_sample_with_lists_or_samples_returned(self):
+    # Found by review: outputs that are not controls (top_logprobs,
+    # return_kept, num_samples) changed the floats of a call with no
+    # truncation rule, which score_tokens (given only the controls) cannot
+    # follow. The mosaic kernel ran another epilogue for them (a row's
+    # column slots, so its sums' order, moved), and stage 2 redid every
+    # float of a row whose top-N list or kept set the candidates could not
+    # certify from the materialized logits (XLA's dot, not the pass's).
+    # Random inputs, so that any other summation order shows in the bits,
+    # and copies of each row's best weight rows, so that its lists tie and
+    # overflow at the edge (uncertified rows).
+    b, d, v = 8, 128, 1024
+    h, w = inputs.random_inputs(b, d, v, seed=3, logit_std=3.0)
+    w = np.asarray(w).copy()
+    rng = np.random.default_rng(0)
+    best = np.argsort(-(np.asarray(h, np.float32) @ np.asarray(w, np.float32).T), axis=1)
+    for r in range(b):
+      w[rng.choice(v, 24, replace=False)] = w[best[r, r % 3]]
+    w = jnp.asarray(w)
+    keys = inputs.row_keys(b, seed=1)
+    t = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)
+    names = ("logprob", "logprob_truncated", "entropy", "entropy_truncated")
+    for kw in (dict(top_logprobs=5), dict(return_kept=8), dict(num_samples=2)):
+      out = self.run(h, w, keys, temperature=t, return_logprobs=True, return_entropy=True,
+                     **kw)
+      tokens = np.asarray(out.tokens).reshape(-1, b)
+      for j, tok in enumerate(tokens):
+        sc = fs.score_tokens(h, w, jnp.asarray(tok), temperature=t, backend=self.backend)
+        for name in names:
+          got = np.asarray(getattr(out, name))
+          got = got[j] if got.ndim == 2 else got            # entropies are per row
+          differ = np.nonzero(got.view(np.uint32)
+                              != np.asarray(getattr(sc, name)).view(np.uint32))[0]
+          assert differ.size == 0, (kw, j, name, differ)
+
   # -- random inputs: >= 99.9% agreement ------------------------------------
 
   random_shapes = [(64, 128, 4099), (32, 256, 3000)]
