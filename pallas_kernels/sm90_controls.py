@@ -8,9 +8,10 @@ warpgroups alternating tiles; a launch's blocks split its CTAs and share
 each weight tile through L2) with a longer epilogue. A batch-invariant
 call (``controls_state(..., batch_invariant=True)``) runs each block split
 over the vocabulary as one block alone is (:func:`_fixed_split`), with one
-epilogue for every B: without lists and with one sample, the 128-row
-blocks' chunks of 8 columns (in 64-row blocks up to B = 64), else 64-row
-blocks (:func:`_block_rows`). Per element, in the
+epilogue for every B and every call, the 128-row blocks' chunks of 8
+columns: without lists and with one sample in 128-row blocks past B = 64
+and 64-row ones up to it, else in 64-row blocks (:func:`_block_rows`).
+Per element, in the
 order of the package's controls (``flashsample_jax.controls``)::
 
     x = l                                   f32 accumulator
@@ -800,11 +801,15 @@ def _block_rows(batch: int, *, samples: int, lists: bool, batch_invariant: bool,
   leaves the registers for it, else :data:`BATCH`. A batch-invariant split
   with ``invariant_rows`` = BATCH_WIDE does the same, its BATCH-row blocks
   with the wide epilogue (:func:`config`): every row gets the same column
-  slots and products at every batch, so the same bits."""
+  slots and products at every batch, so the same bits, and with or without
+  candidate lists and samples: outputs that are not controls (top-N lists,
+  kept sets, several samples) must not move a call's floats, which
+  ``score_tokens`` reproduces from the controls alone (docs/design.md,
+  "Determinism and RL")."""
   if invariant_rows not in (BATCH, BATCH_WIDE):
     raise ValueError(f"invariant_rows={invariant_rows} must be {BATCH} or {BATCH_WIDE}")
   fits = samples == 1 and not lists
-  if batch_invariant and not (fits and invariant_rows == BATCH_WIDE):
+  if batch_invariant and invariant_rows == BATCH:
     return BATCH, False
   wide_epilogue = batch_invariant
   return (BATCH_WIDE if fits and batch > BATCH else BATCH), wide_epilogue
@@ -875,13 +880,14 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
       (``invariant_rows``), each block split over the vocabulary as one
       block alone is (:func:`_fixed_split`), and the one-block lists
       (docs/design.md, "Determinism and RL").
-    invariant_rows: the batch-invariant split's blocks: for one sample
-      without candidate lists, :data:`BATCH_WIDE` (the default: blocks of
-      BATCH_WIDE rows past BATCH, and BATCH rows with the same epilogue up
-      to it, :func:`_block_rows`) or :data:`BATCH` (BATCH rows at every
-      batch); BATCH rows for every other call. A row's bits depend on it
-      (the epilogue's chunks set the row's column slots), so a caller
-      keeps one value for every batch.
+    invariant_rows: the batch-invariant split's blocks:
+      :data:`BATCH_WIDE` (the default: for one sample without candidate
+      lists blocks of BATCH_WIDE rows past BATCH, and BATCH rows up to it;
+      BATCH rows for every other call; all with BATCH_WIDE's epilogue,
+      :func:`_block_rows`) or :data:`BATCH` (BATCH rows and their own
+      epilogue at every batch). A row's bits depend on it (the epilogue's
+      chunks set the row's column slots), so a caller keeps one value for
+      every batch.
   """
   batch = hidden.shape[0]
   offset = jnp.asarray(vocab_offset, jnp.int32)

@@ -996,9 +996,10 @@ def test_mosaic_wide_blocks_with_bias_mask_and_logprobs(monkeypatch):
 # blocks, fixed split, the config's epilogue columns and Dt)).
 _ONE_SPLIT_CASES = {
     # With lists: 64-row blocks at every B (the per-B split would run 4 // 3
-    # CTAs per block of a 130-row launch).
+    # CTAs per block of a 130-row launch), with the epilogue of the calls
+    # without lists (chunks of 8 columns).
     "top_k_top_p": (dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True),
-                    (64, 130), [(64, 1, True, 16, 128), (64, 3, True, 16, 128)]),
+                    (64, 130), [(64, 1, True, 8, 128), (64, 3, True, 8, 128)]),
     # Without: 64-row blocks up to B = 64 and 128-row ones past it, one
     # epilogue (chunks of 8 columns) for both; bf16's 64-row blocks keep
     # their Dt = 128 (the same k16 products in the same order).
@@ -1079,12 +1080,19 @@ def test_wide_invariant_blocks_share_the_narrow_ones_arithmetic():
                                    invariant_rows=sm90_controls.BATCH_WIDE) == (64, True)
   assert sm90_controls._block_rows(65, samples=1, lists=False, batch_invariant=True,
                                    invariant_rows=sm90_controls.BATCH_WIDE) == (128, True)
-  # With lists, or asked for 64-row blocks: the 64-row epilogue at every B.
+  # With lists or several samples: 64-row blocks at every B, with the same
+  # epilogue as without (outputs that are not controls must not move the
+  # floats score_tokens reproduces); asked for 64-row blocks: the 64-row
+  # epilogue at every B.
   for b in (1, 64, 65, 1000):
-    assert sm90_controls._block_rows(b, samples=1, lists=True, batch_invariant=True,
-                                     invariant_rows=sm90_controls.BATCH_WIDE) == (64, False)
+    for samples, lists in ((1, True), (2, False), (4, True)):
+      assert sm90_controls._block_rows(b, samples=samples, lists=lists, batch_invariant=True,
+                                       invariant_rows=sm90_controls.BATCH_WIDE) == (64, True)
     assert sm90_controls._block_rows(b, samples=1, lists=False, batch_invariant=True,
                                      invariant_rows=sm90_controls.BATCH) == (64, False)
+  # Calls for tokens alone keep the per-B blocks and their own epilogue.
+  assert sm90_controls._block_rows(65, samples=1, lists=True, batch_invariant=False,
+                                   invariant_rows=sm90_controls.BATCH_WIDE) == (64, False)
   with pytest.raises(ValueError, match="invariant_rows"):
     sm90_controls._block_rows(1, samples=1, lists=False, batch_invariant=True,
                               invariant_rows=96)

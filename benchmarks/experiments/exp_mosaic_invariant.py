@@ -9,7 +9,8 @@ For each head, mode and B, timed in alternating rounds
   without lists 128-row blocks past 64 rows, 64-row ones with the same
   epilogue up to it) for every call, tokens-only ones included;
 * ``fixed_narrow``: the fixed split in blocks of 64 rows at every B (its
-  own epilogue: other bits);
+  own epilogue: other bits; for calls with lists or several samples the
+  epilogue they ran before they took the one without lists);
 * ``per_b``: ``MosaicBackend(batch_invariant=False)`` (128-row blocks
   without lists, the SMs shared among a launch's blocks);
 * ``dense``: ``backend="dense"`` (XLA's GEMM, then the package's fused
@@ -51,6 +52,10 @@ MODES = {
     "topk_topp_logprobs": dict(top_k=50, top_p=0.9, return_logprobs=True),
     "rl_all": dict(top_k=50, top_p=0.9, return_logprobs=True, return_entropy=True,
                    return_raw_logprobs=True),
+    # Lists or several samples with no truncation rule: the kernel's epilogue
+    # is the one without lists, so that the floats are score_tokens' bits.
+    "logprobs_top5": dict(return_logprobs=True, top_logprobs=5),
+    "logprobs_samples2": dict(return_logprobs=True, num_samples=2),
     # fs.score_tokens of given ids (every ScoreOutput field), no truncation.
     "score": dict(score=True),
 }
@@ -65,8 +70,9 @@ class FixedSplitMosaic(MosaicBackend):
 
 
 class NarrowFixedSplitMosaic(FixedSplitMosaic):
-  """The fixed split in blocks of 64 rows at every batch (the package's
-  split for calls with lists or several samples)."""
+  """The fixed split in blocks of 64 rows at every batch, their own
+  epilogue (which calls with lists or several samples ran before they took
+  the one without lists)."""
 
   def invariant_rows(self, p, c) -> int:
     del p, c
