@@ -81,11 +81,47 @@ def test_permute_k_is_the_register_order():
   # operand holds column order[k] of the tile.
   order = [0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15]
   x = np.arange(64).reshape(2, 32)
-  got = np.asarray(sm90_common.permute_k(jnp.asarray(x), 1))
+  got = np.asarray(sm90_common.permute_k(jnp.asarray(x), 1, load_bytes=4))
   want = np.concatenate([x[:, :16][:, order], x[:, 16:][:, order]], axis=1)
   np.testing.assert_array_equal(got, want)
   # An involution, so permuting W and H alike keeps every dot product.
-  np.testing.assert_array_equal(np.asarray(sm90_common.permute_k(jnp.asarray(got), 1)), x)
+  np.testing.assert_array_equal(
+      np.asarray(sm90_common.permute_k(jnp.asarray(got), 1, load_bytes=4)), x)
+  # WGMMA_UPCAST_4X: thread c of a quad holds columns 8c..8c+7 of a
+  # 32-column group, its four pairs the A layout's 8-column tiles p = 0..3,
+  # which read columns (2c, 2c+1) of each: position 8p + 2c + d holds 8c + 2p + d.
+  order = [8 * c + 2 * p + d for p in range(4) for c in range(4) for d in range(2)]
+  x = np.arange(128).reshape(2, 64)
+  got = np.asarray(sm90_common.permute_k(jnp.asarray(x), 1, load_bytes=8))
+  want = np.concatenate([x[:, :32][:, order], x[:, 32:][:, order]], axis=1)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(
+      np.asarray(sm90_common.permute_k(jnp.asarray(got), 1, load_bytes=8)), x)
+  assert sm90_common.OPERAND_LOAD_BYTES in (4, 8)
+  with pytest.raises(ValueError, match="multiple of 32"):
+    sm90_common.permute_k(jnp.zeros((2, 48)), 1, load_bytes=8)
+
+
+def test_exact_top_runs_the_config_of_the_pass(monkeypatch):
+  # Found by review: top_logprobs' early-exit launch (materializing t) kept
+  # the 64-row lists' own config (Dt = 128) while the pass with lists ran
+  # the wide epilogue, where an 8-bit weight takes Dt = 64: its t from
+  # another dot. Traced only (the launches' configs), S-like D = 256.
+  from pallas_kernels import sm90_controls
+  seen = []
+  real = sm90_controls._launch
+  monkeypatch.setattr(sm90_controls, "_launch", lambda *a, **k: (
+      seen.append((k["cfg"].tile_d, k["cfg"].epi_cols, k["spec"].materialize)),
+      real(*a, **k))[1])
+  h = jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((1024, 256), jnp.float8_e4m3fn)
+  s = jax.ShapeDtypeStruct((1024,), jnp.float32)
+  backend = MosaicBackend(interpret=True)
+  jax.jit(lambda h, w, s: fs.sample(h, w, jax.random.key(0), weight_scale=s,
+                                    top_logprobs=5, backend=backend)).trace(h, w, s)
+  passes = {cfg[:2] for cfg in seen if not cfg[2]}
+  tops = {cfg[:2] for cfg in seen if cfg[2]}
+  assert passes == tops == {(64, 8)}, seen
 
 
 def test_weight_paths_and_configs():
