@@ -55,10 +55,18 @@ class ScoreOutput(NamedTuple):
 
 # The options of score_tokens that must be static under jax.jit.
 SCORE_STATIC_ARGNAMES = ("weight_layout", "vocab_size", "backend", "vocab_axis",
-                         "batch_axis", "truncation_order")
-# SamplingParams' output options: score_tokens returns its own outputs, so
-# those fields are ignored (num_samples must be None: one token per row).
-_OUTPUT_OPTIONS = tuple(n for n in STATIC_NAMES if n != "truncation_order")
+                         "batch_axis", "truncation_order", "top_logprobs",
+                         "top_logprobs_mode", "return_kept")
+# The output options that set the length of the pass's candidate lists
+# (stage2.candidate_count): a row near their edge is certified on them or
+# redone from materialized logits, so its floats follow them. score_tokens
+# takes them as sample() does (and returns no lists).
+_LIST_OPTIONS = ("top_logprobs", "top_logprobs_mode", "return_kept")
+# SamplingParams' other output options: score_tokens returns its own
+# outputs, so those fields are ignored (num_samples must be None: one token
+# per row).
+_OUTPUT_OPTIONS = tuple(n for n in STATIC_NAMES
+                        if n != "truncation_order" and n not in _LIST_OPTIONS)
 
 
 def _token_ids(token_ids, batch: int, vocab_size: int):
@@ -92,7 +100,8 @@ def score_tokens(hidden, weight, token_ids, params=None, *, temperature=1.0,
                  vocab_axis=None, batch_axis=None, top_k=None, top_p=None, min_p=None,
                  logit_bias=None, allowed_mask=None, softcap=None,
                  repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-                 prompt_ids=None, output_ids=None, truncation_order="hf"):
+                 prompt_ids=None, output_ids=None, truncation_order="hf",
+                 top_logprobs=0, top_logprobs_mode="processed", return_kept=0):
   """Scores given tokens under the distribution :func:`flashsample_jax.sample`
   draws from with the same arguments.
 
@@ -101,8 +110,13 @@ def score_tokens(hidden, weight, token_ids, params=None, *, temperature=1.0,
     vocab_axis, batch_axis, temperature and the controls: as
       :func:`flashsample_jax.sample` (``params``: a
       :class:`~flashsample_jax.SamplingParams` instead of the control
-      keywords; its output options are ignored, its ``num_samples`` must be
-      None).
+      keywords; its output options are ignored but for the three below,
+      its ``num_samples`` must be None).
+    top_logprobs, top_logprobs_mode, return_kept: the ``sample`` call's. No
+      list is returned; they set the length of the pass's candidate lists
+      as in ``sample``, which a row's floats follow where truncation is on
+      (a row near the lists' edge is certified on them or redone from
+      materialized logits).
     token_ids: int ``[B]``, one token per row, in ``[0, vocab_size)``.
 
   Returns:
@@ -152,6 +166,9 @@ def _settings(params, given: dict) -> dict:
     raise ValueError(f"params.num_samples={ctl['num_samples']} must be None: "
                      "score_tokens scores one token per row")
   ctl = {k: v for k, v in ctl.items() if k not in _OUTPUT_OPTIONS}
+  if ctl.get("top_logprobs_mode") == "raw":
+    # Raw lists are kept beside the processed ones and size nothing else.
+    ctl = dict(ctl, top_logprobs=0, top_logprobs_mode="processed")
   return dict(ctl, return_logprobs=True, return_entropy=True, return_raw_logprobs=True)
 
 

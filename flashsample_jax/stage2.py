@@ -1222,6 +1222,12 @@ def _materialized(p: Problem, c: controls.Controls, rows: _Rows, perturbed, axis
       top_t, top_i = materialized_raw_top(p, c, axis)
     else:
       top_t, top_i = controls.top_n(t, top[0].shape[1])
+      # A row redone for its list alone keeps its tokens' t from the pass
+      # (their log-probabilities'): in its list too, where they are listed.
+      # (The pass reports a token's t only with log-probabilities.)
+      for tok, tt in zip(rows.tokens, rows.t_tok) if c.return_logprobs else ():
+        own = (top_i == tok[:, None]) & ~r[:, None]
+        top_t = jnp.where(own, tt[:, None], top_t)
     top = (jnp.where(listed[:, None], top_t, top[0]),
            jnp.where(listed[:, None], top_i, top[1]))
   if rows.ent_all is not None:

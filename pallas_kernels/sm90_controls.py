@@ -8,9 +8,10 @@ warpgroups alternating tiles; a launch's blocks split its CTAs and share
 each weight tile through L2) with a longer epilogue. A batch-invariant
 call (``controls_state(..., batch_invariant=True)``) runs each block split
 over the vocabulary as one block alone is (:func:`_fixed_split`), with one
-epilogue for every B and every call, the 128-row blocks' chunks of 8
-columns: without lists and with one sample in 128-row blocks past B = 64
-and 64-row ones up to it, else in 64-row blocks (:func:`_block_rows`).
+epilogue for every B and every call (with the default ``invariant_rows``),
+the 128-row blocks' chunks of 8 columns: without lists and with one sample
+in 128-row blocks past B = 64 and 64-row ones up to it, else in 64-row
+blocks (:func:`_block_rows`).
 Per element, in the
 order of the package's controls (``flashsample_jax.controls``)::
 
@@ -829,7 +830,8 @@ def controls_state(hidden, weight, rows, vocab_offset=0, *, samples: int,
   """The controls state of every row from the fused kernel.
 
   Rows go in blocks of :data:`BATCH` (of :data:`BATCH_WIDE` for B > BATCH
-  with one sample, no candidate lists and not ``batch_invariant``), up to
+  with one sample and no candidate lists, unless ``batch_invariant`` with
+  ``invariant_rows`` = BATCH), up to
   :data:`MAX_BLOCKS` blocks per launch (``TuningConfig.batch_blocks``: one
   pass over W from HBM for all of them), and samples in groups of
   :data:`MAX_KERNEL_SAMPLES`; each group re-reads W.
@@ -954,7 +956,8 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
               layout: str, vocab_size: int, total_rows: int, softcap: bool,
               logit_bias=None, allowed_mask=None,
               penalties: Penalties | None = None, history=None,
-              target: common.Target = common.Target(), scale=None):
+              target: common.Target = common.Target(), scale=None,
+              wide_epilogue: bool = False):
   """The exact ``n_top`` largest tempered logits of the flagged rows, in
   ``controls.top_n``'s order, by work that is skipped when no row is
   flagged: no XLA conditional (:mod:`pallas_kernels.sm90_top`).
@@ -969,7 +972,9 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
   Args as :func:`controls_state` (``rows`` with one sample's counters,
   which it does not read; ``scale`` as there), and ``flags`` bool ``[B]``; at most
   :data:`EXACT_TOP_MAX_ROWS` rows, and the weight must hold the whole
-  vocabulary (``vocab_offset`` 0).
+  vocabulary (``vocab_offset`` 0). ``wide_epilogue``: the config of the
+  pass whose lists these rows replace (:func:`_block_rows`' second value),
+  so that each t is the pass's (an 8-bit weight's Dt follows it).
 
   Returns:
     ``(vals f32 [B, N], ids int32 [B, N])``: global ids; rows not flagged
@@ -984,7 +989,7 @@ def exact_top(hidden, weight, rows, flags, vocab_offset=0, *, n_top: int,
   w, rows_k, cfg, bias, planes, penalties, _ = _prepare(
       hidden, weight, offset, layout=layout, samples=1, lists=True, n=n,
       total_rows=total_rows, logit_bias=logit_bias, allowed_mask=allowed_mask,
-      penalties=penalties, history=history)
+      penalties=penalties, history=history, wide_epilogue=wide_epilogue)
   blocks = -(-batch // n)
   spec = Spec(samples=1, softcap=softcap, bias=bias is not None,
               mask=allowed_mask is not None, penalties=penalties, noise=False,

@@ -271,6 +271,13 @@ class BackendSuite:
           differ = np.nonzero(got.view(np.uint32)
                               != np.asarray(getattr(sc, name)).view(np.uint32))[0]
           assert differ.size == 0, (kw, j, name, differ)
+      if "top_logprobs" in kw:
+        # A token's entry in the top list is its log-probability, bit for bit.
+        ids, lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        own = ids == tokens[0][:, None]
+        np.testing.assert_array_equal(
+            lps.view(np.uint32)[own],
+            np.broadcast_to(np.asarray(out.logprob)[:, None], lps.shape).view(np.uint32)[own])
 
   # -- random inputs: >= 99.9% agreement ------------------------------------
 

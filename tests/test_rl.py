@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import flashsample_jax as fs
-from flashsample_jax import controls, problem, reference
+from flashsample_jax import controls, problem, reference, stage2
 from tests import cases, inputs
 from tests.conftest import has_gpu
 
@@ -247,6 +247,31 @@ def test_score_tokens_is_bit_for_bit_what_sample_returned(backend):
       a, b = np.asarray(getattr(out, name)), np.asarray(getattr(sc, name))
       np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=name)
     assert np.all(np.asarray(sc.in_kept))
+
+
+@pytest.mark.parametrize("backend", ["xla", "dense"])
+def test_score_tokens_takes_the_list_lengths_of_the_sample_call(backend):
+  # Found by review: with a truncation rule, return_kept=N (or
+  # top_logprobs=N) lengthens the candidate lists, so a kept set of 129 to N
+  # ids was certified on them in sample and redone from materialized logits
+  # in score_tokens (lists of 128): other bits. score_tokens takes them as
+  # sample does, keywords or params (tested failing before: 2 rows).
+  b, v = 8, 4096
+  h, w = inputs.random_inputs(b, 64, v, seed=5, logit_std=3.0)
+  keys = inputs.row_keys(b, seed=1)
+  names = ("logprob", "logprob_truncated", "entropy", "entropy_truncated")
+  for kw in (dict(return_kept=512), dict(top_logprobs=128, top_logprobs_mode="raw")):
+    params = fs.SamplingParams(top_p=0.9, return_logprobs=True, return_entropy=True, **kw)
+    out = fs.sample(h, w, keys, params, backend=backend)
+    if "return_kept" in kw:   # kept sets the longer lists hold, the default ones not
+      kept = np.asarray(out.kept_count)
+      assert np.any((kept > stage2.CANDIDATES) & (kept <= 512)), kept
+    for sc in (fs.score_tokens(h, w, out.tokens, top_p=0.9, backend=backend, **kw),
+               fs.score_tokens(h, w, out.tokens, params, backend=backend)):
+      for name in names:
+        np.testing.assert_array_equal(np.asarray(getattr(out, name)).view(np.uint32),
+                                      np.asarray(getattr(sc, name)).view(np.uint32),
+                                      err_msg=f"{kw} {name}")
 
 
 @pytest.mark.parametrize("backend", ["xla", "dense"])

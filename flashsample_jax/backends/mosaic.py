@@ -229,8 +229,14 @@ class MosaicBackend(SamplerBackend):
           vocab_size=p.vocab_size, total_rows=p.total_rows,
           softcap=c.softcap is not None, logit_bias=c.logit_bias,
           allowed_mask=c.allowed_mask, penalties=penalties, history=history,
-          target=self._target(), scale=p.weight_scale)
+          target=self._target(), scale=p.weight_scale,
+          wide_epilogue=self._wide_epilogue(p, c))
     return run
+
+  def _wide_epilogue(self, p, c) -> bool:
+    # The pass's (controls_kernel._block_rows): exact_top's t must be its.
+    return (self.fixed_split(c)
+            and self.invariant_rows(p, c) == _kernels()[3].BATCH_WIDE)
 
   def _offers_exact_top(self, p, c) -> bool:
     # Also where the lists are merged in top_n's order (a two-key sort,
