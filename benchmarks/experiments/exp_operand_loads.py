@@ -16,12 +16,11 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import flashsample_jax as fs
 from benchmarks._timing import timed_rounds
-from benchmarks.shapes import HEADS, random_head
+from benchmarks.shapes import HEADS, fp8_points
 from pallas_kernels import sm90_common
 
 
@@ -47,18 +46,13 @@ def main(argv=None):
   ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
   ap.add_argument("--rounds", type=int, default=3)
   args = ap.parse_args(argv)
-  for head in args.heads:
-    d, _ = HEADS[head]
-    w8, scale = fs.quantize_weight(random_head(head), jnp.float8_e4m3fn)
-    for b in args.batches:
-      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-      keys = jax.random.split(jax.random.key(3), b)
-      variants, tokens = {}, {}
-      for width in (8, 4):
-        variants[f"load{width}"], tokens[width] = _compiled(width, h, w8, scale, keys)
-      print(json.dumps(dict(head=head, B=b, tokens_equal=int((tokens[8] == tokens[4]).sum()),
-                            rows=b)), flush=True)
-      timed_rounds(variants, h, w8, scale, keys, rounds=args.rounds, head=head, B=b)
+  for head, b, h, w8, scale, keys in fp8_points(args.heads, args.batches):
+    variants, tokens = {}, {}
+    for width in (8, 4):
+      variants[f"load{width}"], tokens[width] = _compiled(width, h, w8, scale, keys)
+    print(json.dumps(dict(head=head, B=b, tokens_equal=int((tokens[8] == tokens[4]).sum()),
+                          rows=b)), flush=True)
+    timed_rounds(variants, h, w8, scale, keys, rounds=args.rounds, head=head, B=b)
 
 
 if __name__ == "__main__":

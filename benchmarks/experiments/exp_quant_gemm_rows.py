@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks._timing import timed_rounds
-from benchmarks.shapes import HEADS, random_head
+from benchmarks.shapes import HEADS, fp8_points
 from flashsample_jax import problem
 
 
@@ -63,14 +63,9 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--calls", action="store_true")
   args = ap.parse_args(argv)
-  for head in args.heads:
-    d, _ = HEADS[head]
-    w8, scale = fs.quantize_weight(random_head(head), jnp.float8_e4m3fn)
-    for b in args.batches:
-      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-      keys = jax.random.split(jax.random.key(3), b)
-      timed_rounds(_variants(b, args.calls), h, w8, scale, keys, rounds=args.rounds,
-                   head=head, B=b)
+  for head, b, h, w8, scale, keys in fp8_points(args.heads, args.batches):
+    timed_rounds(_variants(b, args.calls), h, w8, scale, keys, rounds=args.rounds,
+                 head=head, B=b)
 
 
 if __name__ == "__main__":
