@@ -166,9 +166,9 @@ def _settings(params, given: dict) -> dict:
     raise ValueError(f"params.num_samples={ctl['num_samples']} must be None: "
                      "score_tokens scores one token per row")
   ctl = {k: v for k, v in ctl.items() if k not in _OUTPUT_OPTIONS}
-  if ctl.get("top_logprobs_mode") == "raw":
-    # Raw lists are kept beside the processed ones and size nothing else.
-    ctl = dict(ctl, top_logprobs=0, top_logprobs_mode="processed")
+  # Raw top-N lists (top_logprobs_mode="raw") are kept: they do not size
+  # the processed lists, but they decide the route (the kernels do not
+  # list raw logits), and the bits follow the backend.
   return dict(ctl, return_logprobs=True, return_entropy=True, return_raw_logprobs=True)
 
 

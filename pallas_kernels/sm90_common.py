@@ -424,7 +424,7 @@ _CONVERSIONS = {
 # (dequantized(operand=True)): 4, one 32-bit shared load per 4 weights in
 # WGMMA_UPCAST_2X, or 8, one 64-bit load per 8 in WGMMA_UPCAST_4X. Half
 # the register path's stall cycles wait on these loads, but the 64-bit
-# ones measured 4-7% slower (docs/performance.md, "Quantized heads").
+# ones measured 4-9% slower (docs/performance.md, "Quantized heads").
 OPERAND_LOAD_BYTES = 4
 
 
@@ -469,7 +469,8 @@ def permute_k(x, axis: int = -1, load_bytes: int | None = None):
 
 def dequantized(w_ref, dtype, *, interpret: bool, operand: bool):
   """The 8-bit tile ``w_ref`` (SMEM ``[R, C]``, R a multiple of 64, C of
-  16) as ``dtype`` (bf16/f16) in registers, exactly.
+  16, of ``4 * OPERAND_LOAD_BYTES`` for the operand) as ``dtype``
+  (bf16/f16) in registers, exactly.
 
   ``operand``: in the wgmma's A layout (``WGMMA``) with the columns in
   :func:`permute_k`'s order (loaded :data:`OPERAND_LOAD_BYTES` per thread;

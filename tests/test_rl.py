@@ -251,27 +251,38 @@ def test_score_tokens_is_bit_for_bit_what_sample_returned(backend):
 
 @pytest.mark.parametrize("backend", ["xla", "dense"])
 def test_score_tokens_takes_the_list_lengths_of_the_sample_call(backend):
-  # Found by review: with a truncation rule, return_kept=N (or
-  # top_logprobs=N) lengthens the candidate lists, so a kept set of 129 to N
-  # ids was certified on them in sample and redone from materialized logits
-  # in score_tokens (lists of 128): other bits. score_tokens takes them as
-  # sample does, keywords or params (tested failing before: 2 rows).
-  b, v = 8, 4096
-  h, w = inputs.random_inputs(b, 64, v, seed=5, logit_std=3.0)
-  keys = inputs.row_keys(b, seed=1)
+  # Found by review: with a truncation rule, top_logprobs=N or
+  # return_kept=N lengthens the candidate lists to N + the slack, so a kept
+  # set of 129 to ~N ids was certified on them in sample and redone from
+  # materialized logits in score_tokens (lists of 128): other bits (1 row
+  # each here before). score_tokens takes them as sample does, keywords or
+  # params. Row r: 140 + r ids of near-equal logits, the rest far below, so
+  # that top-p 0.9 keeps ~126-133 ids (one-hot hidden states: exact logits).
+  b, d, v = 8, 64, 4096
+  rng = np.random.default_rng(1)
+  w = np.zeros((v, d), np.float32)
+  w[:, :b] = -30.0
+  for r in range(b):
+    w[rng.choice(v, 140 + r, replace=False), r] = rng.normal(0, 0.05, 140 + r)
+  h, w = jnp.asarray(np.eye(b, d, dtype=np.float32)), jnp.asarray(w)
+  keys = jax.random.split(jax.random.key(1), b)
   names = ("logprob", "logprob_truncated", "entropy", "entropy_truncated")
-  for kw in (dict(return_kept=512), dict(top_logprobs=128, top_logprobs_mode="raw")):
+  for kw in (dict(top_logprobs=128), dict(return_kept=136)):
     params = fs.SamplingParams(top_p=0.9, return_logprobs=True, return_entropy=True, **kw)
     out = fs.sample(h, w, keys, params, backend=backend)
-    if "return_kept" in kw:   # kept sets the longer lists hold, the default ones not
-      kept = np.asarray(out.kept_count)
-      assert np.any((kept > stage2.CANDIDATES) & (kept <= 512)), kept
     for sc in (fs.score_tokens(h, w, out.tokens, top_p=0.9, backend=backend, **kw),
                fs.score_tokens(h, w, out.tokens, params, backend=backend)):
       for name in names:
         np.testing.assert_array_equal(np.asarray(getattr(out, name)).view(np.uint32),
                                       np.asarray(getattr(sc, name)).view(np.uint32),
                                       err_msg=f"{kw} {name}")
+  kept = np.asarray(fs.sample(h, w, keys, top_p=0.9, return_kept=256, backend=backend).kept_count)
+  assert np.any((kept > stage2.CANDIDATES) & (kept <= 136)), kept
+  # Checked as sample checks them, raw lists included (they decide the route).
+  with pytest.raises(ValueError, match=r"top_logprobs=-1 must be in"):
+    fs.score_tokens(h, w, out.tokens, top_logprobs=-1, top_logprobs_mode="raw")
+  with pytest.raises(TypeError, match=r"return_kept=True must be a Python int"):
+    fs.score_tokens(h, w, out.tokens, return_kept=True)
 
 
 @pytest.mark.parametrize("backend", ["xla", "dense"])
