@@ -1,5 +1,5 @@
 """Stage 2's exact path: the fallback rows, and only they, are redone from
-materialized logits; at most ``stage2.EXACT_ROWS`` of them as a compacted
+materialized logits (rows flagged for their lists alone: those lists); at most ``stage2.EXACT_ROWS`` of them as a compacted
 batch of their own, more as the whole batch, or in compacted groups where
 the batch's logits exceed ``stage2.EXACT_GROUP_BYTES`` (that choice in a
 conditional inside the one that skips the path); the groups bound the
@@ -45,25 +45,29 @@ def test_flagged_rows_and_only_they_are_redone(flagged, key, source, group_bytes
     p = problem.prepare_logits(LOGITS, KEYS[key], temperature=T)
   c = controls.prepare_controls(batch=B, vocab_size=V, rows=V, num_samples=2,
                                 return_logprobs=True, **kw)
+  # Every other flagged row is flagged for its lists alone (relist): its
+  # top-N list is redone, its token and floats are not.
   rows_flagged = np.random.default_rng(flagged).permutation(B)[:flagged]
-  fallback = np.zeros(B, bool)
-  fallback[rows_flagged] = True
+  fallback, relist = np.zeros(B, bool), np.zeros(B, bool)
+  fallback[rows_flagged[::2]] = True
+  relist[rows_flagged[1::2]] = True
+  listed = fallback | relist
   s, n = 2, kw["top_logprobs"]
   rows = stage2._Rows(tokens=jnp.full((s, B), _SENTINEL, jnp.int32),
                       t_tok=jnp.zeros((s, B)), lse_kept=jnp.zeros((s, B)),
                       lse_all=jnp.zeros((B,)),
                       top=(jnp.zeros((B, n)), jnp.full((B, n), _SENTINEL, jnp.int32)),
-                      fallback=jnp.asarray(fallback))
+                      fallback=jnp.asarray(fallback), relist=jnp.asarray(relist))
   out = jax.jit(lambda p, c, rows: stage2._exact_path(p, c, rows, None))(p, c, rows)
   want = fs.reference.sample(H, W, KEYS[key], temperature=T, num_samples=2,
                              return_logprobs=True, **kw)
   tokens, top_ids = np.asarray(out.tokens), np.asarray(out.top[1])
   np.testing.assert_array_equal(tokens[:, fallback], np.asarray(want.tokens)[:, fallback])
-  np.testing.assert_array_equal(top_ids[fallback], np.asarray(want.top_ids)[fallback])
+  np.testing.assert_array_equal(top_ids[listed], np.asarray(want.top_ids)[listed])
   np.testing.assert_allclose(np.asarray(out.lse_all)[fallback],
                              np.asarray(want.logsumexp)[0, fallback], rtol=2e-5, atol=2e-5)
   assert (tokens[:, ~fallback] == _SENTINEL).all()
-  assert (top_ids[~fallback] == _SENTINEL).all()
+  assert (top_ids[~listed] == _SENTINEL).all()
   assert (np.asarray(out.lse_all)[~fallback] == 0).all()
 
 
@@ -80,7 +84,7 @@ def test_groups_bound_the_memory_the_program_reserves(monkeypatch):
                                 return_logprobs=True)
   rows = stage2._Rows(tokens=jnp.zeros((1, b), jnp.int32), t_tok=jnp.zeros((1, b)),
                       lse_kept=jnp.zeros((1, b)), lse_all=jnp.zeros((b,)), top=None,
-                      fallback=jnp.zeros((b,), bool))
+                      fallback=jnp.zeros((b,), bool), relist=jnp.zeros((b,), bool))
 
   def temp_bytes():
     f = jax.jit(lambda p, c, rows: stage2._exact_path(p, c, rows, None))
