@@ -234,8 +234,11 @@ class MosaicBackend(SamplerBackend):
     return run
 
   def _wide_epilogue(self, p, c) -> bool:
-    # The pass's (controls_kernel._block_rows): exact_top's t must be its.
-    return (self.fixed_split(c)
+    # The pass's (controls_kernel._block_rows) for an 8-bit weight, whose
+    # Dt follows it: exact_top's t must be the pass's. A bf16 / f16 t is
+    # the same at either config (docs/performance.md, "RL outputs and
+    # batch invariance", "Their own Dt"), and keeps the one its GPU tests ran.
+    return (p.quantized and self.fixed_split(c)
             and self.invariant_rows(p, c) == _kernels()[3].BATCH_WIDE)
 
   def _offers_exact_top(self, p, c) -> bool:
