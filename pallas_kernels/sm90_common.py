@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref
+from jaxlib.mlir.dialects import llvm, memref
 
 from pallas_kernels import threefry
 from pallas_kernels.sm90_config import (
@@ -420,62 +420,36 @@ _CONVERSIONS = {
 }
 
 
-# Bytes of a tile row each thread loads at once for the register operand
-# (dequantized(operand=True)): 4, one 32-bit shared load per 4 weights in
-# WGMMA_UPCAST_2X, or 8, one 64-bit load per 8 in WGMMA_UPCAST_4X. Half
-# the register path's stall cycles wait on these loads, but the 64-bit
-# ones measured 4-9% slower (docs/performance.md, "Quantized heads").
-OPERAND_LOAD_BYTES = 4
-
-
-def permute_k(x, axis: int = -1, load_bytes: int | None = None):
-  """``x`` with each group of ``4 * load_bytes`` along ``axis`` (default
-  :data:`OPERAND_LOAD_BYTES`) reordered by the involution that swaps the
-  index's thread field and pair field: element ``k = 8p + 2c + d`` of a
-  group comes from ``load_bytes * c + 2p + d`` (``d`` < 2, ``c`` < 4, ``p``
-  < ``load_bytes / 2``). For 4 bytes that swaps bits 3 and 1 of the index.
+def permute_k(x, axis: int = -1):
+  """``x`` with each group of 16 along ``axis`` reordered by the
+  involution that swaps bits 3 and 1 of the index: element ``k`` of a
+  group comes from ``8c + 4b + 2a + d`` where ``k = 8a + 4b + 2c + d``.
 
   A converted 8-bit tile lies in registers in Mosaic GPU's
-  ``WGMMA_UPCAST_4X`` (``WGMMA_UPCAST_2X``) layout: thread ``c`` of a quad
-  holds ``load_bytes`` consecutive columns of a row (in ``UPCAST_2X`` the
-  quad's threads take the 4-column runs in the order 0, 2, 1, 3, which is
-  the same permutation read with the two bits of ``c`` swapped); read as
-  the wgmma's A layout (column pairs ``2c, 2c + 1`` of every 8) its
-  columns are in this order. Instead of a shuffle per register, the
-  launcher gives H's columns the same order: ``sum_k W[v, s(k)] H[b,
-  s(k)]`` is the dot product (docs/design.md, "Quantized heads")."""
-  load_bytes = OPERAND_LOAD_BYTES if load_bytes is None else load_bytes
-  if load_bytes not in (4, 8):
-    raise ValueError(f"load_bytes={load_bytes} must be 4 or 8")
-  group = 4 * load_bytes
+  ``WGMMA_UPCAST_2X`` layout (each thread holds 4 consecutive columns,
+  loaded with one 32-bit shared load); read as the wgmma's A layout (2 + 2
+  columns 8 apart) its columns are in this order. Instead of a shuffle per
+  register, the launcher gives H's columns the same order: ``sum_k
+  W[v, s(k)] H[b, s(k)]`` is the dot product (docs/design.md, "Quantized
+  heads")."""
   axis = axis % x.ndim
   shape = x.shape
-  if shape[axis] % group:
-    raise ValueError(f"axis {axis} of {shape} must be a multiple of {group}")
-  pair_bits = 1 if load_bytes == 4 else 2
-  # k's bits, high to low: p (pair_bits), c (2), d (1); UPCAST_2X's c with
-  # its two bits swapped (its quad order).
-  g = x.reshape(shape[:axis] + (shape[axis] // group,) + (2,) * (pair_bits + 3)
-                + shape[axis + 1:])
+  if shape[axis] % 16:
+    raise ValueError(f"axis {axis} of {shape} must be a multiple of 16")
+  g = x.reshape(shape[:axis] + (shape[axis] // 16, 2, 2, 2, 2) + shape[axis + 1:])
   a = axis + 1
-  p_dims = list(range(a, a + pair_bits))
-  c_dims = [a + pair_bits, a + pair_bits + 1]
-  if load_bytes == 4:
-    c_dims = c_dims[::-1]
   perm = list(range(g.ndim))
-  perm[a:a + pair_bits + 2] = c_dims + p_dims
+  perm[a], perm[a + 2] = perm[a + 2], perm[a]
   return g.transpose(perm).reshape(shape)
 
 
 def dequantized(w_ref, dtype, *, interpret: bool, operand: bool):
   """The 8-bit tile ``w_ref`` (SMEM ``[R, C]``, R a multiple of 64, C of
-  16, of ``4 * OPERAND_LOAD_BYTES`` for the operand) as ``dtype``
-  (bf16/f16) in registers, exactly.
+  16) as ``dtype`` (bf16/f16) in registers, exactly.
 
-  ``operand``: in the wgmma's A layout (``WGMMA``) with the columns in
-  :func:`permute_k`'s order (loaded :data:`OPERAND_LOAD_BYTES` per thread;
-  the H operand must be permuted alike); else in ``WGMMA_UPCAST_2X`` in
-  the tile's order (for a store).
+  ``operand``: in the wgmma's A layout (``WGMMA``) with each group of 16
+  columns in :func:`permute_k`'s order (the H operand must be permuted
+  alike); else in ``WGMMA_UPCAST_2X`` in the tile's order (for a store).
   Interpret mode converts with ``astype`` (and permutes the operand's
   columns, so that the CPU tests see the launcher's permutation of H).
   """
@@ -487,53 +461,37 @@ def dequantized(w_ref, dtype, *, interpret: bool, operand: bool):
   if key not in _CONVERSIONS:
     raise NotImplementedError(f"no conversion of {key[0]} weights to {key[1]}")
   ptx = _CONVERSIONS[key]
-  wide = operand and OPERAND_LOAD_BYTES == 8
-  in_layout = plgpu.Layout.WGMMA_UPCAST_4X if wide else plgpu.Layout.WGMMA_UPCAST_2X
-  src = plgpu.load(w_ref, layout=in_layout)
+  src = plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
   shape = src.shape
   out_layout = plgpu.Layout.WGMMA if operand else plgpu.Layout.WGMMA_UPCAST_2X
 
-  @plgpu.inline_mgpu(arg_types=(in_layout,),
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_2X,),
                      return_type=plgpu.ShapeDtypeStruct(shape, out, layout=out_layout))
   def convert(_, x):
+    i8 = ir.IntegerType.get_signless(8)
     i32 = ir.IntegerType.get_signless(32)
     el = ir.BF16Type.get() if out == jnp.bfloat16 else ir.F16Type.get()
     pair = ir.VectorType.get((2,), el)
     layout = mgpu_fa.WGMMA_LAYOUT if operand else mgpu_fa.WGMMA_LAYOUT_UPCAST_2X
     regs = np.empty(layout.registers_shape(shape), dtype=object)
-    nd = regs.ndim
     for idx, reg in np.ndenumerate(x.registers):
-      pairs = [mgpu_utils.bitcast(llvm.extractvalue(i32, res, [j]), pair)
-               for res in _converted_words(reg, ptx) for j in (0, 1)]
+      word = mgpu_utils.bitcast(
+          mgpu_utils.bitcast(reg, ir.VectorType.get((4,), i8)), i32)
+      res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [word],
+                            ptx, "=r,=r,r")
+      lo, hi = (mgpu_utils.bitcast(llvm.extractvalue(i32, res, [j]), pair)
+                for j in (0, 1))
       if operand:
-        # Pair p of a thread's consecutive columns is its p-th 8-column
-        # tile of the A layout (no shuffle between the layouts): the
-        # columns come in permute_k's order.
-        for p, value in enumerate(pairs):
-          regs[(idx[0], idx[1] * len(pairs) + p, *idx[2:nd])] = value
+        # The two halves of a thread's 4 columns are its two 8-column
+        # tiles of the A layout (WGMMA_UPCAST_2X -> WGMMA without the
+        # shuffle): the columns come in permute_k's order.
+        regs[(idx[0], idx[1] * 2, *idx[2:-1])] = lo
+        regs[(idx[0], idx[1] * 2 + 1, *idx[2:-1])] = hi
       else:
-        regs[idx] = mgpu_utils.vector_concat(pairs)
+        regs[idx] = mgpu_utils.vector_concat([lo, hi])
     return mgpu_fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
   return convert(src)
-
-
-def _converted_words(reg, ptx):
-  """The inline-PTX conversion of each 32-bit word of ``reg`` (a vector of
-  4 or 8 bytes), low word first: one ``(i32, i32)`` struct of two 16-bit
-  pairs per word."""
-  i32 = ir.IntegerType.get_signless(32)
-  n_bytes = ir.VectorType(reg.type).shape[0]
-  words = []
-  if n_bytes == 4:
-    words.append(mgpu_utils.bitcast(reg, i32))
-  else:
-    i64 = ir.IntegerType.get_signless(64)
-    both = mgpu_utils.bitcast(reg, i64)
-    words.append(arith.trunci(i32, both))
-    words.append(arith.trunci(i32, arith.shrui(both, mgpu_utils.c(32, i64))))
-  return [llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [w], ptx, "=r,=r,r")
-          for w in words]
 
 
 # Rows of an 8-bit tile converted at once into a staging tile: the

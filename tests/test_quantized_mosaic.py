@@ -75,27 +75,17 @@ def _same_candidates(backend, p):
 
 
 def test_permute_k_is_the_register_order():
-  # WGMMA_UPCAST_2X (4 bytes a thread): a thread holds columns 4j..4j+3 of a
-  # 16-column group (j = 0, 2, 1, 3 for lanes 0..3 of a quad); read as the A
-  # layout its two halves are columns (2q, 2q+1) and (2q+8, 2q+9).
-  # WGMMA_UPCAST_4X (8 bytes): thread c of a quad holds columns 8c..8c+7 of
-  # a 32-column group, its four pairs the A layout's 8-column tiles p =
-  # 0..3, which read columns (2c, 2c+1) of each: position 8p + 2c + d holds
-  # 8c + 2p + d. So position k of the operand holds column order[k].
-  orders = {4: [0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15],
-            8: [8 * c + 2 * p + d for p in range(4) for c in range(4) for d in range(2)]}
-  for load_bytes, order in orders.items():
-    group = len(order)
-    x = np.arange(4 * group).reshape(2, 2 * group)
-    got = np.asarray(sm90_common.permute_k(jnp.asarray(x), 1, load_bytes=load_bytes))
-    want = np.concatenate([x[:, :group][:, order], x[:, group:][:, order]], axis=1)
-    np.testing.assert_array_equal(got, want)
-    # An involution, so permuting W and H alike keeps every dot product.
-    np.testing.assert_array_equal(
-        np.asarray(sm90_common.permute_k(jnp.asarray(got), 1, load_bytes=load_bytes)), x)
-  assert sm90_common.OPERAND_LOAD_BYTES in orders
-  with pytest.raises(ValueError, match="multiple of 32"):
-    sm90_common.permute_k(jnp.zeros((2, 48)), 1, load_bytes=8)
+  # A thread of WGMMA_UPCAST_2X holds columns 4j..4j+3 of a 16-column group
+  # (j = 0, 2, 1, 3 for lanes 0..3 of a quad); read as the A layout its two
+  # halves are columns (2q, 2q+1) and (2q+8, 2q+9). So position k of the
+  # operand holds column order[k] of the tile.
+  order = [0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15]
+  x = np.arange(64).reshape(2, 32)
+  got = np.asarray(sm90_common.permute_k(jnp.asarray(x), 1))
+  want = np.concatenate([x[:, :16][:, order], x[:, 16:][:, order]], axis=1)
+  np.testing.assert_array_equal(got, want)
+  # An involution, so permuting W and H alike keeps every dot product.
+  np.testing.assert_array_equal(np.asarray(sm90_common.permute_k(jnp.asarray(got), 1)), x)
 
 
 def test_exact_top_runs_the_config_of_the_pass(monkeypatch):
