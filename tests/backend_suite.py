@@ -747,7 +747,8 @@ def every_uniform_bits():
 
 
 def check_exact_top(backend, h, w, key, t, kw, *, n: int = 20, rows=None,
-                    exact_values: bool = True, layout: str = "vd", vocab_size=None):
+                    exact_values: bool = True, layout: str = "vd", vocab_size=None,
+                    weight_scale=None):
   """A backend's early-exit exact top N (``exact_top``), with ``rows``
   flagged (default all): its ids equal ``controls.top_n``'s of the
   reference's tempered logits, and its values bit for bit (with
@@ -758,7 +759,7 @@ def check_exact_top(backend, h, w, key, t, kw, *, n: int = 20, rows=None,
   from flashsample_jax import controls, problem, reference, stage2
   b = h.shape[0]
   p = problem.prepare(h, w, key, temperature=t, weight_layout=layout,
-                      vocab_size=vocab_size)
+                      vocab_size=vocab_size, weight_scale=weight_scale)
   c = controls.prepare_controls(batch=b, vocab_size=p.vocab_size, rows=p.weight_rows,
                                 top_logprobs=n, **kw)
   run = backend.exact_top(p, c)

@@ -444,6 +444,17 @@ def test_exact_top_bit_for_bit(b, d, v, kw):
                   rows=np.arange(0, b, 3), exact_values="softcap" not in kw)
 
 
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_exact_top_bit_for_bit_with_an_fp8_head(b):
+  # An 8-bit head's exact top N runs the pass's config (the wide epilogue
+  # where the pass takes it; the weight's Dt follows it): ids and values
+  # equal XLA's top_n of the reference's tempered logits bit for bit.
+  h, w, scale = inputs.quantized_inputs(b, 4096, 151936, seed=b)
+  t = jnp.asarray(np.resize([0.7, 0.6, 1.3, 0.0, 1.0], b), jnp.float32)
+  check_exact_top(MosaicBackend(), h, w, jax.random.key(b), t, {},
+                  rows=np.arange(0, b, 3), weight_scale=scale)
+
+
 @pytest.mark.parametrize("length,m", [(924, 28), (1000, 21), (20, 28)])
 def test_top_lists_kernel_equals_the_two_key_sort(length, m):
   # The selection kernel compiled for the GPU, bit for bit against XLA's
