@@ -340,6 +340,13 @@ def swizzle_bytes(minor_bytes: int) -> int:
                    "is not a multiple of 32 bytes")
 
 
+# Columns of a register-path step per wgmma: the step's tile is converted
+# and multiplied in chunks of this many columns, each chunk's wgmma running
+# while the next chunk converts (a multiple of the 8-bit tile's 128-byte
+# swizzle; docs/performance.md, "Quantized heads").
+REGISTER_K_CHUNK = 128
+
+
 def tma_transforms(dtype, minor: int | None = None):
   """Tiling and swizzle of an SMEM tile of ``dtype`` whose minor dimension
   holds ``minor`` elements (None: a multiple of the 128-byte swizzle)."""
@@ -354,8 +361,10 @@ def tma_transforms(dtype, minor: int | None = None):
 # ----------------------------------------------------------------------------
 
 # Per 32-bit register of four 8-bit weights [b3 b2 b1 b0], PTX that writes
-# the two 32-bit registers $0 = (b0, b1) and $1 = (b2, b3) of the
-# bf16/f16 values, exactly (docs/design.md, "Quantized heads"). Hopper has
+# the two 32-bit registers $0 = (b0, b2) and $1 = (b1, b3) of the
+# bf16/f16 values, exactly (docs/design.md, "Quantized heads"): b1 and b3
+# already sit in the high bytes of the 16-bit lanes, and one shift puts b0
+# and b2 there (pairs of neighbours took a byte permute per pair). Hopper has
 # no e4m3/e5m2 -> bf16 conversion (only -> f16, in ptxas >= 12.8 for bf16
 # with a newer ISA), so the FP8 ones are bit moves: a byte placed in the
 # high byte of a 16-bit lane, its magnitude bits shifted right by 8 - 1 -
@@ -367,8 +376,8 @@ def tma_transforms(dtype, minor: int | None = None):
 # decode as finite numbers on the bf16 route; the f16 route keeps them.
 _FP8_BF16 = """{{
   .reg .b32 w<2>, t<2>, m, z;
-  prmt.b32 w0, $2, 0, 0x1404;
-  prmt.b32 w1, $2, 0, 0x3424;
+  shl.b32 w0, $2, 8;
+  mov.b32 w1, $2;
   and.b32 t0, w0, 0x7F007F00;
   and.b32 t1, w1, 0x7F007F00;
   shr.u32 t0, t0, {shift};
@@ -382,8 +391,8 @@ _FP8_BF16 = """{{
 }}"""
 _INT8 = """{{
   .reg .b32 w<2>, a<2>, b<2>, c;
-  prmt.b32 w0, $2, {magic}, 0x4140;
-  prmt.b32 w1, $2, {magic}, 0x4342;
+  prmt.b32 w0, $2, {magic}, 0x4240;
+  prmt.b32 w1, $2, {magic}, 0x4341;
   {body}
 }}"""
 _CONVERSIONS = {
@@ -400,15 +409,17 @@ _CONVERSIONS = {
   sub.bf16x2 $1, a1, b1;"""),
     # f16 holds every e4m3 value: the hardware conversion (sm_89+).
     ("float8_e4m3fn", "float16"): """{
+  .reg .b32 p;
   .reg .b16 l, h;
-  mov.b32 {l, h}, $2;
+  prmt.b32 p, $2, 0, 0x3120;
+  mov.b32 {l, h}, p;
   cvt.rn.f16x2.e4m3x2 $0, l;
   cvt.rn.f16x2.e4m3x2 $1, h;
 }""",
     # e5m2 is the high byte of an f16.
     ("float8_e5m2", "float16"): """{
-  prmt.b32 $0, $2, 0, 0x1404;
-  prmt.b32 $1, $2, 0, 0x3424;
+  prmt.b32 $0, $2, 0, 0x2404;
+  prmt.b32 $1, $2, 0, 0x3414;
 }""",
     # 1024 + (b ^ 0x80) in the mantissa of an f16, minus 1152 (0x6480).
     ("int8", "float16"): _INT8.format(magic="0x64", body="""
@@ -421,25 +432,25 @@ _CONVERSIONS = {
 
 
 def permute_k(x, axis: int = -1):
-  """``x`` with each group of 16 along ``axis`` reordered by the
-  involution that swaps bits 3 and 1 of the index: element ``k`` of a
-  group comes from ``8c + 4b + 2a + d`` where ``k = 8a + 4b + 2c + d``.
+  """``x`` with each group of 16 along ``axis`` reordered: element ``k =
+  8a + 4b + 2c + d`` of a group comes from ``8c + 4b + 2d + a``.
 
   A converted 8-bit tile lies in registers in Mosaic GPU's
   ``WGMMA_UPCAST_2X`` layout (each thread holds 4 consecutive columns,
-  loaded with one 32-bit shared load); read as the wgmma's A layout (2 + 2
-  columns 8 apart) its columns are in this order. Instead of a shuffle per
-  register, the launcher gives H's columns the same order: ``sum_k
-  W[v, s(k)] H[b, s(k)]`` is the dot product (docs/design.md, "Quantized
-  heads")."""
+  loaded with one 32-bit shared load, converted to the pairs (0, 2) and
+  (1, 3)); read as the wgmma's A layout (2 + 2 columns 8 apart) its
+  columns are in this order. Instead of a shuffle per register, the
+  launcher gives H's columns the same order: ``sum_k W[v, s(k)] H[b,
+  s(k)]`` is the dot product (docs/design.md, "Quantized heads")."""
   axis = axis % x.ndim
   shape = x.shape
   if shape[axis] % 16:
     raise ValueError(f"axis {axis} of {shape} must be a multiple of 16")
+  # Source index bits (c, b, d, a) -> output bits (a, b, c, d).
   g = x.reshape(shape[:axis] + (shape[axis] // 16, 2, 2, 2, 2) + shape[axis + 1:])
   a = axis + 1
   perm = list(range(g.ndim))
-  perm[a], perm[a + 2] = perm[a + 2], perm[a]
+  perm[a:a + 4] = [a + 3, a + 1, a, a + 2]
   return g.transpose(perm).reshape(shape)
 
 
@@ -477,6 +488,10 @@ def dequantized(w_ref, dtype, *, interpret: bool, operand: bool):
     for idx, reg in np.ndenumerate(x.registers):
       word = mgpu_utils.bitcast(
           mgpu_utils.bitcast(reg, ir.VectorType.get((4,), i8)), i32)
+      if not operand:
+        # Bytes (b0, b2, b1, b3): the pairs come out as (b0, b1), (b2, b3),
+        # the tile's own order.
+        word = llvm.inline_asm(i32, [word], "prmt.b32 $0, $1, 0, 0x3120;", "=r,r")
       res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [word],
                             ptx, "=r,=r,r")
       lo, hi = (mgpu_utils.bitcast(llvm.extractvalue(i32, res, [j]), pair)
@@ -687,19 +702,29 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       stage_smem = scratch.pop("stage_smem", None)
 
       def operands(slot):
+        """The wgmmas' operands of a slot, one pair per wgmma: a generator,
+        so that the register path converts each chunk of columns after the
+        wgmma of the chunk before it is issued, which then runs under the
+        conversion (docs/performance.md, "Quantized heads")."""
         w_slot = w_smem.at[slot]
         if path is WeightPath.REGISTERS:  # vocabulary on M, "vd"
-          a = dequantized(w_slot, h_ref.dtype, interpret=interpret, operand=True)
-          if interpret:
-            stage_smem[wg] = a
-            a = stage_smem.at[wg]
-          return a, h_smem.at[slot].T
+          kc = min(REGISTER_K_CHUNK, dt)
+          for c in range(0, dt, kc):
+            cols = pl.ds(c, kc)
+            a = dequantized(w_slot.at[:, cols], h_ref.dtype, interpret=interpret,
+                            operand=True)
+            if interpret:
+              stage_smem[wg, :, cols] = a
+              a = stage_smem.at[wg, :, cols]
+            yield a, h_smem.at[slot, :, cols].T
+          return
         if path is WeightPath.STAGED:
           w_slot = stage_smem.at[wg]
           stage_weight(w_smem.at[slot], w_slot, interpret=interpret)
         if batch_major:  # acc[N, Vt] = H @ W_tile.T
-          return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
-        return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
+          yield h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+        else:
+          yield (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
       @pl.when(wg < 2)
       def _compute_wg():
@@ -842,7 +867,8 @@ def consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
     s = i * k_steps + k
     slot = lax.rem(s, S)
     plgpu.barrier_wait(full.at[wg * S + slot])
-    plgpu.wgmma(acc_ref, *operands(slot))
+    for a, b in operands(slot):
+      plgpu.wgmma(acc_ref, a, b)
     plgpu.wgmma_wait(in_flight)
     if in_flight:
       @pl.when(k > 0)

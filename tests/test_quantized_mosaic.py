@@ -76,16 +76,25 @@ def _same_candidates(backend, p):
 
 def test_permute_k_is_the_register_order():
   # A thread of WGMMA_UPCAST_2X holds columns 4j..4j+3 of a 16-column group
-  # (j = 0, 2, 1, 3 for lanes 0..3 of a quad); read as the A layout its two
-  # halves are columns (2q, 2q+1) and (2q+8, 2q+9). So position k of the
-  # operand holds column order[k] of the tile.
-  order = [0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15]
+  # (j = 0, 2, 1, 3 for lanes q = 0..3 of a quad) in one 32-bit word, which
+  # the conversion splits into the pairs (4j, 4j+2) and (4j+1, 4j+3); read
+  # as the A layout those are positions (2q, 2q+1) and (2q+8, 2q+9). So
+  # position k of the operand holds column order[k] of the tile.
+  order = [0] * 16
+  for q, j in enumerate([0, 2, 1, 3]):
+    order[2 * q], order[2 * q + 1] = 4 * j, 4 * j + 2
+    order[2 * q + 8], order[2 * q + 9] = 4 * j + 1, 4 * j + 3
+  assert sorted(order) == list(range(16))
   x = np.arange(64).reshape(2, 32)
   got = np.asarray(sm90_common.permute_k(jnp.asarray(x), 1))
   want = np.concatenate([x[:, :16][:, order], x[:, 16:][:, order]], axis=1)
   np.testing.assert_array_equal(got, want)
-  # An involution, so permuting W and H alike keeps every dot product.
-  np.testing.assert_array_equal(np.asarray(sm90_common.permute_k(jnp.asarray(got), 1)), x)
+  # Permuting W's and H's columns alike keeps every dot product.
+  r = np.random.default_rng(0)
+  w, h = r.integers(-3, 4, (5, 64)), r.integers(-3, 4, (3, 64))
+  np.testing.assert_array_equal(
+      np.asarray(sm90_common.permute_k(jnp.asarray(w), 1) @ sm90_common.permute_k(jnp.asarray(h), 1).T),
+      w @ h.T)
 
 
 def test_exact_top_runs_the_config_of_the_pass(monkeypatch):
