@@ -1,7 +1,7 @@
 """The register path's step, and the kernels around its launch (#40).
 
   python3 -m benchmarks.experiments.exp_register_path [--heads S L qwen3-1.7b]
-      [--batches 1 16] [--rounds 3] [--variants base pairs chunks ...]
+      [--batches 1 16] [--rounds 3] [--variants base pairs gather]
 
 At B <= 16 plain FP8 sampling converts each 8-bit tile in registers and
 feeds it to ``wgmma`` as the A operand (docs/performance.md, "Quantized
@@ -11,16 +11,19 @@ converts at a time, its warps issuing ~800 instructions a step (10 per
 32-bit word of weights), then waiting for the step's 32 wgmmas. Variants,
 each patched in while its call compiles (e4m3, bf16 hidden states):
 
-* ``base``: the conversion of the session before (byte pairs (0, 1) and
-  (2, 3): a byte permute per pair) and one wgmma group per step.
-* ``pairs``: pairs (0, 2) and (1, 3) (one shift for both; 9 instructions
-  a word), one group per step.
-* ``chunks``: pairs (0, 2) and (1, 3), the step in chunks of 128 columns,
-  each chunk's wgmmas issued before the next chunk converts (the default).
-* ``chunks64``: chunks of 64 columns.
-* ``gather``: ``chunks`` with H's column permutation as one gather by a
+* ``base``: the conversion before (byte pairs (0, 1) and (2, 3): a byte
+  permute per pair; H's columns by the matching transposition).
+* ``pairs``: pairs (0, 2) and (1, 3), one shift for both (9 instructions
+  a word; the shipped conversion).
+* ``gather``: ``pairs`` with H's column permutation as one gather by a
   constant index instead of a transpose (one kernel fewer before the
   launch? ``results/quantized/h200_exp_prelaunch.jsonl``: no).
+
+Commit d284353 also held ``chunks`` and ``chunks64``: the step's
+conversion and wgmmas in chunks of 128 (64) columns, each chunk's wgmmas
+issued before the next chunk converts (level with ``pairs`` within 1%;
+64 columns do not lower: slices of an 8-bit tile must keep its 128-byte
+swizzle).
 
 For each head, B and variant: the compiled program's fusions and custom
 calls, a device timeline of back-to-back calls (kernels per call, busy and
@@ -77,13 +80,10 @@ def _gather_02_13(x, axis: int = -1):
   return _by_index(x, axis, _source(lambda a, b, c, d: 8 * c + 4 * b + 2 * d + a))
 
 
-_PERMUTE = sm90_common.permute_k
 VARIANTS = {
-    "base": dict(conversion=_PAIRS_01_23, permute=_transpose_01_23, chunk=1 << 20),
-    "pairs": dict(conversion=_PAIRS_02_13, permute=_PERMUTE, chunk=1 << 20),
-    "chunks": dict(conversion=_PAIRS_02_13, permute=_PERMUTE, chunk=128),
-    "chunks64": dict(conversion=_PAIRS_02_13, permute=_PERMUTE, chunk=64),
-    "gather": dict(conversion=_PAIRS_02_13, permute=_gather_02_13, chunk=128),
+    "base": dict(conversion=_PAIRS_01_23, permute=_transpose_01_23),
+    "pairs": dict(conversion=_PAIRS_02_13, permute=sm90_common.permute_k),
+    "gather": dict(conversion=_PAIRS_02_13, permute=_gather_02_13),
 }
 
 
@@ -91,18 +91,16 @@ def compiled(variant: str, h, w, key, scale):
   """Plain sampling (T 0.7, the mosaic backend) compiled ahead of time with
   ``variant`` patched in; the executable keeps it."""
   v = VARIANTS[variant]
-  saved = (sm90_common._CONVERSIONS[_E4M3], sm90_common.permute_k,  # pylint: disable=protected-access
-           sm90_common.REGISTER_K_CHUNK)
+  saved = sm90_common._CONVERSIONS[_E4M3], sm90_common.permute_k  # pylint: disable=protected-access
   sm90_common._CONVERSIONS[_E4M3] = v["conversion"]  # pylint: disable=protected-access
-  sm90_common.permute_k, sm90_common.REGISTER_K_CHUNK = v["permute"], v["chunk"]
+  sm90_common.permute_k = v["permute"]
   try:
     jax.clear_caches()
     f = jax.jit(lambda h, w, k, s: fs.sample(h, w, k, temperature=0.7, weight_scale=s,
                                              backend="mosaic"))
     return f.lower(h, w, key, scale).compile()
   finally:
-    (sm90_common._CONVERSIONS[_E4M3], sm90_common.permute_k,  # pylint: disable=protected-access
-     sm90_common.REGISTER_K_CHUNK) = saved
+    sm90_common._CONVERSIONS[_E4M3], sm90_common.permute_k = saved  # pylint: disable=protected-access
 
 
 def program_kernels(exe) -> dict:
@@ -137,7 +135,7 @@ def main():
                   choices=sorted(shapes.HEADS))
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--variants", nargs="+", default=["base", "pairs", "chunks"],
+  ap.add_argument("--variants", nargs="+", default=["base", "pairs"],
                   choices=list(VARIANTS))
   ap.add_argument("--no-timeline", action="store_true")
   args = ap.parse_args()
