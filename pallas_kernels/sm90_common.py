@@ -340,13 +340,6 @@ def swizzle_bytes(minor_bytes: int) -> int:
                    "is not a multiple of 32 bytes")
 
 
-# Columns of a register-path step per wgmma: the step's tile is converted
-# and multiplied in chunks of this many columns, each chunk's wgmma running
-# while the next chunk converts (a multiple of the 8-bit tile's 128-byte
-# swizzle; docs/performance.md, "Quantized heads").
-REGISTER_K_CHUNK = 128
-
-
 def tma_transforms(dtype, minor: int | None = None):
   """Tiling and swizzle of an SMEM tile of ``dtype`` whose minor dimension
   holds ``minor`` elements (None: a multiple of the 128-byte swizzle)."""
@@ -702,29 +695,19 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
       stage_smem = scratch.pop("stage_smem", None)
 
       def operands(slot):
-        """The wgmmas' operands of a slot, one pair per wgmma: a generator,
-        so that the register path converts each chunk of columns after the
-        wgmma of the chunk before it is issued, which then runs under the
-        conversion (docs/performance.md, "Quantized heads")."""
         w_slot = w_smem.at[slot]
         if path is WeightPath.REGISTERS:  # vocabulary on M, "vd"
-          kc = min(REGISTER_K_CHUNK, dt)
-          for c in range(0, dt, kc):
-            cols = pl.ds(c, kc)
-            a = dequantized(w_slot.at[:, cols], h_ref.dtype, interpret=interpret,
-                            operand=True)
-            if interpret:
-              stage_smem[wg, :, cols] = a
-              a = stage_smem.at[wg, :, cols]
-            yield a, h_smem.at[slot, :, cols].T
-          return
+          a = dequantized(w_slot, h_ref.dtype, interpret=interpret, operand=True)
+          if interpret:
+            stage_smem[wg] = a
+            a = stage_smem.at[wg]
+          return a, h_smem.at[slot].T
         if path is WeightPath.STAGED:
           w_slot = stage_smem.at[wg]
           stage_weight(w_smem.at[slot], w_slot, interpret=interpret)
         if batch_major:  # acc[N, Vt] = H @ W_tile.T
-          yield h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
-        else:
-          yield (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
+          return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+        return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
       @pl.when(wg < 2)
       def _compute_wg():
@@ -867,8 +850,7 @@ def consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
     s = i * k_steps + k
     slot = lax.rem(s, S)
     plgpu.barrier_wait(full.at[wg * S + slot])
-    for a, b in operands(slot):
-      plgpu.wgmma(acc_ref, a, b)
+    plgpu.wgmma(acc_ref, *operands(slot))
     plgpu.wgmma_wait(in_flight)
     if in_flight:
       @pl.when(k > 0)
