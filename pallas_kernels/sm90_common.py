@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -647,8 +648,14 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   into a staging tile of the warpgroup's own.
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
+  if dim % dt:
+    raise ValueError(f"H's {dim} columns must come in steps of {dt} (step_columns)")
   k_steps = dim // dt
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
+  # The tile's swizzle must also divide the weight's own minor dimension
+  # (the TMA copies whole swizzle rows): gpt-oss' D = 2880 of 8-bit weights
+  # takes 64 bytes where its steps are 256 columns wide (step_columns).
+  w_minor = math.gcd(dt, w_ref.shape[1]) if layout == "vd" else w_block[1]
   h_transforms = tma_transforms(h_ref.dtype)
   path = weight_path(cfg.schedule, layout, jnp.dtype(w_ref.dtype).itemsize)
   batch_major = cfg.schedule.batch_major
@@ -664,7 +671,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
     @functools.partial(
         pl.run_scoped,
         w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype,
-                          transforms=tma_transforms(w_ref.dtype, w_block[1])),
+                          transforms=tma_transforms(w_ref.dtype, w_minor)),
         h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=h_transforms),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
         empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
@@ -790,16 +797,21 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
                  vt: int, dt: int, S: int, k_steps: int, rows: int, cta,
                  num_ctas: int, total):
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
-  ``(local tile i, k)`` steps in order through the ring of ``S`` slots."""
+  ``(local tile i, k)`` steps in order through the ring of ``S`` slots
+  (``h_ref``'s columns in :func:`step_columns`' layout)."""
+  w_dim = w_ref.shape[1 if layout == "vd" else 0]
 
   @pl.loop(0, total)
   def _step(s):
     slot, i, k = ring_step(s, S=S, k_steps=k_steps, empty=empty)
     start = tile_start(cta + i * num_ctas, vt, rows)
+    # The weight's columns of step k; the last step moves back where dt
+    # does not divide D (step_columns: H's columns hold zeros there).
+    col = jnp.minimum(k * dt, w_dim - dt)
     if layout == "vd":
-      w_src = w_ref.at[pl.ds(start, vt), pl.ds(k * dt, dt)]
+      w_src = w_ref.at[pl.ds(start, vt), pl.ds(col, dt)]
     else:
-      w_src = w_ref.at[pl.ds(k * dt, dt), pl.ds(start, vt)]
+      w_src = w_ref.at[pl.ds(col, dt), pl.ds(start, vt)]
     bar = full.at[lax.rem(i, 2) * S + slot]
     plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar)
     # H may have fewer rows than the slot (a multiple of 8): its rows fill
@@ -816,6 +828,22 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
   @pl.loop(jnp.maximum(total - S, 0), total)
   def _drain(s):
     plgpu.barrier_wait(empty.at[lax.rem(s, S)])
+
+
+def step_columns(h, dt: int):
+  """H ``[N, D]`` laid out for steps of ``dt`` columns, ``[N, ceil(D / dt)
+  * dt]``: H itself where ``dt`` divides D. Else the weight's last step
+  is moved back to end at its last column (no out-of-bounds copy, as
+  :func:`tile_start` for rows), and H's last ``dt`` columns are its last
+  ``dt`` with those the step before already took set to 0: the products of
+  the re-read weight columns add exact zeros."""
+  d = h.shape[1]
+  full = d // dt * dt
+  if full == d:
+    return h
+  last = h[:, d - dt:]
+  last = jnp.where(jnp.arange(dt) < dt - (d - full), jnp.zeros((), h.dtype), last)
+  return jnp.concatenate([h[:, :full], last], axis=1)
 
 
 def ring_step(s, *, S: int, k_steps: int, empty):

@@ -320,7 +320,9 @@ class TuningConfig:
           "run on the ping-pong schedules")
     if n % N_ALIGN or not 0 < n <= MAX_N:
       raise ValueError(f"batch side {n=} must be a multiple of 8 in [8, {MAX_N}]")
-    if dim % self.tile_d:
+    if dim < self.tile_d or (dim % self.tile_d and not self.schedule.pingpong):
+      # The ping-pong schedules' last step re-reads columns where tile_d
+      # does not divide D (sm90_common.step_columns).
       raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
     if rows < self.tile_v:
       raise ValueError(f"tile_v={self.tile_v} must be <= the weight rows V={rows}")
@@ -463,8 +465,13 @@ WIDE_8BIT_STEP = _WideStep(tile_v=128, tile_d=256, min_steps=4)
 
 def _wide_8bit(base: TuningConfig, n: int, dim: int, itemsize: int):
   """``base`` with the register path's wide tiles and the most slots that
-  fit, or None where D or the SMEM budget does not allow them."""
-  if dim % WIDE_8BIT_STEP.tile_d:
+  fit, or None where D or the SMEM budget does not allow them. Where the
+  tiles do not divide D the last step re-reads the columns it shares with
+  the step before (:func:`~pallas_kernels.sm90_common.step_columns`): taken
+  where those are at most an eighth of D (gpt-oss' 2880: 192, 6.7% more
+  bytes, against steps of 64 columns: docs/performance.md, "Quantized
+  heads")."""
+  if 8 * (-dim % WIDE_8BIT_STEP.tile_d) > dim:
     return None
   wide = dataclasses.replace(base, tile_v=WIDE_8BIT_STEP.tile_v,
                              tile_d=WIDE_8BIT_STEP.tile_d)

@@ -141,10 +141,11 @@ def test_weight_paths_and_configs():
       assert q.smem_bytes(n_pad, 2, 1, staged) <= sm90_config.SMEM_BUDGET
       q.check_problem(n=n_pad, dim=4096, rows=151936, w_itemsize=1, staged=staged)
   # The register path's wide steps where D and the slots allow (B <= 16 on
-  # these heads), the 128 x 128 tiles elsewhere.
+  # these heads; gpt-oss' D = 2880 re-reads 192 columns in its last step,
+  # D = 320 would re-read 192 of 320), the 128 x 128 tiles elsewhere.
   wide = sm90_config.WIDE_8BIT_STEP
   for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, False),
-                     (48, 4096, False), (16, 2880, False)):
+                     (48, 4096, False), (16, 2880, True), (16, 320, False)):
     q = sm90_config.pick_config(n, d, 151936, 2, 1)
     assert ((q.tile_v, q.tile_d) == (wide.tile_v, wide.tile_d)) is want, (n, d, q)
     assert q.max_concurrent_steps >= (wide.min_steps if want else 2)
@@ -182,6 +183,25 @@ def test_configs_match_xla_scores(cfg, layout):
       continue
     p = _exact_problem(21, max(128, cfg.tile_d), 520, dt, layout, per_row=i != 1, seed=i)
     _same_candidates(backend, p)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_steps_that_do_not_divide_d(layout):
+  # D = 320 in steps of 256: the weight's last step moves back to columns
+  # 64..319 and H's copy zeroes the 192 the first step took
+  # (sm90_common.step_columns); counted twice or skipped, a column would
+  # change the exact scores.
+  p = _exact_problem(21, 320, 520, jnp.float8_e4m3fn, layout, per_row=True, seed=5)
+  _same_candidates(MosaicBackend(interpret=True, config=_CONFIGS[-1]), p)
+
+
+def test_step_columns():
+  h = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
+  got = np.asarray(sm90_common.step_columns(h, 256))
+  want = np.concatenate([np.asarray(h[:, :256]), np.asarray(h[:, 64:])], axis=1)
+  want[:, 256:256 + 192] = 0
+  np.testing.assert_array_equal(got, want)
+  assert sm90_common.step_columns(h, 64) is h
 
 
 def test_f16_hidden_states_multiply_in_f16():
@@ -330,6 +350,24 @@ def test_heuristic_exact_on_a_real_head_size(layout):
     np.testing.assert_array_equal(np.asarray(got),
                                   np.asarray(fs.reference.sample(h, w, key, **kw)),
                                   err_msg=f"B={b} {jnp.dtype(dt).name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 16])
+def test_wide_steps_at_gpt_oss_width(b):
+  # D = 2880 (gpt-oss): the heuristic's wide steps, the last of which
+  # re-reads 192 columns (sm90_common.step_columns); scores equal XLA's bit
+  # for bit, tokens the reference's.
+  d, v = 2880, 5003
+  assert sm90_config.wide_8bit_steps(b, d, v)
+  for i, dt in enumerate(DTYPES):
+    p = _exact_problem(b, d, v, dt, "vd", per_row=i != 1, seed=b + i)
+    _same_candidates(MosaicBackend(), p)
+  h, w, s = inputs.quantized_inputs(b, d, v, seed=b)
+  key = jax.random.key(b)
+  np.testing.assert_array_equal(
+      np.asarray(fs.sample(h, w, key, temperature=0.7, weight_scale=s, backend="mosaic")),
+      np.asarray(fs.reference.sample(h, w, key, temperature=0.7, weight_scale=s)))
 
 
 @pytest.mark.gpu

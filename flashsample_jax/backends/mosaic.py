@@ -263,8 +263,8 @@ class MosaicBackend(SamplerBackend):
       # Quantized heads: XLA's GEMM reads the 8-bit weight and converts it
       # in its own kernel; plain sampling through it measured faster than
       # these kernels but where one launch runs the register path's wide
-      # steps (B <= 16, "vd", D a multiple of 256; docs/performance.md,
-      # "Quantized heads").
+      # steps (B <= 16, "vd", D that steps of 256 columns cover;
+      # docs/performance.md, "Quantized heads").
       if p.quantized:
         # sm90_config imports only jax.numpy (see check).
         from pallas_kernels import sm90_config  # pylint: disable=import-outside-toplevel
