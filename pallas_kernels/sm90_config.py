@@ -468,10 +468,12 @@ def _wide_8bit(base: TuningConfig, n: int, dim: int, itemsize: int):
   fit, or None where D or the SMEM budget does not allow them. Where the
   tiles do not divide D the last step re-reads the columns it shares with
   the step before (:func:`~pallas_kernels.sm90_common.step_columns`): taken
-  where those are at most an eighth of D (gpt-oss' 2880: 192, 6.7% more
-  bytes, against steps of 64 columns: docs/performance.md, "Quantized
+  where the alternative is steps of 64 columns (128 does not divide D) and
+  the re-read columns are at most an eighth of D; measured on gpt-oss'
+  2880 (192 columns, 6.7% more bytes: docs/performance.md, "Quantized
   heads")."""
-  if 8 * (-dim % WIDE_8BIT_STEP.tile_d) > dim:
+  reread = -dim % WIDE_8BIT_STEP.tile_d
+  if reread and (dim % 128 == 0 or 8 * reread > dim):
     return None
   wide = dataclasses.replace(base, tile_v=WIDE_8BIT_STEP.tile_v,
                              tile_d=WIDE_8BIT_STEP.tile_d)

@@ -274,7 +274,8 @@ def test_quantized_heads_prefer_xla_gemm_but_for_wide_steps_and_float_reports():
   # Measured on an H200 (docs/performance.md, "Quantized heads", "Candidate
   # lists of the dense route"): XLA's GEMM reading the 8-bit weight beats
   # the fused kernels for plain sampling but where the mosaic kernel runs
-  # its wide 8-bit steps (B <= 16, "vd", D a multiple of 256), and with
+  # its wide 8-bit steps (B <= 16, "vd", D that they cover:
+  # sm90_config.wide_8bit_steps), and with
   # candidate lists (truncation) the dense route's lists from slots beat the
   # controls kernel. Calls that report floats keep the kernels' invariant
   # split; controls without lists stay on the kernels (not measured).

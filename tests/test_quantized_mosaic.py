@@ -141,11 +141,13 @@ def test_weight_paths_and_configs():
       assert q.smem_bytes(n_pad, 2, 1, staged) <= sm90_config.SMEM_BUDGET
       q.check_problem(n=n_pad, dim=4096, rows=151936, w_itemsize=1, staged=staged)
   # The register path's wide steps where D and the slots allow (B <= 16 on
-  # these heads; gpt-oss' D = 2880 re-reads 192 columns in its last step,
-  # D = 320 would re-read 192 of 320), the 128 x 128 tiles elsewhere.
+  # these heads; gpt-oss' D = 2880 re-reads 192 columns in its last step;
+  # not where D = 320 would re-read 192 of 320, nor where 128 x 128 tiles
+  # divide D = 1408: not measured), the 128 x 128 tiles elsewhere.
   wide = sm90_config.WIDE_8BIT_STEP
   for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, False),
-                     (48, 4096, False), (16, 2880, True), (16, 320, False)):
+                     (48, 4096, False), (16, 2880, True), (16, 320, False),
+                     (16, 1408, False)):
     q = sm90_config.pick_config(n, d, 151936, 2, 1)
     assert ((q.tile_v, q.tile_d) == (wide.tile_v, wide.tile_d)) is want, (n, d, q)
     assert q.max_concurrent_steps >= (wide.min_steps if want else 2)
@@ -185,14 +187,16 @@ def test_configs_match_xla_scores(cfg, layout):
     _same_candidates(backend, p)
 
 
+@pytest.mark.parametrize("cfg", [_CONFIGS[-1], _CONFIGS[3]], ids=["wide", "batch_blocks"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_steps_that_do_not_divide_d(layout):
-  # D = 320 in steps of 256: the weight's last step moves back to columns
-  # 64..319 and H's copy zeroes the 192 the first step took
-  # (sm90_common.step_columns); counted twice or skipped, a column would
-  # change the exact scores.
+def test_steps_that_do_not_divide_d(cfg, layout):
+  # D = 320 in steps of 256 (128): the weight's last step moves back to
+  # columns 64..319 (192..319) and H's copy zeroes the 192 (64) columns the
+  # step before took (sm90_common.step_columns); counted twice or skipped,
+  # a column would change the exact scores. Vocabulary on M (register A
+  # operand and staging tile) and batch on M in two blocks.
   p = _exact_problem(21, 320, 520, jnp.float8_e4m3fn, layout, per_row=True, seed=5)
-  _same_candidates(MosaicBackend(interpret=True, config=_CONFIGS[-1]), p)
+  _same_candidates(MosaicBackend(interpret=True, config=cfg), p)
 
 
 def test_step_columns():
@@ -258,7 +262,8 @@ def _mlir(dt):
 def test_controls_and_f16_lower_for_cuda():
   # The controls kernel (staged) with lists, bias and a mask; the exact
   # top-N path (its materializing launch); f16 hidden states; D = 2880
-  # (Dt = 64: 64-byte rows of 8-bit weights); float outputs without lists on
+  # (Dt = 64, 64-byte rows of 8-bit weights; "vd" at B = 4: the wide steps,
+  # their last moved back, in the 64-byte swizzle); float outputs without lists on
   # the batch-invariant split (a 64-row block with the 128-row epilogue, or
   # 128-row blocks).
   for i, dt in enumerate(DTYPES):
