@@ -389,7 +389,7 @@ _INT8 = """{{
   prmt.b32 w1, $2, {magic}, 0x4341;
   {body}
 }}"""
-_CONVERSIONS = {
+CONVERSIONS = {
     # e4m3: 4 exponent bits (bias 7): shift 4, times 2^120 (bf16 0x7B80).
     ("float8_e4m3fn", "bfloat16"): _FP8_BF16.format(shift=4, bias="0x7B807B80"),
     # e5m2: 5 exponent bits (bias 15): shift 3, times 2^112 (bf16 0x7780).
@@ -463,9 +463,9 @@ def dequantized(w_ref, dtype, *, interpret: bool, operand: bool):
     x = w_ref[...].astype(out)
     return permute_k(x, 1) if operand else x
   key = (jnp.dtype(w_ref.dtype).name, out.name)
-  if key not in _CONVERSIONS:
+  if key not in CONVERSIONS:
     raise NotImplementedError(f"no conversion of {key[0]} weights to {key[1]}")
-  ptx = _CONVERSIONS[key]
+  ptx = CONVERSIONS[key]
   src = plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
   shape = src.shape
   out_layout = plgpu.Layout.WGMMA if operand else plgpu.Layout.WGMMA_UPCAST_2X

@@ -12,7 +12,7 @@ converts at a time, its warps issuing ~800 instructions a step (10 per
 each patched in while its call compiles (e4m3, bf16 hidden states):
 
 * ``base``: the conversion before (byte pairs (0, 1) and (2, 3): a byte
-  permute per pair; H's columns by the matching transposition).
+  permute per pair; H's columns in the matching order, by a gather).
 * ``pairs``: pairs (0, 2) and (1, 3), one shift for both (9 instructions
   a word; the shipped conversion).
 * ``gather``: ``pairs`` with H's column permutation as one gather by a
@@ -50,7 +50,7 @@ from flashsample_jax import reference
 from pallas_kernels import sm90_common
 
 _E4M3 = ("float8_e4m3fn", "bfloat16")
-_PAIRS_01_23 = _PAIRS_02_13 = sm90_common._CONVERSIONS[_E4M3]  # pylint: disable=protected-access
+_PAIRS_02_13 = sm90_common.CONVERSIONS[_E4M3]
 _PAIRS_01_23 = _PAIRS_02_13.replace("shl.b32 w0, $2, 8;", "prmt.b32 w0, $2, 0, 0x1404;") \
                            .replace("mov.b32 w1, $2;", "prmt.b32 w1, $2, 0, 0x3424;")
 assert _PAIRS_01_23 != _PAIRS_02_13
@@ -62,9 +62,10 @@ def _source(order) -> np.ndarray:
   return order(a, b, c, d)
 
 
-def _transpose_01_23(x, axis: int = -1):
+def _gather_01_23(x, axis: int = -1):
   """H's permutation for pairs (0, 1), (2, 3): k = 8a + 4b + 2c + d from
-  8c + 4b + 2a + d."""
+  8c + 4b + 2a + d, as one gather (the code before ran it as a transpose:
+  one kernel either way, the call level, ``h200_exp_prelaunch.jsonl``)."""
   return _by_index(x, axis, _source(lambda a, b, c, d: 8 * c + 4 * b + 2 * a + d))
 
 
@@ -81,7 +82,7 @@ def _gather_02_13(x, axis: int = -1):
 
 
 VARIANTS = {
-    "base": dict(conversion=_PAIRS_01_23, permute=_transpose_01_23),
+    "base": dict(conversion=_PAIRS_01_23, permute=_gather_01_23),
     "pairs": dict(conversion=_PAIRS_02_13, permute=sm90_common.permute_k),
     "gather": dict(conversion=_PAIRS_02_13, permute=_gather_02_13),
 }
@@ -91,8 +92,8 @@ def compiled(variant: str, h, w, key, scale):
   """Plain sampling (T 0.7, the mosaic backend) compiled ahead of time with
   ``variant`` patched in; the executable keeps it."""
   v = VARIANTS[variant]
-  saved = sm90_common._CONVERSIONS[_E4M3], sm90_common.permute_k  # pylint: disable=protected-access
-  sm90_common._CONVERSIONS[_E4M3] = v["conversion"]  # pylint: disable=protected-access
+  saved = sm90_common.CONVERSIONS[_E4M3], sm90_common.permute_k
+  sm90_common.CONVERSIONS[_E4M3] = v["conversion"]
   sm90_common.permute_k = v["permute"]
   try:
     jax.clear_caches()
@@ -100,7 +101,7 @@ def compiled(variant: str, h, w, key, scale):
                                              backend="mosaic"))
     return f.lower(h, w, key, scale).compile()
   finally:
-    sm90_common._CONVERSIONS[_E4M3], sm90_common.permute_k = saved  # pylint: disable=protected-access
+    sm90_common.CONVERSIONS[_E4M3], sm90_common.permute_k = saved
 
 
 def program_kernels(exe) -> dict:
