@@ -805,9 +805,10 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
   def _step(s):
     slot, i, k = ring_step(s, S=S, k_steps=k_steps, empty=empty)
     start = tile_start(cta + i * num_ctas, vt, rows)
-    # The weight's columns of step k; the last step moves back where dt
-    # does not divide D (step_columns: H's columns hold zeros there).
-    col = jnp.minimum(k * dt, w_dim - dt)
+    # The weight's columns of step k where dt does not divide D
+    # (step_columns): the last step's box runs past D (TMA fills zeros), or
+    # it moves back to end at column D (H's columns hold zeros there).
+    col = k * dt if LAST_STEP == "zero_fill" else jnp.minimum(k * dt, w_dim - dt)
     if layout == "vd":
       w_src = w_ref.at[pl.ds(start, vt), pl.ds(col, dt)]
     else:
@@ -830,17 +831,28 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
     plgpu.barrier_wait(empty.at[lax.rem(s, S)])
 
 
+# How the last step runs where its columns do not divide D
+# (docs/performance.md, "Steps that do not divide D"): "zero_fill", its TMA
+# box runs past the weight's last column and the hardware fills zeros; or
+# "moved_back", it ends at the last column, re-reading columns the step
+# before took.
+LAST_STEP = "zero_fill"
+
+
 def step_columns(h, dt: int):
   """H ``[N, D]`` laid out for steps of ``dt`` columns, ``[N, ceil(D / dt)
-  * dt]``: H itself where ``dt`` divides D. Else the weight's last step
-  is moved back to end at its last column (no out-of-bounds copy, as
-  :func:`tile_start` for rows), and H's last ``dt`` columns are its last
-  ``dt`` with those the step before already took set to 0: the products of
-  the re-read weight columns add exact zeros."""
+  * dt]``: H itself where ``dt`` divides D. Else (:data:`LAST_STEP`) H
+  padded with zero columns, which meet the zeros the TMA fills past the
+  weight's last column; or, with the weight's last step moved back to end
+  at its last column (as :func:`tile_start` for rows), H's last ``dt``
+  columns are its last ``dt`` with those the step before already took set
+  to 0. Either way the extra products are exact zeros."""
   d = h.shape[1]
   full = d // dt * dt
   if full == d:
     return h
+  if LAST_STEP == "zero_fill":
+    return jnp.pad(h, [(0, 0), (0, full + dt - d)])
   last = h[:, d - dt:]
   last = jnp.where(jnp.arange(dt) < dt - (d - full), jnp.zeros((), h.dtype), last)
   return jnp.concatenate([h[:, :full], last], axis=1)

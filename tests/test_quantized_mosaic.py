@@ -189,23 +189,53 @@ def test_configs_match_xla_scores(cfg, layout):
 
 @pytest.mark.parametrize("cfg", [_CONFIGS[-1], _CONFIGS[3]], ids=["wide", "batch_blocks"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_steps_that_do_not_divide_d(cfg, layout):
-  # D = 320 in steps of 256 (128): the weight's last step moves back to
-  # columns 64..319 (192..319) and H's copy zeroes the 192 (64) columns the
-  # step before took (sm90_common.step_columns); counted twice or skipped,
-  # a column would change the exact scores. Vocabulary on M (register A
-  # operand and staging tile) and batch on M in two blocks.
+@pytest.mark.parametrize("last_step", ["zero_fill", "moved_back"])
+def test_steps_that_do_not_divide_d(cfg, layout, last_step, monkeypatch):
+  # D = 320 in steps of 256 (128): the weight's last step reads past
+  # column 319 (interpret mode, as the TMA, fills zeros) against H's zero
+  # columns (sm90_common.step_columns); a column counted twice or skipped
+  # would change the exact scores. Vocabulary on M (register A operand and
+  # staging tile) and batch on M in two blocks.
+  monkeypatch.setattr(sm90_common, "LAST_STEP", last_step)
   p = _exact_problem(21, 320, 520, jnp.float8_e4m3fn, layout, per_row=True, seed=5)
   _same_candidates(MosaicBackend(interpret=True, config=cfg), p)
 
 
-def test_step_columns():
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_infinite_weights_next_to_the_last_step(layout):
+  # e5m2 codes of +-inf, read as f16 infinities with f16 hidden states, in
+  # the columns the step before the last takes (D = 320 in steps of 256):
+  # the last step must not multiply them again (0 x inf = NaN). Rows with
+  # one inf score it (NaN where H's column is 0, in the reference too);
+  # tokens equal the reference's.
+  h, w, s = inputs.quantized_inputs(21, 320, 520, dtype=jnp.float8_e5m2, layout=layout,
+                                    seed=7, hidden_dtype=jnp.float16)
+  wv = np.asarray(w if layout == "vd" else w.T).copy()
+  inf = np.array([np.inf, -np.inf], jnp.float8_e5m2)
+  wv[::7, 100] = inf[0]
+  wv[3::7, 200] = inf[1]
+  w = jnp.asarray(wv if layout == "vd" else wv.T)
+  cfg = _CONFIGS[-1]
+  kw = dict(temperature=0.5, weight_layout=layout, weight_scale=s)
+  for key in jax.random.split(jax.random.key(0), 2):
+    want = fs.reference.sample(h, w, key, **kw)
+    got = fs.sample(h, w, key, backend=MosaicBackend(interpret=True, config=cfg), **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_step_columns(monkeypatch):
   h = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
+  got = np.asarray(sm90_common.step_columns(h, 256))
+  want = np.zeros((2, 512), np.float32)
+  want[:, :320] = np.asarray(h)
+  np.testing.assert_array_equal(got, want)
+  assert sm90_common.step_columns(h, 64) is h
+  monkeypatch.setattr(sm90_common, "LAST_STEP", "moved_back")
   got = np.asarray(sm90_common.step_columns(h, 256))
   want = np.concatenate([np.asarray(h[:, :256]), np.asarray(h[:, 64:])], axis=1)
   want[:, 256:256 + 192] = 0
   np.testing.assert_array_equal(got, want)
-  assert sm90_common.step_columns(h, 64) is h
 
 
 def test_f16_hidden_states_multiply_in_f16():
@@ -359,10 +389,14 @@ def test_heuristic_exact_on_a_real_head_size(layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 16])
-def test_wide_steps_at_gpt_oss_width(b):
+@pytest.mark.parametrize("last_step", ["zero_fill", "moved_back"])
+def test_wide_steps_at_gpt_oss_width(b, last_step, monkeypatch):
   # D = 2880 (gpt-oss): the heuristic's wide steps, the last of which
-  # re-reads 192 columns (sm90_common.step_columns); scores equal XLA's bit
-  # for bit, tokens the reference's.
+  # reads 192 columns past the weight's last (the TMA fills zeros) or
+  # re-reads 192 (sm90_common.step_columns); scores equal XLA's bit for
+  # bit, tokens the reference's.
+  monkeypatch.setattr(sm90_common, "LAST_STEP", last_step)
+  jax.clear_caches()
   d, v = 2880, 5003
   assert sm90_config.wide_8bit_steps(b, d, v)
   for i, dt in enumerate(DTYPES):
