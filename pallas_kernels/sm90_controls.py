@@ -557,8 +557,6 @@ def _launch(offset, rowdata, h, w, bias, planes, *, cfg, spec: Spec, layout: str
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize,
                     w_itemsize=w_itemsize, staged=weight_path(
                         cfg.schedule, layout, w_itemsize) is WeightPath.STAGED)
-  h = common.step_columns(h, cfg.tile_d)
-  dim = h.shape[1]
   if fixed_split:
     cfg = _fixed_split(cfg, target, n_tiles)
   # With batch blocks, num_ctas counts the CTAs of one block.

@@ -465,8 +465,6 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
   path = weight_path(cfg.schedule, layout, w_itemsize)
   cfg.check_problem(n=n, dim=dim, rows=rows, itemsize=h.dtype.itemsize,
                     w_itemsize=w_itemsize, staged=path is WeightPath.STAGED)
-  h = common.step_columns(h, cfg.tile_d)
-  dim = h.shape[1]
   if path is WeightPath.REGISTERS:
     # The converted tile's columns come in permute_k's order: H's too.
     h = common.permute_k(h, 1)

@@ -141,8 +141,8 @@ def test_weight_paths_and_configs():
       assert q.smem_bytes(n_pad, 2, 1, staged) <= sm90_config.SMEM_BUDGET
       q.check_problem(n=n_pad, dim=4096, rows=151936, w_itemsize=1, staged=staged)
   # The register path's wide steps where D and the slots allow (B <= 16 on
-  # these heads; gpt-oss' D = 2880 re-reads 192 columns in its last step;
-  # not where D = 320 would re-read 192 of 320, nor where 128 x 128 tiles
+  # these heads; gpt-oss' D = 2880 pads 192 columns in its last step;
+  # not where D = 320 would pad 192 to 320, nor where 128 x 128 tiles
   # divide D = 1408: not measured), the 128 x 128 tiles elsewhere.
   wide = sm90_config.WIDE_8BIT_STEP
   for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, False),
@@ -189,14 +189,11 @@ def test_configs_match_xla_scores(cfg, layout):
 
 @pytest.mark.parametrize("cfg", [_CONFIGS[-1], _CONFIGS[3]], ids=["wide", "batch_blocks"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-@pytest.mark.parametrize("last_step", ["zero_fill", "moved_back"])
-def test_steps_that_do_not_divide_d(cfg, layout, last_step, monkeypatch):
-  # D = 320 in steps of 256 (128): the weight's last step reads past
-  # column 319 (interpret mode, as the TMA, fills zeros) against H's zero
-  # columns (sm90_common.step_columns); a column counted twice or skipped
-  # would change the exact scores. Vocabulary on M (register A operand and
+def test_steps_that_do_not_divide_d(cfg, layout):
+  # D = 320 in steps of 256 (128): the last step copies, converts and
+  # multiplies only its 64 columns (sm90_common.step_count); a column
+  # counted twice or skipped would change the exact scores. Vocabulary on M (register A operand and
   # staging tile) and batch on M in two blocks.
-  monkeypatch.setattr(sm90_common, "LAST_STEP", last_step)
   p = _exact_problem(21, 320, 520, jnp.float8_e4m3fn, layout, per_row=True, seed=5)
   _same_candidates(MosaicBackend(interpret=True, config=cfg), p)
 
@@ -224,18 +221,12 @@ def test_infinite_weights_next_to_the_last_step(layout):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_step_columns(monkeypatch):
-  h = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
-  got = np.asarray(sm90_common.step_columns(h, 256))
-  want = np.zeros((2, 512), np.float32)
-  want[:, :320] = np.asarray(h)
-  np.testing.assert_array_equal(got, want)
-  assert sm90_common.step_columns(h, 64) is h
-  monkeypatch.setattr(sm90_common, "LAST_STEP", "moved_back")
-  got = np.asarray(sm90_common.step_columns(h, 256))
-  want = np.concatenate([np.asarray(h[:, :256]), np.asarray(h[:, 64:])], axis=1)
-  want[:, 256:256 + 192] = 0
-  np.testing.assert_array_equal(got, want)
+def test_step_count():
+  assert sm90_common.step_count(2880, 256) == (12, 64)
+  assert sm90_common.step_count(4096, 256) == (16, 256)
+  assert sm90_common.step_count(320, 128) == (3, 64)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    sm90_common.step_count(2900, 256)
 
 
 def test_f16_hidden_states_multiply_in_f16():
@@ -293,7 +284,7 @@ def test_controls_and_f16_lower_for_cuda():
   # The controls kernel (staged) with lists, bias and a mask; the exact
   # top-N path (its materializing launch); f16 hidden states; D = 2880
   # (Dt = 64, 64-byte rows of 8-bit weights; "vd" at B = 4: the wide steps,
-  # their last moved back, in the 64-byte swizzle); float outputs without lists on
+  # their last past D, in the 64-byte swizzle); float outputs without lists on
   # the batch-invariant split (a 64-row block with the 128-row epilogue, or
   # 128-row blocks).
   for i, dt in enumerate(DTYPES):
@@ -389,14 +380,10 @@ def test_heuristic_exact_on_a_real_head_size(layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 16])
-@pytest.mark.parametrize("last_step", ["zero_fill", "moved_back"])
-def test_wide_steps_at_gpt_oss_width(b, last_step, monkeypatch):
+def test_wide_steps_at_gpt_oss_width(b):
   # D = 2880 (gpt-oss): the heuristic's wide steps, the last of which
-  # reads 192 columns past the weight's last (the TMA fills zeros) or
-  # re-reads 192 (sm90_common.step_columns); scores equal XLA's bit for
-  # bit, tokens the reference's.
-  monkeypatch.setattr(sm90_common, "LAST_STEP", last_step)
-  jax.clear_caches()
+  # holds its 64 columns (sm90_common.step_count); scores equal XLA's bit
+  # for bit, tokens the reference's.
   d, v = 2880, 5003
   assert sm90_config.wide_8bit_steps(b, d, v)
   for i, dt in enumerate(DTYPES):
@@ -407,6 +394,30 @@ def test_wide_steps_at_gpt_oss_width(b, last_step, monkeypatch):
   np.testing.assert_array_equal(
       np.asarray(fs.sample(h, w, key, temperature=0.7, weight_scale=s, backend="mosaic")),
       np.asarray(fs.reference.sample(h, w, key, temperature=0.7, weight_scale=s)))
+
+
+@pytest.mark.gpu
+def test_infinite_weights_at_gpt_oss_width():
+  # The wide steps' last step at D = 2880 holds 64 columns
+  # (sm90_common.step_count): e5m2 infinities with f16 hidden states in
+  # the columns the step before takes and in the last ones give the
+  # reference's tokens. H's columns there are nonzero:
+  # +-inf logits, no NaN (0 x inf).
+  d, v = 2880, 5003
+  h, w, s = inputs.quantized_inputs(16, d, v, dtype=jnp.float8_e5m2, seed=3,
+                                    hidden_dtype=jnp.float16)
+  assert sm90_config.wide_8bit_steps(16, d, v, itemsize=2)
+  sign = jnp.where(jnp.arange(16) % 2 == 0, 1.0, -1.0).astype(h.dtype)
+  h = h.at[:, 2700].set(sign).at[:, 2879].set(-sign)
+  wv = np.asarray(w).copy()
+  inf = np.array([np.inf, -np.inf], jnp.float8_e5m2)
+  wv[::5, 2700] = inf[0]
+  wv[2::5, 2879] = inf[1]
+  w = jnp.asarray(wv)
+  for key in jax.random.split(jax.random.key(1), 2):
+    got = fs.sample(h, w, key, temperature=0.5, weight_scale=s, backend="mosaic")
+    want = fs.reference.sample(h, w, key, temperature=0.5, weight_scale=s)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.gpu

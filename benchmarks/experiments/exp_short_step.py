@@ -1,23 +1,24 @@
-"""The register path's last step where its columns do not divide D (#40).
+"""The register path's short last step where 256 does not divide D (#40).
 
-  python3 -m benchmarks.experiments.exp_last_step [--heads gpt-oss]
+  python3 -m benchmarks.experiments.exp_short_step [--heads gpt-oss]
       [--batches 1 16] [--rounds 3] [--weight-dtypes fp8 int8]
 
 gpt-oss' D = 2880 is not a multiple of the wide 8-bit steps' 256 columns
-(docs/performance.md, "Steps that do not divide D"). Variants of
-``sm90_common.LAST_STEP``, each patched in while its call compiles:
+(docs/performance.md, "Steps that do not divide D"): its last step copies
+256 columns from column 2816, 192 of them past the weight's and H's last
+(the TMA fills zeros). Variants, each patched in while its call compiles:
 
-* ``moved_back``: the weight's last step ends at column 2879, re-reading
-  the 192 columns the step before took (6.7% more bytes), against H's
-  zeroed copy of them.
-* ``zero_fill``: the last step's TMA box runs past column 2879; the
-  hardware fills zeros there, and H is padded with zero columns.
+* ``full``: that step's conversion and wgmma take all 256 columns (zeros
+  times zeros past column 2879).
+* ``short``: they take only its 64 columns (``sm90_common.step_count``;
+  shipped).
 
-For each head, B, dtype and variant: the tokens on exact inputs at gpt-oss'
-width against the reference (e4m3, e5m2, int8; per-row and per-tensor
-scales), the compiled program's fusions, a device timeline of back-to-back
-calls, then alternating rounds of wall time (plain sampling, T 0.7, the
-mosaic backend).
+A head of the same vocabulary and D = 3072 took as long as D = 2880
+(``h200_exp_fp8_width.jsonl``): a step's time, not its bytes. For each
+head, B, dtype and variant: tokens on exact inputs at gpt-oss' width
+against the reference (e4m3, e5m2, int8; per-row and per-tensor scales),
+the compiled program's fusions, a device timeline of back-to-back calls,
+then alternating rounds of wall time (plain sampling, T 0.7, mosaic).
 """
 
 from __future__ import annotations
@@ -36,21 +37,25 @@ from benchmarks.experiments.exp_small_b_timeline import timeline
 from flashsample_jax import reference
 from pallas_kernels import sm90_common
 
-VARIANTS = ("moved_back", "zero_fill")
+VARIANTS = ("full", "short")
+_CONSUME = sm90_common.consume_tile
+
+
+def _full_width(acc_ref, **kw):
+  return _CONSUME(acc_ref, **dict(kw, last_cols=None))
 _DTYPES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 
 
 def compiled(variant: str, h, w, key, scale):
   """Plain sampling compiled ahead of time with ``variant`` patched in."""
-  saved = sm90_common.LAST_STEP
-  sm90_common.LAST_STEP = variant
+  sm90_common.consume_tile = _full_width if variant == "full" else _CONSUME
   try:
     jax.clear_caches()
     f = jax.jit(lambda h, w, k, s: fs.sample(h, w, k, temperature=0.7, weight_scale=s,
                                              backend="mosaic"))
     return f.lower(h, w, key, scale).compile()
   finally:
-    sm90_common.LAST_STEP = saved
+    sm90_common.consume_tile = _CONSUME
 
 
 def exact_check(variant: str, b: int, dim: int, vocab: int = 20011) -> dict:
