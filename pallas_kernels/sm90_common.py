@@ -648,7 +648,7 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
   into a staging tile of the warpgroup's own.
   """
   vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
-  k_steps, last_cols = step_count(dim, dt)
+  k_steps = step_count(dim, dt)
   w_block = (vt, dt) if layout == "vd" else (dt, vt)
   # The tile's swizzle must also divide the weight's own minor dimension
   # (the TMA copies whole swizzle rows): gpt-oss' D = 2880 of 8-bit weights
@@ -699,24 +699,20 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
 
       stage_smem = scratch.pop("stage_smem", None)
 
-      def operands(slot, cols):
-        # The step's first `cols` columns (all but in a short last step).
-        w_slot = step_part(w_smem.at[slot], cols, layout)
-        h_slot = step_part(h_smem.at[slot], cols, "vd")
+      def operands(slot):
+        w_slot = w_smem.at[slot]
         if path is WeightPath.REGISTERS:  # vocabulary on M, "vd"
           a = dequantized(w_slot, h_ref.dtype, interpret=interpret, operand=True)
           if interpret:
-            stage = step_part(stage_smem.at[wg], cols, layout)
-            stage[...] = a
-            a = stage
-          return a, h_slot.T
+            stage_smem[wg] = a
+            a = stage_smem.at[wg]
+          return a, h_smem.at[slot].T
         if path is WeightPath.STAGED:
-          stage = step_part(stage_smem.at[wg], cols, layout)
-          stage_weight(w_slot, stage, interpret=interpret)
-          w_slot = stage
+          w_slot = stage_smem.at[wg]
+          stage_weight(w_smem.at[slot], w_slot, interpret=interpret)
         if batch_major:  # acc[N, Vt] = H @ W_tile.T
-          return h_slot, (w_slot.T if layout == "vd" else w_slot)
-        return (w_slot if layout == "vd" else w_slot.T), h_slot.T
+          return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+        return (w_slot if layout == "vd" else w_slot.T), h_smem.at[slot].T
 
       @pl.when(wg < 2)
       def _compute_wg():
@@ -725,10 +721,8 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
         # A converted tile (staged or in registers) is rewritten every
         # step: its wgmma must be done first (WeightPath).
         in_flight = cfg.mma_in_flight if path is WeightPath.DIRECT else 0
-        consume = functools.partial(consume_tile, wg=wg, k_steps=k_steps,
-                                    last_cols=None if last_cols == dt else last_cols,
-                                    S=S, full=full,
-                                    empty=empty, operands=operands,
+        consume = functools.partial(consume_tile, wg=wg, k_steps=k_steps, S=S,
+                                    full=full, empty=empty, operands=operands,
                                     in_flight=in_flight)
 
         def tile_loop(epilogue, carry, prologue=None):
@@ -803,8 +797,8 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
   """The memory warpgroup of the ping-pong kernels: streams the CTA's
   ``(local tile i, k)`` steps in order through the ring of ``S`` slots.
   Where ``dt`` does not divide D the last step's copies run past the
-  weight's and H's last column: the TMA fills zeros there, which no wgmma
-  reads (:func:`step_count`)."""
+  weight's and H's last column: the TMA fills zeros there
+  (:func:`step_count`)."""
 
   @pl.loop(0, total)
   def _step(s):
@@ -833,28 +827,16 @@ def stream_steps(*, w_ref, h_ref, w_smem, h_smem, full, empty, layout: str,
     plgpu.barrier_wait(empty.at[lax.rem(s, S)])
 
 
-def step_count(dim: int, dt: int) -> tuple[int, int]:
-  """``(steps, last_cols)``: a tile's steps of ``dt`` columns over ``dim``
-  and the columns of its last step, fewer than ``dt`` where ``dt`` does not
-  divide ``dim`` (gpt-oss' 2880 in steps of 256: 12 steps, the last of 64).
-  That step's copies run past the weight's and H's last column (the TMA
-  fills zeros; interpret mode too), and its conversion and wgmma take only
-  its own columns (docs/performance.md, "Steps that do not divide D")."""
-  steps = -(-dim // dt)
-  last = dim - (steps - 1) * dt
-  if last % 64:
-    raise ValueError(f"D={dim} must be a multiple of 64 (the last step of {dt} columns "
-                     f"holds {last})")
-  return steps, last
-
-
-def step_part(ref, cols: int, layout: str):
-  """The first ``cols`` columns of a step's SMEM tile ``ref`` (``[rows, dt]``
-  for ``"vd"``, ``[dt, rows]`` for ``"dv"``): all of it where ``cols`` is
-  None or the step's width."""
-  if cols is None or cols == ref.shape[1 if layout == "vd" else 0]:
-    return ref
-  return ref.at[:, pl.ds(0, cols)] if layout == "vd" else ref.at[pl.ds(0, cols)]
+def step_count(dim: int, dt: int) -> int:
+  """A tile's steps of ``dt`` columns over ``dim``. Where ``dt`` does not
+  divide ``dim`` (gpt-oss' 2880 in steps of 256: 12, the last holding 64
+  columns) the last step's copies of W and H run past their last column:
+  the TMA fills zeros there (interpret mode too), so the extra products are
+  0 x 0 whatever the weight holds, and H needs no padding
+  (docs/performance.md, "Steps that do not divide D")."""
+  if dim % 64:
+    raise ValueError(f"D={dim} must be a multiple of 64")
+  return -(-dim // dt)
 
 
 def ring_step(s, *, S: int, k_steps: int, empty):
@@ -877,21 +859,19 @@ def tile_start(tile, vt: int, rows: int):
   return jnp.minimum(tile * vt, rows - vt)
 
 
-def consume_tile(acc_ref, *, i, wg, k_steps: int, last_cols: int, S: int,
-                 full, empty, operands, in_flight: int):
+def consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
+                 operands, in_flight: int):
   """A compute warpgroup's wgmma over the ``k_steps`` slots of its local
-  tile ``i`` (ping-pong kernels; ``operands(slot, cols)``: ``last_cols``
-  columns in the last step where it is short, :func:`step_count`, else
-  None: the whole slot). With ``in_flight=1`` one
-  wgmma stays in flight: a slot is released once the next step's wgmma is
-  issued and the previous finished; with 0 each slot is released as soon
-  as its wgmma is done."""
+  tile ``i`` (ping-pong kernels). With ``in_flight=1`` one wgmma stays in
+  flight: a slot is released once the next step's wgmma is issued and the
+  previous finished; with 0 each slot is released as soon as its wgmma
+  is done."""
 
-  def step(k, _, cols=None):  # None: the slot's whole width
+  def step(k, _):
     s = i * k_steps + k
     slot = lax.rem(s, S)
     plgpu.barrier_wait(full.at[wg * S + slot])
-    plgpu.wgmma(acc_ref, *operands(slot, cols))
+    plgpu.wgmma(acc_ref, *operands(slot))
     plgpu.wgmma_wait(in_flight)
     if in_flight:
       @pl.when(k > 0)
@@ -902,11 +882,7 @@ def consume_tile(acc_ref, *, i, wg, k_steps: int, last_cols: int, S: int,
 
     return ()
 
-  if last_cols is None:
-    lax.fori_loop(0, k_steps, step, ())
-  else:
-    lax.fori_loop(0, k_steps - 1, step, ())
-    step(k_steps - 1, (), last_cols)
+  lax.fori_loop(0, k_steps, step, ())
   if in_flight:
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])

@@ -321,8 +321,8 @@ class TuningConfig:
     if n % N_ALIGN or not 0 < n <= MAX_N:
       raise ValueError(f"batch side {n=} must be a multiple of 8 in [8, {MAX_N}]")
     if dim < self.tile_d or (dim % self.tile_d and not self.schedule.pingpong):
-      # The ping-pong schedules' last step is short where tile_d does not
-      # divide D (sm90_common.step_count).
+      # The ping-pong schedules' last step runs past D (TMA zeros) where
+      # tile_d does not divide D (sm90_common.step_count).
       raise ValueError(f"tile_d={self.tile_d} must divide D={dim}")
     if rows < self.tile_v:
       raise ValueError(f"tile_v={self.tile_v} must be <= the weight rows V={rows}")
@@ -466,11 +466,11 @@ WIDE_8BIT_STEP = _WideStep(tile_v=128, tile_d=256, min_steps=4)
 def _wide_8bit(base: TuningConfig, n: int, dim: int, itemsize: int):
   """``base`` with the register path's wide tiles and the most slots that
   fit, or None where D or the SMEM budget does not allow them. Where the
-  tiles do not divide D the last step is short
-  (:func:`~pallas_kernels.sm90_common.step_count`): taken where the
-  alternative is steps of 64 columns (128 does not divide D) and the short
-  step's missing columns are at most an eighth of D; measured on gpt-oss' 2880 (192
-  columns: docs/performance.md, "Steps that do not divide D")."""
+  tiles do not divide D the last step runs past D (TMA zeros:
+  :func:`~pallas_kernels.sm90_common.step_count`): taken where the
+  alternative is steps of 64 columns (128 does not divide D) and the
+  columns past D are at most an eighth of D; measured on gpt-oss' 2880
+  (192 columns: docs/performance.md, "Steps that do not divide D")."""
   pad = -dim % WIDE_8BIT_STEP.tile_d
   if pad and (dim % 128 == 0 or 8 * pad > dim):
     return None

@@ -190,9 +190,10 @@ def test_configs_match_xla_scores(cfg, layout):
 @pytest.mark.parametrize("cfg", [_CONFIGS[-1], _CONFIGS[3]], ids=["wide", "batch_blocks"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_steps_that_do_not_divide_d(cfg, layout):
-  # D = 320 in steps of 256 (128): the last step copies, converts and
-  # multiplies only its 64 columns (sm90_common.step_count); a column
-  # counted twice or skipped would change the exact scores. Vocabulary on M (register A operand and
+  # D = 320 in steps of 256 (128): the last step's copies of W and H run
+  # 192 (64) columns past their last (interpret mode, as the TMA, fills
+  # zeros: sm90_common.step_count); a column counted twice or skipped would
+  # change the exact scores. Vocabulary on M (register A operand and
   # staging tile) and batch on M in two blocks.
   p = _exact_problem(21, 320, 520, jnp.float8_e4m3fn, layout, per_row=True, seed=5)
   _same_candidates(MosaicBackend(interpret=True, config=cfg), p)
@@ -222,9 +223,9 @@ def test_infinite_weights_next_to_the_last_step(layout):
 
 
 def test_step_count():
-  assert sm90_common.step_count(2880, 256) == (12, 64)
-  assert sm90_common.step_count(4096, 256) == (16, 256)
-  assert sm90_common.step_count(320, 128) == (3, 64)
+  assert sm90_common.step_count(2880, 256) == 12
+  assert sm90_common.step_count(4096, 256) == 16
+  assert sm90_common.step_count(320, 128) == 3
   with pytest.raises(ValueError, match="multiple of 64"):
     sm90_common.step_count(2900, 256)
 
@@ -382,8 +383,9 @@ def test_heuristic_exact_on_a_real_head_size(layout):
 @pytest.mark.parametrize("b", [1, 16])
 def test_wide_steps_at_gpt_oss_width(b):
   # D = 2880 (gpt-oss): the heuristic's wide steps, the last of which
-  # holds its 64 columns (sm90_common.step_count); scores equal XLA's bit
-  # for bit, tokens the reference's.
+  # runs 192 columns past the weight's and H's last (TMA zeros:
+  # sm90_common.step_count); scores equal XLA's bit for bit, tokens the
+  # reference's.
   d, v = 2880, 5003
   assert sm90_config.wide_8bit_steps(b, d, v)
   for i, dt in enumerate(DTYPES):
@@ -398,8 +400,8 @@ def test_wide_steps_at_gpt_oss_width(b):
 
 @pytest.mark.gpu
 def test_infinite_weights_at_gpt_oss_width():
-  # The wide steps' last step at D = 2880 holds 64 columns
-  # (sm90_common.step_count): e5m2 infinities with f16 hidden states in
+  # The wide steps' last step at D = 2880 runs past the last column (TMA
+  # zeros, sm90_common.step_count): e5m2 infinities with f16 hidden states in
   # the columns the step before takes and in the last ones give the
   # reference's tokens. H's columns there are nonzero:
   # +-inf logits, no NaN (0 x inf).
