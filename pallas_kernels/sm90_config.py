@@ -420,6 +420,27 @@ _TABLE = (
 )
 
 
+# An 8-bit "vd" weight: vocabulary on M (the register path) up to N = 128
+# (REGISTER_PATH_MAX_N), where the batch-major rows would stage each tile
+# into bf16 first: on an H200 the staged kernel took 1.3-1.8x the register
+# path's time at B = 64-128 on the S, L, Qwen3-1.7B and gpt-oss heads
+# (docs/performance.md, "Quantized heads at B = 17-128"). Its steps are 128
+# columns wide even where 128 does not divide D (gpt-oss' 2880: the last
+# step runs past D, sm90_common.step_count): 1.13x faster than 64-column
+# steps there at B = 24.
+REGISTER_PATH_MAX_N = 128
+_TABLE_8BIT_VD = (
+    _Row(REGISTER_PATH_MAX_N, Schedule.PINGPONG_VOCAB_M, tile_v=128, epi_cols=16,
+         mma_in_flight=0),
+    _TABLE[-1],
+)
+
+
+def _table(w_itemsize: int, layout: str):
+  """The schedule table for a weight of ``w_itemsize`` bytes in ``layout``."""
+  return _TABLE_8BIT_VD if w_itemsize == 1 and layout == "vd" else _TABLE
+
+
 def _one_warpgroup(n: int) -> tuple[TuningConfig, int]:
   """V < 128 (one compute warpgroup): cooperative, vocabulary on M, the
   accumulator in passes of at most 64 columns. Epilogue loop
@@ -503,18 +524,26 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
   padded batch side. ``itemsize``: H's bytes; ``w_itemsize``: W's (1 for
   an 8-bit weight, whose slots take half the bytes, so the ring is deeper;
   its steps each wait for their wgmma, see :class:`WeightPath`; on the
-  register path :data:`WIDE_8BIT_STEP`'s tiles where they fit)."""
+  register path :data:`WIDE_8BIT_STEP`'s tiles where they fit). An 8-bit
+  ``"vd"`` weight takes the register path up to N =
+  :data:`REGISTER_PATH_MAX_N`, where bf16 puts the batch on M."""
+  w_itemsize = itemsize if w_itemsize is None else w_itemsize
+  return _pick(n, dim, rows, itemsize, w_itemsize, layout, _table(w_itemsize, layout))
+
+
+def _pick(n: int, dim: int, rows: int, itemsize: int, w_itemsize: int, layout: str,
+          table) -> TuningConfig:
+  """:func:`pick_config` with the schedule table ``table``."""
   if rows < 128:
     base, n = _one_warpgroup(n)
   else:
-    row = next(r for r in _TABLE if n <= r.n_max)
+    row = next(r for r in table if n <= r.n_max)
     n = round_up(n, row.n_align)
     passes = min(row.epi_passes, n // row.epi_cols)
     base = TuningConfig(schedule=row.schedule, tile_v=row.tile_v,
                         epi_cols=row.epi_cols, mma_in_flight=row.mma_in_flight,
                         epi_passes=passes, max_concurrent_steps=2)
   n = base.batch_pad(n)
-  w_itemsize = itemsize if w_itemsize is None else w_itemsize
   path = weight_path(base.schedule, layout, w_itemsize)
   staged = path is WeightPath.STAGED
   if path is not WeightPath.DIRECT:  # no wgmma in flight (WeightPath)
@@ -523,11 +552,15 @@ def pick_config(n: int, dim: int, rows: int, itemsize: int = 2,
     wide = _wide_8bit(base, n, dim, itemsize)
     if wide is not None:
       return wide
-  options = (128, 64) if dim % 128 == 0 else (64,)
+  options = tuple(t for t in (128, 64)
+                  if t <= dim and (dim % t == 0 or path is WeightPath.REGISTERS))
   for tile_d in options:
     cfg = dataclasses.replace(base, tile_d=tile_d)
     steps = most_steps(cfg, n, itemsize, w_itemsize, staged)
-    if steps >= 3 or (steps >= 2 and tile_d == options[-1]):
+    # The register path measured with Dt = 128 in 2 slots at N = 128
+    # (REGISTER_PATH_MAX_N's note).
+    if steps >= 3 or (steps >= 2 and (tile_d == options[-1]
+                                      or path is WeightPath.REGISTERS)):
       break
   return dataclasses.replace(cfg, max_concurrent_steps=max(2, steps))
 
@@ -582,8 +615,10 @@ def pick_blocked_config(batch: int, dim: int, rows: int,
   blocks = max(1, -(-batch // BLOCK_ROWS))
   if blocks > MAX_BLOCKS:
     raise ValueError(f"{batch=} rows need {blocks} blocks, more than {MAX_BLOCKS}")
-  base = pick_config(BLOCK_ROWS, dim, rows, itemsize, w_itemsize, layout)
   w_itemsize = itemsize if w_itemsize is None else w_itemsize
+  # Blocks share each tile across CTAs of the batch-major schedule, 8-bit
+  # weights too (staged).
+  base = _pick(BLOCK_ROWS, dim, rows, itemsize, w_itemsize, layout, _TABLE)
   staged = weight_path(base.schedule, layout, w_itemsize) is WeightPath.STAGED
   if blocks >= wide_d_min_blocks(kind) and dim % 128 == 0:
     steps = most_steps(dataclasses.replace(base, tile_d=128), BLOCK_ROWS,

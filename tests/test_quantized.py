@@ -270,12 +270,13 @@ def test_quantize_weight_errors():
   assert not np.isfinite(np.asarray(scale)[3]) and np.isfinite(np.asarray(scale)[4])
 
 
-def test_quantized_heads_prefer_xla_gemm_but_for_wide_steps_and_float_reports():
-  # Measured on an H200 (docs/performance.md, "Quantized heads", "Candidate
-  # lists of the dense route"): XLA's GEMM reading the 8-bit weight beats
-  # the fused kernels for plain sampling but where the mosaic kernel runs
-  # its wide 8-bit steps (B <= 16, "vd", D that they cover:
-  # sm90_config.wide_8bit_steps), and with
+def test_quantized_heads_prefer_xla_gemm_but_for_the_register_path_and_float_reports():
+  # Measured on an H200 (docs/performance.md, "Quantized heads", "Quantized
+  # heads at B = 17-128", "Candidate lists of the dense route"): XLA's GEMM
+  # reading the 8-bit weight beats the fused kernels for plain sampling but
+  # where the mosaic kernel runs its register path ("vd"): its wide 8-bit
+  # steps (B <= 16, D that they cover: sm90_config.wide_8bit_steps), and up
+  # to B = 128 at D = 2048-4096, from B = 80 at D = 8192; and with
   # candidate lists (truncation) the dense route's lists from slots beat the
   # controls kernel. Calls that report floats keep the kernels' invariant
   # split; controls without lists stay on the kernels (not measured).
@@ -302,7 +303,10 @@ def test_quantized_heads_prefer_xla_gemm_but_for_wide_steps_and_float_reports():
   assert dataclasses.replace(mosaic, batch_invariant=False).prefers(p, floats) is False
   for b, d, layout, want in ((1, 512, "vd", True), (16, 256, "vd", True),
                              (17, 256, "vd", False), (16, 256, "dv", False),
-                             (16, 384, "vd", False)):
+                             (16, 384, "vd", False), (32, 4096, "vd", True),
+                             (128, 2880, "vd", True), (129, 4096, "vd", False),
+                             (48, 4096, "dv", False), (64, 8192, "vd", False),
+                             (80, 8192, "vd", True), (16, 8192, "vd", True)):
     p, plain, _ = calls(b, d, layout)
     assert mosaic.prefers(p, plain) is want, (b, d, layout)
     assert triton.prefers(p, plain) is False

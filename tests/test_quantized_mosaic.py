@@ -129,11 +129,17 @@ def test_weight_paths_and_configs():
     for layout in ("vd", "dv"):
       bf16 = sm90_config.pick_config(n, 4096, 151936, 2, layout=layout)
       q = sm90_config.pick_config(n, 4096, 151936, 2, 1, layout=layout)
-      assert (q.schedule, q.tile_v) == (bf16.schedule, bf16.tile_v)
+      # bf16's schedule, but the register path (vocabulary on M, 128-row
+      # tiles) up to N = 128 for "vd", where bf16 puts the batch on M.
+      register = layout == "vd" and n <= sm90_config.REGISTER_PATH_MAX_N
+      want = ((Schedule.PINGPONG_VOCAB_M, 128) if register
+              else (bf16.schedule, bf16.tile_v))
+      assert (q.schedule, q.tile_v) == want, (n, layout)
       staged = path(q.schedule, layout, 1) is WeightPath.STAGED
+      assert staged is (layout == "dv" or q.schedule.batch_major)
       # Half the bytes per slot: a ring at least as deep (in elements of D)
-      # where nothing is staged.
-      if not staged:
+      # where nothing is staged and the schedule is bf16's.
+      if not staged and q.schedule == bf16.schedule and q.tile_v == bf16.tile_v:
         assert (q.max_concurrent_steps * q.tile_d
                 >= bf16.max_concurrent_steps * bf16.tile_d)
       assert q.mma_in_flight == 0
@@ -141,9 +147,10 @@ def test_weight_paths_and_configs():
       assert q.smem_bytes(n_pad, 2, 1, staged) <= sm90_config.SMEM_BUDGET
       q.check_problem(n=n_pad, dim=4096, rows=151936, w_itemsize=1, staged=staged)
   # The register path's wide steps where D and the slots allow (B <= 16 on
-  # these heads; gpt-oss' D = 2880 pads 192 columns in its last step;
-  # not where D = 320 would pad 192 to 320, nor where 128 x 128 tiles
-  # divide D = 1408: not measured), the 128 x 128 tiles elsewhere.
+  # these heads; gpt-oss' D = 2880's last step runs 192 columns past D;
+  # not where D = 320 would run 192 past, nor where 128 x 128 tiles
+  # divide D = 1408: not measured), the 128 x 128 tiles elsewhere, also
+  # where 128 does not divide D (gpt-oss at N > 16).
   wide = sm90_config.WIDE_8BIT_STEP
   for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, False),
                      (48, 4096, False), (16, 2880, True), (16, 320, False),
@@ -153,6 +160,8 @@ def test_weight_paths_and_configs():
     assert q.max_concurrent_steps >= (wide.min_steps if want else 2)
     assert sm90_config.wide_8bit_steps(n, d, 151936) is want
     assert not sm90_config.wide_8bit_steps(n, d, 151936, layout="dv")
+    if not want:
+      assert (q.tile_v, q.tile_d) == (128, 128 if d >= 128 else 64), (n, d, q)
   blocked = sm90_config.pick_blocked_config(512, 8192, 128256, 2, "NVIDIA H100", 1)
   assert blocked.mma_in_flight == 0 and blocked.batch_blocks == 4
   with pytest.raises(ValueError, match="bf16/f16 weights only"):
@@ -396,6 +405,19 @@ def test_wide_steps_at_gpt_oss_width(b):
   np.testing.assert_array_equal(
       np.asarray(fs.sample(h, w, key, temperature=0.7, weight_scale=s, backend="mosaic")),
       np.asarray(fs.reference.sample(h, w, key, temperature=0.7, weight_scale=s)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [24, 64, 128])
+def test_register_path_up_to_128_rows(b):
+  # The heuristic's register path (vocabulary on M, 128-row tiles) past the
+  # wide steps' 16 rows, up to REGISTER_PATH_MAX_N; at D = 2880 its 128-column
+  # steps run past D. Scores equal XLA's bit for bit.
+  for i, (d, dt) in enumerate(((4096, DTYPES[b % 3]), (2880, DTYPES[(b + 1) % 3]))):
+    cfg = sm90_config.pick_config(sm90_config.batch_side(b), d, 5003, 2, 1)
+    assert cfg.schedule is Schedule.PINGPONG_VOCAB_M and cfg.tile_d == 128, cfg
+    p = _exact_problem(b, d, 5003, dt, "vd", per_row=i == 0, seed=b + i)
+    _same_candidates(MosaicBackend(), p)
 
 
 @pytest.mark.gpu

@@ -78,6 +78,34 @@ def _kernels():
   return sm90_common, sm90_config, sm90_sampler, sm90_controls
 
 
+# Plain sampling of an 8-bit head: XLA's GEMM reads the 8-bit weight and
+# converts it in its own kernel, and the dense route through it measured
+# faster than the staged kernels. The register path (vocabulary on M, "vd")
+# measured faster than it up to B = 128 on the S, Qwen3-1.7B and gpt-oss
+# heads (D = 2048-4096), but on L's D = 8192 only where one launch runs the
+# wide steps (B <= 16) and from B = 80 on (docs/performance.md, "Quantized
+# heads at B = 17-128"; H200, e4m3). Below D = 2048 (not measured) only
+# the wide steps.
+QUANTIZED_KERNEL_MIN_D = 2048
+QUANTIZED_DENSE_DEEP_D = 8192
+QUANTIZED_DENSE_DEEP_ROWS = (17, 79)
+
+
+def _quantized_plain_prefers(p) -> bool:
+  """Whether plain sampling of ``p``'s 8-bit head runs here."""
+  # sm90_config imports only jax.numpy (see check).
+  from pallas_kernels import sm90_config  # pylint: disable=import-outside-toplevel
+  if p.layout != "vd" or p.weight_rows < 128 or p.batch > sm90_config.REGISTER_PATH_MAX_N:
+    return False
+  if sm90_config.wide_8bit_steps(p.batch, p.hidden_dim, p.weight_rows,
+                                 p.hidden.dtype.itemsize, p.layout):
+    return True
+  if p.hidden_dim < QUANTIZED_KERNEL_MIN_D:
+    return False
+  lo, hi = QUANTIZED_DENSE_DEEP_ROWS
+  return not (p.hidden_dim >= QUANTIZED_DENSE_DEEP_D and lo <= p.batch <= hi)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicBackend(SamplerBackend):
   """The fused Hopper kernels.
@@ -260,16 +288,8 @@ class MosaicBackend(SamplerBackend):
     # the dense route's GEMM picks its algorithm by the batch
     # (docs/performance.md, "Routes on the GPU").
     if not c.active:
-      # Quantized heads: XLA's GEMM reads the 8-bit weight and converts it
-      # in its own kernel; plain sampling through it measured faster than
-      # these kernels but where one launch runs the register path's wide
-      # steps (B <= 16, "vd", D that steps of 256 columns cover;
-      # docs/performance.md, "Quantized heads").
       if p.quantized:
-        # sm90_config imports only jax.numpy (see check).
-        from pallas_kernels import sm90_config  # pylint: disable=import-outside-toplevel
-        return sm90_config.wide_8bit_steps(p.batch, p.hidden_dim, p.weight_rows,
-                                           p.hidden.dtype.itemsize, p.layout)
+        return _quantized_plain_prefers(p)
       return not any(p.hidden_dim >= d and lo <= p.batch <= hi
                      for d, lo, hi in plain_dense(devices.device_kind()))
     if self.fixed_split(c):
