@@ -553,7 +553,7 @@ def _pick(n: int, dim: int, rows: int, itemsize: int, w_itemsize: int, layout: s
     if wide is not None:
       return wide
   options = tuple(t for t in (128, 64)
-                  if t <= dim and (dim % t == 0 or path is WeightPath.REGISTERS))
+                  if t <= dim and (dim % t == 0 or path is WeightPath.REGISTERS)) or (64,)
   for tile_d in options:
     cfg = dataclasses.replace(base, tile_d=tile_d)
     steps = most_steps(cfg, n, itemsize, w_itemsize, staged)
