@@ -16,6 +16,10 @@ at B = 32 (vocabulary on M: the register path, 128 x 128 tiles) measured
 * ``vm128``: vocabulary on M, 128 x 128 tiles, the most slots that fit
   (the register A operand at any N).
 * ``vm64``: vocabulary on M, 64 x 128 tiles (half the accumulator).
+* ``w128x256``, ``w64x256``, ``w64x512``: vocabulary on M with wider
+  steps (Vt x Dt), the most slots that fit (``--variants``): the wide
+  steps of B <= 16 (docs/performance.md, "Wide 8-bit steps") past 16 rows,
+  where fewer of their slots fit beside H.
 * ``dense``, ``xla``: the dense route; XLA's dot + categorical.
 
 Tokens of each mosaic variant on exact inputs against the reference first;
@@ -40,20 +44,24 @@ from pallas_kernels import sm90_config
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 
 
-def vocab_m(n: int, tile_v: int) -> TuningConfig | None:
-  """Vocabulary on M for batch side ``n`` (8-bit weight, bf16 H), the most
-  slots that fit; None where fewer than 2 do."""
+def vocab_m(n: int, tile_v: int, tile_d: int = 128) -> TuningConfig | None:
+  """Vocabulary on M for batch side ``n`` (8-bit weight, bf16 H), tiles of
+  ``tile_v x tile_d``, the most slots that fit; None where fewer than 2 do."""
   n = -(-n // 16) * 16
-  base = TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=tile_v, tile_d=128,
+  base = TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=tile_v, tile_d=tile_d,
                       epi_cols=16, mma_in_flight=0, max_concurrent_steps=2)
   steps = sm90_config.most_steps(base, n, 2, 1)
   return dataclasses.replace(base, max_concurrent_steps=steps) if steps >= 2 else None
 
 
-def backends(b: int) -> dict:
+TILES = {"vm128": (128, 128), "vm64": (64, 128), "w128x256": (128, 256),
+         "w64x256": (64, 256), "w64x512": (64, 512)}
+
+
+def backends(b: int, variants=("vm128", "vm64")) -> dict:
   out = {"heuristic": MosaicBackend()}
-  for name, tv in (("vm128", 128), ("vm64", 64)):
-    cfg = vocab_m(b, tv)
+  for name in variants:
+    cfg = vocab_m(b, *TILES[name])
     if cfg is not None:
       out[name] = MosaicBackend(config=cfg)
   return out
@@ -76,13 +84,15 @@ def main():
   ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(shapes.HEADS))
   ap.add_argument("--batches", type=int, nargs="+", default=[24, 32, 48, 64, 96, 128])
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--variants", nargs="+", default=["vm128", "vm64"], choices=sorted(TILES))
   args = ap.parse_args()
   key = jax.random.key(0)
   ok = {}
   for b in args.batches:
-    ok[b] = {name: exact(b, be) for name, be in backends(b).items()}
+    ok[b] = {name: exact(b, be) for name, be in backends(b, args.variants).items()}
     print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, B=b, exact=ok[b],
-                          configs={n: str(be.config) for n, be in backends(b).items()})),
+                          configs={n: str(be.config)
+                                   for n, be in backends(b, args.variants).items()})),
           flush=True)
   for head in args.heads:
     d, _ = shapes.HEADS[head]
@@ -90,7 +100,7 @@ def main():
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
       fns = {}
-      for name, be in backends(b).items():
+      for name, be in backends(b, args.variants).items():
         if ok[b][name] is True:
           fns[name] = jax.jit(lambda h, w, be=be: fs.sample(h, w, key, weight_scale=scale,
                                                               backend=be))
