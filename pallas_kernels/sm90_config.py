@@ -476,12 +476,14 @@ class _WideStep:
 # The 8-bit register path's steps (vocabulary on M, "vd"): each step
 # converts its tile and waits for its wgmma (WeightPath.REGISTERS), a cost
 # per step that wider steps spread over more bytes. On an H200 128 x 256
-# tiles in 4 slots measured fastest of the shapes tried at B <= 16 (3 slots
-# less so; interleaving the two warpgroups' steps gained nothing;
-# docs/performance.md, "Wide 8-bit steps"). The converted tile takes 128
-# registers per thread. Used where D allows and min_steps slots fit, else
-# the Dt = 128 tiles.
-WIDE_8BIT_STEP = _WideStep(tile_v=128, tile_d=256, min_steps=4)
+# tiles in 4 slots measured fastest of the shapes tried at B <= 16
+# (interleaving the two warpgroups' steps gained nothing), and in the 3
+# slots that fit beside 17-48 rows faster than the 128 x 128 tiles in 5-7
+# slots; in the 2 slots of N >= 64 level at best, and much slower from
+# N = 80 (docs/performance.md, "Wide 8-bit steps"). The converted tile
+# takes 128 registers per thread. Used where D allows and min_steps slots
+# fit, else the Dt = 128 tiles.
+WIDE_8BIT_STEP = _WideStep(tile_v=128, tile_d=256, min_steps=3)
 
 
 def _wide_8bit(base: TuningConfig, n: int, dim: int, itemsize: int):

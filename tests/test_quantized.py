@@ -275,8 +275,10 @@ def test_quantized_heads_prefer_xla_gemm_but_for_the_register_path_and_float_rep
   # heads at B = 17-128", "Candidate lists of the dense route"): XLA's GEMM
   # reading the 8-bit weight beats the fused kernels for plain sampling but
   # where the mosaic kernel runs its register path ("vd"): its wide 8-bit
-  # steps (B <= 16, D that they cover: sm90_config.wide_8bit_steps), and up
-  # to B = 128 at D = 2048-4096, from B = 80 at D = 8192; and with
+  # steps (D that they cover: sm90_config.wide_8bit_steps; B <= 48, but
+  # B <= 16 below D = 2048, not measured past 16 rows), and up to B = 128
+  # at D = 2048-4096, from B = 80 at D = 8192 (8320: no wide steps, dense
+  # at B = 17-79); and with
   # candidate lists (truncation) the dense route's lists from slots beat the
   # controls kernel. Calls that report floats keep the kernels' invariant
   # split; controls without lists stay on the kernels (not measured).
@@ -306,7 +308,10 @@ def test_quantized_heads_prefer_xla_gemm_but_for_the_register_path_and_float_rep
                              (16, 384, "vd", False), (32, 4096, "vd", True),
                              (128, 2880, "vd", True), (129, 4096, "vd", False),
                              (48, 4096, "dv", False), (64, 8192, "vd", False),
-                             (80, 8192, "vd", True), (16, 8192, "vd", True)):
+                             (80, 8192, "vd", True), (16, 8192, "vd", True),
+                             (32, 8192, "vd", True), (48, 8192, "vd", True),
+                             (32, 8320, "vd", False), (80, 8320, "vd", True),
+                             (16, 1024, "vd", True), (32, 1024, "vd", False)):
     p, plain, _ = calls(b, d, layout)
     assert mosaic.prefers(p, plain) is want, (b, d, layout)
     assert triton.prefers(p, plain) is False

@@ -146,15 +146,17 @@ def test_weight_paths_and_configs():
       n_pad = q.batch_pad(n)
       assert q.smem_bytes(n_pad, 2, 1, staged) <= sm90_config.SMEM_BUDGET
       q.check_problem(n=n_pad, dim=4096, rows=151936, w_itemsize=1, staged=staged)
-  # The register path's wide steps where D and the slots allow (B <= 16 on
-  # these heads; gpt-oss' D = 2880's last step runs 192 columns past D;
-  # not where D = 320 would run 192 past, nor where 128 x 128 tiles
-  # divide D = 1408: not measured), the 128 x 128 tiles elsewhere, also
-  # where 128 does not divide D (gpt-oss at N > 16).
+  # The register path's wide steps where D and the slots allow (B <= 48:
+  # 4 slots at N <= 16, 3 at 24-48, 2 from 64 on, too few; gpt-oss'
+  # D = 2880's last step runs 192 columns past D; not where D = 320 would
+  # run 192 past, nor where 128 x 128 tiles divide D = 1408: not
+  # measured), the 128 x 128 tiles elsewhere, also where 128 does not
+  # divide D (gpt-oss at N > 48).
   wide = sm90_config.WIDE_8BIT_STEP
-  for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, False),
-                     (48, 4096, False), (16, 2880, True), (16, 320, False),
-                     (16, 1408, False)):
+  for n, d, want in ((8, 4096, True), (16, 8192, True), (16, 2048, True), (24, 4096, True),
+                     (48, 8192, True), (48, 2880, True), (64, 4096, False),
+                     (64, 2880, False), (128, 8192, False), (16, 2880, True),
+                     (16, 320, False), (16, 1408, False)):
     q = sm90_config.pick_config(n, d, 151936, 2, 1)
     assert ((q.tile_v, q.tile_d) == (wide.tile_v, wide.tile_d)) is want, (n, d, q)
     assert q.max_concurrent_steps >= (wide.min_steps if want else 2)
@@ -408,15 +410,22 @@ def test_wide_steps_at_gpt_oss_width(b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [24, 64, 128])
+@pytest.mark.parametrize("b", [24, 48, 64, 128])
 def test_register_path_up_to_128_rows(b):
-  # The heuristic's register path (vocabulary on M, 128-row tiles) past the
-  # wide steps' 16 rows, up to REGISTER_PATH_MAX_N; at D = 2880 its 128-column
-  # steps run past D. Scores equal XLA's bit for bit.
-  for i, (d, dt) in enumerate(((4096, DTYPES[b % 3]), (2880, DTYPES[(b + 1) % 3]))):
+  # The heuristic's register path (vocabulary on M, 128-row tiles) past
+  # 16 rows, up to REGISTER_PATH_MAX_N: the wide steps in 3 slots up to
+  # B = 48 (at D = 8192 too), 128-column steps beyond; at D = 2880 the last
+  # step runs past D. Scores equal XLA's bit for bit.
+  wide = b <= 48
+  dims = ((4096, DTYPES[b % 3]), (2880, DTYPES[(b + 1) % 3]))
+  if wide:
+    dims += ((8192, DTYPES[(b + 2) % 3]),)
+  for i, (d, dt) in enumerate(dims):
     cfg = sm90_config.pick_config(sm90_config.batch_side(b), d, 5003, 2, 1)
-    assert cfg.schedule is Schedule.PINGPONG_VOCAB_M and cfg.tile_d == 128, cfg
-    p = _exact_problem(b, d, 5003, dt, "vd", per_row=i == 0, seed=b + i)
+    assert cfg.schedule is Schedule.PINGPONG_VOCAB_M, cfg
+    assert cfg.tile_d == (sm90_config.WIDE_8BIT_STEP.tile_d if wide else 128), cfg
+    assert sm90_config.wide_8bit_steps(b, d, 5003) is wide
+    p = _exact_problem(b, d, 5003, dt, "vd", per_row=i != 1, seed=b + i)
     _same_candidates(MosaicBackend(), p)
 
 
@@ -445,9 +454,9 @@ def test_infinite_weights_at_gpt_oss_width():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 16])
+@pytest.mark.parametrize("b", [1, 16, 40])
 def test_wide_steps_with_non_power_of_two_temperatures(b):
-  # The heuristic's wide 8-bit steps (D = 512, B <= 16) with temperatures
+  # The heuristic's wide 8-bit steps (D = 512, B <= 48) with temperatures
   # that round when divided: the winning scores equal the xla backend's bit
   # for bit, and the tokens the reference's, with a shared and per-row keys.
   d, v = 512, 5003

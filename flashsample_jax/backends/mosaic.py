@@ -83,10 +83,11 @@ def _kernels():
 # faster than the staged kernels. The register path (vocabulary on M, "vd")
 # measured faster than it up to B = 128 on the S, Qwen3-1.7B and gpt-oss
 # heads (D = 2048-4096), but on L's D = 8192 only where one launch runs the
-# wide steps (B <= 16) and from B = 80 on (docs/performance.md, "Quantized
-# heads at B = 17-128"; H200, e4m3). Below D = 2048 (not measured) only
-# the wide steps.
+# wide steps (B <= 48) and from B = 80 on (docs/performance.md, "Quantized
+# heads at B = 17-128" and "Wide 8-bit steps"; H200, e4m3). Below D = 2048
+# (not measured past 16 rows) only the wide steps of B <= 16.
 QUANTIZED_KERNEL_MIN_D = 2048
+QUANTIZED_SHALLOW_MAX_B = 16
 QUANTIZED_DENSE_DEEP_D = 8192
 QUANTIZED_DENSE_DEEP_ROWS = (17, 79)
 
@@ -97,11 +98,12 @@ def _quantized_plain_prefers(p) -> bool:
   from pallas_kernels import sm90_config  # pylint: disable=import-outside-toplevel
   if p.layout != "vd" or p.weight_rows < 128 or p.batch > sm90_config.REGISTER_PATH_MAX_N:
     return False
-  if sm90_config.wide_8bit_steps(p.batch, p.hidden_dim, p.weight_rows,
-                                 p.hidden.dtype.itemsize, p.layout):
-    return True
+  wide = sm90_config.wide_8bit_steps(p.batch, p.hidden_dim, p.weight_rows,
+                                     p.hidden.dtype.itemsize, p.layout)
   if p.hidden_dim < QUANTIZED_KERNEL_MIN_D:
-    return False
+    return wide and p.batch <= QUANTIZED_SHALLOW_MAX_B
+  if wide:
+    return True
   lo, hi = QUANTIZED_DENSE_DEEP_ROWS
   return not (p.hidden_dim >= QUANTIZED_DENSE_DEEP_D and lo <= p.batch <= hi)
 
