@@ -128,8 +128,8 @@ def quantize_head(head, dtype="float8_e4m3fn", layout: str = "vd") -> QuantizedH
       or ``"dv"`` (``[D, V]``), whatever the original's layout (an
       ``nnx.Linear``'s kernel is ``[D, V]``). The quantized head is a new
       array either way; ``"vd"`` is the one the Mosaic kernels read on
-      their fastest 8-bit path, their register path at B <= 16
-      (docs/performance.md, "Quantized heads"). The values and scales are
+      their fastest 8-bit path, their register path up to B = 128
+      (docs/performance.md, "Quantized heads at B = 17-128"). The values and scales are
       the same in both.
 
   Returns:
