@@ -19,7 +19,10 @@ at B = 32 (vocabulary on M: the register path, 128 x 128 tiles) measured
 * ``w128x256``, ``w64x256``, ``w64x512``: vocabulary on M with wider
   steps (Vt x Dt), the most slots that fit (``--variants``): the wide
   steps of B <= 16 (docs/performance.md, "Wide 8-bit steps") past 16 rows,
-  where fewer of their slots fit beside H.
+  where fewer of their slots fit beside H. ``w128x256p4``: the same in
+  epilogue passes of 16 columns (a quarter of the accumulator's SMEM copy),
+  which with ``--smem-kib 224`` (above ``sm90_config.SMEM_BUDGET``, for
+  this experiment only) fits 3 slots at N = 64.
 * ``dense``, ``xla``: the dense route; XLA's dot + categorical.
 
 Tokens of each mosaic variant on exact inputs against the reference first;
@@ -44,22 +47,34 @@ from pallas_kernels import sm90_config
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 
 
-def vocab_m(n: int, tile_v: int, tile_d: int = 128) -> TuningConfig | None:
+def vocab_m(n: int, tile_v: int, tile_d: int = 128, epi_passes: int = 1
+            ) -> TuningConfig | None:
   """Vocabulary on M for batch side ``n`` (8-bit weight, bf16 H), tiles of
   ``tile_v x tile_d``, the most slots that fit; None where fewer than 2 do."""
   n = -(-n // 16) * 16
   base = TuningConfig(schedule=Schedule.PINGPONG_VOCAB_M, tile_v=tile_v, tile_d=tile_d,
-                      epi_cols=16, mma_in_flight=0, max_concurrent_steps=2)
+                      epi_cols=16, mma_in_flight=0, max_concurrent_steps=2,
+                      epi_passes=min(epi_passes, n // 16))
   steps = sm90_config.most_steps(base, n, 2, 1)
   return dataclasses.replace(base, max_concurrent_steps=steps) if steps >= 2 else None
 
 
 TILES = {"vm128": (128, 128), "vm64": (64, 128), "w128x256": (128, 256),
-         "w64x256": (64, 256), "w64x512": (64, 512)}
+         "w64x256": (64, 256), "w64x512": (64, 512), "w128x256p4": (128, 256, 4)}
 
 
-def backends(b: int, variants=("vm128", "vm64")) -> dict:
-  out = {"heuristic": MosaicBackend()}
+_BUDGET = sm90_config.SMEM_BUDGET
+
+
+def backends(b: int, variants=("vm128", "vm64"), d: int = 4096, v: int = 20011) -> dict:
+  # The heuristic's config under the package's own SMEM budget, whatever
+  # --smem-kib sets for the variants.
+  asked, sm90_config.SMEM_BUDGET = sm90_config.SMEM_BUDGET, _BUDGET
+  try:
+    own = sm90_config.pick_config(sm90_config.batch_side(b), d, v, 2, 1)
+  finally:
+    sm90_config.SMEM_BUDGET = asked
+  out = {"heuristic": MosaicBackend(config=own if asked != _BUDGET else None)}
   for name in variants:
     cfg = vocab_m(b, *TILES[name])
     if cfg is not None:
@@ -85,7 +100,11 @@ def main():
   ap.add_argument("--batches", type=int, nargs="+", default=[24, 32, 48, 64, 96, 128])
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--variants", nargs="+", default=["vm128", "vm64"], choices=sorted(TILES))
+  ap.add_argument("--smem-kib", type=int, default=None,
+                  help="SMEM budget of the variants' slots (the heuristic keeps its own)")
   args = ap.parse_args()
+  if args.smem_kib:
+    sm90_config.SMEM_BUDGET = args.smem_kib * 1024
   key = jax.random.key(0)
   ok = {}
   for b in args.batches:
@@ -95,12 +114,12 @@ def main():
                                    for n, be in backends(b, args.variants).items()})),
           flush=True)
   for head in args.heads:
-    d, _ = shapes.HEADS[head]
+    d, v = shapes.HEADS[head]
     w, scale = fs.quantize_weight(shapes.random_head(head, 1.3))
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
       fns = {}
-      for name, be in backends(b, args.variants).items():
+      for name, be in backends(b, args.variants, d, v).items():
         if ok[b][name] is True:
           fns[name] = jax.jit(lambda h, w, be=be: fs.sample(h, w, key, weight_scale=scale,
                                                               backend=be))
