@@ -144,6 +144,13 @@ def _row_best(s, gid):
   return best, jnp.broadcast_to(gid, s.shape[-1:])[j].astype(jnp.int32)
 
 
+def _all_vocabulary(p: Problem, vocab_offset) -> bool:
+  """Whether every id of the weight's rows is known, at trace time, to be a
+  vocabulary id: an unsharded head without padding rows."""
+  return (isinstance(vocab_offset, int) and vocab_offset == 0
+          and p.weight_rows <= p.vocab_size)
+
+
 def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
   """Best ``(score f32 [B], global id int32 [B])`` over ``p.weight``'s rows.
 
@@ -155,12 +162,17 @@ def candidates(p: Problem, *, vocab_offset=0, chunk: int | None = None):
   """
   vc = min(chunk or chunk_size(p.batch, p.weight_rows), p.weight_rows)
   offset = jnp.asarray(vocab_offset, jnp.int32)
+  # XLA does not fold the mask of an iota against a bound it never reaches,
+  # and it made the noise pass measurably slower than XLA's categorical
+  # (docs/performance.md, "The dense route's noise pass").
+  masked = not _all_vocabulary(p, vocab_offset)
 
   def block(hidden, w, start, width):
     gid = offset + start + lax.iota(jnp.int32, width)
     l = _block_logits(p, hidden, w)
     s = stage2.perturbed(p, l, stage2.tempered(p, l), gid, 1)[:, 0]
-    s = jnp.where(gid < p.vocab_size, s, -jnp.inf)
+    if masked:
+      s = jnp.where(gid < p.vocab_size, s, -jnp.inf)
     return _row_best(s, gid)
 
   return _stream(p, block, rules.combine, vc)
@@ -267,10 +279,9 @@ def _kernel_slot(c: controls.Controls, m: int, width: int, list_select: str) -> 
 
 def _product_is_x(p: Problem, c: controls.Controls, vocab_offset) -> bool:
   """Whether a block's ``x`` is its scaled product itself: no transform or
-  penalty, and every id of the weight's rows a vocabulary id (an unsharded
-  head without padding rows, which ``transform`` would set to -inf)."""
-  return (not (c.transforms or c.penalizes) and isinstance(vocab_offset, int)
-          and vocab_offset == 0 and p.weight_rows <= p.vocab_size)
+  penalty, and every id of the weight's rows a vocabulary id (padding rows
+  ``transform`` would set to -inf)."""
+  return not (c.transforms or c.penalizes) and _all_vocabulary(p, vocab_offset)
 
 
 @jax.named_scope("xla.kernel_state")
