@@ -41,7 +41,7 @@ def points(specs, logit_std: float = 1.3):
       yield head, d, v, b, w, jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
 
 
-def fp8_points(heads, batches):
+def fp8_points(heads, batches, logit_std: float = 3.0):
   """``(head, B, h, w8, scale, keys)`` for each head and B: the head's
   :func:`random_head` quantized per row to ``float8_e4m3fn`` (drawn once
   per head), N(0, 1) bf16 hidden states of B rows (seeded by B) and one
@@ -51,7 +51,7 @@ def fp8_points(heads, batches):
   import flashsample_jax as fs
   for head in heads:
     d, _ = HEADS[head]
-    w8, scale = fs.quantize_weight(random_head(head), jnp.float8_e4m3fn)
+    w8, scale = fs.quantize_weight(random_head(head, logit_std), jnp.float8_e4m3fn)
     for b in batches:
       yield (head, b, jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16), w8, scale,
              jax.random.split(jax.random.key(3), b))

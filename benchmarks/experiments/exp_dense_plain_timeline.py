@@ -47,16 +47,11 @@ def main():
   ap.add_argument("--calls", type=int, default=20)
   args = ap.parse_args()
   key = jax.random.key(0)
-  for head in args.heads:
-    d, _ = shapes.HEADS[head]
-    w, scale = fs.quantize_weight(shapes.random_head(head, 1.3))
-    for b in args.batches:
-      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
-      for name, f in programs(key, scale).items():
-        t = timeline(f, h, w, calls=args.calls)
-        print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, head=head, B=b,
-                              program=name, **t)), flush=True)
-    del w, scale
+  for head, b, h, w, scale, _ in shapes.fp8_points(args.heads, args.batches, logit_std=1.3):
+    for name, f in programs(key, scale).items():
+      t = timeline(f, h, w, calls=args.calls)
+      print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, head=head, B=b,
+                            program=name, **t)), flush=True)
 
 
 if __name__ == "__main__":
