@@ -182,7 +182,7 @@ def vocab_align(dtype, layout: str) -> int:
 
 
 def col_reduce(x, op: str, scratch, *, interpret: bool):
-  """``max``/``min`` of ``x`` [rows, C] (WGMMA layout) over axis 0.
+  """``max``/``min``/``add`` of ``x`` [rows, C] (WGMMA layout) over axis 0.
 
   On the GPU the cross-warp step goes through ``scratch``, this warpgroup's
   own SMEM: ``jnp.max`` uses one scratch area at a fixed offset that two
@@ -190,7 +190,7 @@ def col_reduce(x, op: str, scratch, *, interpret: bool):
   inline Mosaic GPU code, and has no races: ``jnp`` there.
   """
   if interpret:
-    return jnp.max(x, axis=0) if op == "max" else jnp.min(x, axis=0)
+    return {"max": jnp.max, "min": jnp.min, "add": jnp.sum}[op](x, axis=0)
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),

@@ -39,6 +39,7 @@ __all__ = [
     "wide_8bit_steps",
     "WIDE_8BIT_STEP",
     "balanced_ctas",
+    "slot_entries_config",
 ]
 
 # wgmma's N (the batch side when the vocabulary is on M) is a multiple of 8
@@ -685,3 +686,20 @@ QUANTIZED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
 def quantized_dtype(dtype) -> bool:
   """Whether ``dtype`` is one of :data:`QUANTIZED_DTYPES`."""
   return any(jnp.dtype(dtype) == jnp.dtype(q) for q in QUANTIZED_DTYPES)
+
+
+def slot_entries_config(batch: int, dim: int, rows: int, itemsize: int = 2,
+                        w_itemsize: int | None = None,
+                        layout: str = "vd") -> tuple[TuningConfig, int] | None:
+  """``(cfg, n)`` of the plain kernel's launch for ``batch`` rows where it is
+  one launch of the vocabulary-major ping-pong schedule with whole tiles
+  per warpgroup (the schedule whose epilogue ``sm90_slots`` replaces), as
+  ``sm90_sampler.launches`` plans it; else None."""
+  if batch > CHUNK_ROWS or (batch >= BLOCKED_MIN_ROWS and rows >= 128):
+    return None
+  n = batch_side(batch)
+  cfg = pick_config(n, dim, rows, itemsize, w_itemsize=w_itemsize, layout=layout)
+  if (cfg.schedule is not Schedule.PINGPONG_VOCAB_M or cfg.wg_share != 1
+      or cfg.batch_blocks != 1):
+    return None
+  return cfg, cfg.batch_pad(n)

@@ -244,11 +244,16 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
 def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
                      cfg: TuningConfig, layout: str, n: int, dim: int,
                      rows: int, rows_valid: int, vocab_size: int, n_tiles: int,
-                     num_ctas: int, interpret: bool, scale: str | None = None):
+                     num_ctas: int, interpret: bool, scale: str | None = None,
+                     tile_epilogue=None, outputs: int = 2):
   """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
 
   Same refs as :func:`_kernel`, but one candidate column per tile
-  (``[nc, C, n_tiles]``); with ``scale`` (an 8-bit weight's
+  (``[nc, C, n_tiles]``). ``tile_epilogue`` (default :func:`_epilogue`)
+  reads each tile's accumulator and writes the last ``outputs`` refs
+  (:func:`_epilogue`'s keywords, ``score_ref``/``index_ref`` replaced by
+  ``out_refs``; the slot kernel, :mod:`pallas_kernels.sm90_slots`, passes
+  its own). With ``scale`` (an 8-bit weight's
   :func:`~pallas_kernels.sm90_common.scale_mode`) ``scale_ref`` f32 after
   ``w_ref``, by which the accumulator is multiplied first (8-bit weights:
   ``WeightPath.REGISTERS`` for "vd", ``STAGED`` for "dv").
@@ -277,7 +282,10 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   docs/performance.md, "Schedules by batch size").
   """
   scale_ref = refs[0] if scale else None
-  score_ref, index_ref = refs[-2:]
+  out_refs = refs[-outputs:]
+  if tile_epilogue is None:
+    tile_epilogue = lambda acc, *, out_refs, **kw: _epilogue(
+        acc, score_ref=out_refs[0], index_ref=out_refs[1], **kw)
   epi = cfg.epi_cols
   n_chunks = n // epi
   scratch_elems = wg_scratch_elems(epi)
@@ -294,14 +302,14 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
     def epilogue(acc, tile, start, first_new, carry):
       s = common.tile_scale(scale, scale_ref, wg, 0, **scale_refs)
       acc = common.scaled(acc, s, 0)
-      _epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
-                first_new=first_new, off_ref=off_ref,
-                rowdata_smem=rowdata_smem,
-                acc_smem=acc_smem if shared else acc_smem.at[wg],
-                scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
-                score_ref=score_ref, index_ref=index_ref, out_row=tile,
-                rows_valid=rows_valid, vocab_size=vocab_size,
-                interpret=interpret)
+      tile_epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
+                    first_new=first_new, off_ref=off_ref,
+                    rowdata_smem=rowdata_smem,
+                    acc_smem=acc_smem if shared else acc_smem.at[wg],
+                    scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                    out_refs=out_refs, out_row=tile,
+                    rows_valid=rows_valid, vocab_size=vocab_size,
+                    interpret=interpret)
       return carry
 
     tile_loop(epilogue, (), prologue if scale == "row" else None)
@@ -447,15 +455,18 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
 
 def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str,
             rows_valid: int, vocab_size: int, target: common.Target,
-            scale_mode: str | None = None):
+            scale_mode: str | None = None, tile_epilogue=None,
+            out_dtypes=(jnp.float32, jnp.int32), kernel_name: str = "flashsample_sm90"):
   """Runs the kernel on one batch chunk (``h`` [N * batch_blocks, D], N <=
   256 padded; ``rowdata`` [batch_blocks, 8, N] when batch_blocks > 1;
   ``scale``, ``scale_mode``: an 8-bit weight's :func:`~pallas_kernels.
-  sm90_common.scale_operand`, or None).
+  sm90_common.scale_operand`, or None). ``tile_epilogue`` and
+  ``out_dtypes``: another epilogue of the vocabulary-major ping-pong
+  schedule and its outputs (:func:`_kernel_pingpong`).
 
-  Returns ``(score, index)``, both ``[N * batch_blocks, n_out]``: each
-  row's candidates (one per tile or per compute warpgroup) along the minor
-  axis.
+  Returns one array per ``out_dtypes`` (default ``(score, index)``), each
+  ``[N * batch_blocks, n_out]``: each row's candidates (one per tile or per
+  compute warpgroup) along the minor axis.
   """
   nb = cfg.batch_blocks
   n, dim = h.shape[0] // nb, h.shape[1]
@@ -478,6 +489,11 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
                            num_ctas=num_ctas,
                            interpret=target.interpret is not None,
                            **({"scale": mode} if mode else {}))
+  if tile_epilogue is not None:
+    if cfg.schedule is not Schedule.PINGPONG_VOCAB_M:
+      raise ValueError(f"a tile epilogue needs the vocabulary-major ping-pong schedule, "
+                       f"got {cfg.schedule}")
+    body = functools.partial(body, tile_epilogue=tile_epilogue, outputs=len(out_dtypes))
   # Candidates on the minor axis (each store is a strided column): stage 2
   # is then one row reduction, which XLA runs as one kernel; over the major
   # axis it took three (max, select, min; docs/performance.md, "The exact
@@ -488,16 +504,15 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
   else:  # one per tile (or per warpgroup's part of a tile)
     n_out = n_tiles * cfg.wg_share
     shape = (n // cfg.epi_cols, cfg.epi_cols, n_out)
-  out_type = (jax.ShapeDtypeStruct(shape, jnp.float32),
-              jax.ShapeDtypeStruct(shape, jnp.int32))
+  out_type = tuple(jax.ShapeDtypeStruct(shape, d) for d in out_dtypes)
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
-      kernel_name="flashsample_sm90",  # the name profilers show
+      kernel_name=kernel_name,  # the name profilers show
       compiler_params=target.compiler_params(),
       interpret=target.interpret)
-  s, i = f(offset, rowdata, h, w, *(() if scale is None else (scale,)))
-  return s.reshape(nb * n, n_out), i.reshape(nb * n, n_out)
+  outs = f(offset, rowdata, h, w, *(() if scale is None else (scale,)))
+  return tuple(o.reshape(nb * n, n_out) for o in outs)
 
 
 _KERNELS = {

@@ -47,7 +47,9 @@ from pallas_kernels import triton_noise as noise
 from pallas_kernels.triton_sampler import best_along, compile_for_inspection, tempered
 
 __all__ = ["LISTS_MAX", "ENTRIES_MAX_ROWS", "row_lists", "launch", "caps", "tau_slack",
-           "slot_block", "keeps_entries", "constexprs", "lists_for_inspection"]
+           "slot_block", "keeps_entries", "constexprs", "lists_for_inspection",
+           "ENTRY_FIELDS", "entry_lists", "entry_launch", "entry_constexprs",
+           "entry_lists_for_inspection"]
 
 _INT_MAX = tl.constexpr(np.iinfo(np.int32).max)
 # The order key of -inf (keys of finite values are larger).
@@ -158,22 +160,11 @@ def _slot_stats_kernel(t_ptr, scale_ptr, inv_t_ptr, max_ptr, sum_ptr, arg_ptr, s
 
 
 @triton.jit
-def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, third_ptr,
-                      t_ptr, scale_ptr, inv_t_ptr, off_ptr,
-                      vals_ptr, ids_ptr, bound_ptr, lse_max_ptr, lse_sum_ptr,
-                      best_t_ptr, best_id_ptr, slot_buf_ptr, cand_v_ptr, cand_i_ptr,
-                      W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-                      SLOT: tl.constexpr, M: tl.constexpr, SLOT_CAP: tl.constexpr,
-                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr,
-                      SLACK: tl.constexpr, PER_ID: tl.constexpr, ENTRIES: tl.constexpr):
-  r = tl.program_id(0)
-  off = tl.load(off_ptr)
-  s = tl.arange(0, S_PAD)
-  valid = s < S
-  mx = tl.load(max_ptr + r * S + s, mask=valid, other=float("-inf"))
-  sm = tl.load(sum_ptr + r * S + s, mask=valid, other=0.0)
-  arg = tl.load(arg_ptr + r * S + s, mask=valid, other=_INT_MAX)
-  nan = mx != mx
+def _best_and_lse(mx, sm, arg, nan, valid, s, r, off, best_t_ptr, best_id_ptr, lse_max_ptr,
+                  lse_sum_ptr):
+  """Stores row ``r``'s best and log-sum-exp from its slots' maxima ``mx``,
+  sums ``sm`` and first ids ``arg`` (ids ``off + arg``); returns whether
+  the row holds a NaN."""
   row_nan = tl.max(nan.to(tl.int32), axis=0) > 0
   top = tl.max(tl.where(nan, float("-inf"), mx), axis=0)
 
@@ -193,16 +184,19 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
   tl.store(lse_max_ptr + r, tl.where(row_nan, float("nan"), top))
   total = tl.where(finite, total, tl.where(top == float("-inf"), 0.0, float("nan")))
   tl.store(lse_sum_ptr + r, tl.where(row_nan, float("nan"), total))
+  return row_nan
 
-  # tau's key: the M-th largest slot maximum's key, RADIX bits a step from
-  # the top (the count of keys >= each of the 2**RADIX probes of the step
-  # in one reduction; counts fall as the probe rises, so the step's digit
-  # is the number of probes above 0 that still count M), stopped once at
-  # most M + SLACK slot maxima reach the bits decided so far (the rest 0).
-  # Any key at most the M-th largest keeps the lists exact; a lower one
-  # lists a few more values, and saves the steps that would not.
-  key = order_key(mx)
-  counted = valid & ~nan
+
+@triton.jit
+def _tau_key(key, counted, M: tl.constexpr, SLACK: tl.constexpr, RADIX: tl.constexpr):
+  """tau's key: the M-th largest of the slot maxima's keys ``key`` where
+  ``counted``, RADIX bits a step from the top (the count of keys >= each
+  of the 2**RADIX probes of the step in one reduction; counts fall as the
+  probe rises, so the step's digit is the number of probes above 0 that
+  still count M), stopped once at most M + SLACK slot maxima reach the bits
+  decided so far (the rest 0). Any key at most the M-th largest keeps the
+  lists exact; a lower one lists a few more values, and saves the steps
+  that would not."""
   tau = tl.full([], 0, tl.uint32)
   digit = tl.arange(0, 1 << RADIX).to(tl.uint32)
   shift = 32 - RADIX
@@ -214,6 +208,54 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
     tau = tau | (d.to(tl.uint32) << shift.to(tl.uint32))
     reach = tl.sum(tl.where(digit == d.to(tl.uint32), n, 0), axis=0)
     shift -= RADIX
+  return tau
+
+
+@triton.jit
+def _sorted_lists(cand_v_ptr, cand_i_ptr, r, count, flag, bound, vals_ptr, ids_ptr, bound_ptr,
+                  CAP: tl.constexpr, M: tl.constexpr):
+  """Row ``r``'s ``count`` gathered candidates sorted by (value
+  descending, id ascending) as one uint64 key, the first M above ``bound``
+  written (nothing where ``flag``: the bound is then +inf)."""
+  k = tl.arange(0, CAP)
+  km = k < count
+  cv = tl.load(cand_v_ptr + r * CAP + k, mask=km, other=float("-inf"))
+  ci = tl.load(cand_i_ptr + r * CAP + k, mask=km, other=_INT_MAX)
+  packed = ((order_key(cv) ^ 0xFFFFFFFF).to(tl.uint64) << 32) | ci.to(tl.uint32).to(tl.uint64)
+  packed = tl.sort(packed, 0)
+  ok_key = (packed >> 32).to(tl.uint32) ^ 0xFFFFFFFF
+  bits = tl.where((ok_key >> 31) == 1, ok_key & 0x7FFFFFFF, ok_key ^ 0xFFFFFFFF)
+  out_v = bits.to(tl.float32, bitcast=True)
+  out_i = (packed & 0xFFFFFFFF).to(tl.uint32).to(tl.int32)
+  out_v = tl.where(flag | (out_v <= bound), float("-inf"), out_v)
+  out_i = tl.where(flag | (out_v == float("-inf")), _INT_MAX, out_i)
+  tl.store(vals_ptr + r * M + k, out_v, mask=k < M)
+  tl.store(ids_ptr + r * M + k, out_i, mask=k < M)
+  tl.store(bound_ptr + r, tl.where(flag, float("inf"), bound))
+
+
+@triton.jit
+def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, third_ptr,
+                      t_ptr, scale_ptr, inv_t_ptr, off_ptr,
+                      vals_ptr, ids_ptr, bound_ptr, lse_max_ptr, lse_sum_ptr,
+                      best_t_ptr, best_id_ptr, slot_buf_ptr, cand_v_ptr, cand_i_ptr,
+                      W: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                      SLOT: tl.constexpr, M: tl.constexpr, SLOT_CAP: tl.constexpr,
+                      CAP: tl.constexpr, GROUP: tl.constexpr, RADIX: tl.constexpr,
+                      SLACK: tl.constexpr, PER_ID: tl.constexpr, ENTRIES: tl.constexpr):
+  r = tl.program_id(0)
+  off = tl.load(off_ptr)
+  s = tl.arange(0, S_PAD)
+  valid = s < S
+  mx = tl.load(max_ptr + r * S + s, mask=valid, other=float("-inf"))
+  sm = tl.load(sum_ptr + r * S + s, mask=valid, other=0.0)
+  arg = tl.load(arg_ptr + r * S + s, mask=valid, other=_INT_MAX)
+  nan = mx != mx
+  row_nan = _best_and_lse(mx, sm, arg, nan, valid, s, r, off, best_t_ptr, best_id_ptr,
+                          lse_max_ptr, lse_sum_ptr)
+  key = order_key(mx)
+  counted = valid & ~nan
+  tau = _tau_key(key, counted, M, SLACK, RADIX)
 
   # The slots that may hold a value >= tau. With the slots' entries
   # (ENTRIES), their values >= tau are the slot's first and second entries
@@ -277,23 +319,64 @@ def _row_lists_kernel(max_ptr, sum_ptr, arg_ptr, second_ptr, second_arg_ptr, thi
   tl.debug_barrier()
   over = over | (count > CAP)
 
-  # Sorted by (value descending, id ascending) as one uint64 key.
-  k = tl.arange(0, CAP)
-  km = k < count
-  cv = tl.load(cand_v_ptr + r * CAP + k, mask=km, other=float("-inf"))
-  ci = tl.load(cand_i_ptr + r * CAP + k, mask=km, other=_INT_MAX)
-  packed = ((order_key(cv) ^ 0xFFFFFFFF).to(tl.uint64) << 32) | ci.to(tl.uint32).to(tl.uint64)
-  packed = tl.sort(packed, 0)
-  ok_key = (packed >> 32).to(tl.uint32) ^ 0xFFFFFFFF
-  bits = tl.where((ok_key >> 31) == 1, ok_key & 0x7FFFFFFF, ok_key ^ 0xFFFFFFFF)
-  out_v = bits.to(tl.float32, bitcast=True)
-  out_i = (packed & 0xFFFFFFFF).to(tl.uint32).to(tl.int32)
-  flag = over | row_nan
-  out_v = tl.where(flag, float("-inf"), out_v)
-  out_i = tl.where(flag | (out_v == float("-inf")), _INT_MAX, out_i)
-  tl.store(vals_ptr + r * M + k, out_v, mask=k < M)
-  tl.store(ids_ptr + r * M + k, out_i, mask=k < M)
-  tl.store(bound_ptr + r, tl.where(flag, float("inf"), float("-inf")))
+  _sorted_lists(cand_v_ptr, cand_i_ptr, r, count, over | row_nan, float("-inf"), vals_ptr,
+                ids_ptr, bound_ptr, CAP, M)
+
+
+@triton.jit
+def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, i4_ptr,
+                        v5_ptr, sum_ptr, vals_ptr, ids_ptr, bound_ptr, lse_max_ptr,
+                        lse_sum_ptr, best_t_ptr, best_id_ptr, cand_v_ptr, cand_i_ptr,
+                        S: tl.constexpr, S_PAD: tl.constexpr, M: tl.constexpr,
+                        CAP: tl.constexpr, RADIX: tl.constexpr, SLACK: tl.constexpr):
+  """:func:`entry_lists`' row program: the row's best, log-sum-exp and
+  list from its slots' four entries (ids global), the fifth value and the
+  sum; never a read of ``t``."""
+  r = tl.program_id(0)
+  s = tl.arange(0, S_PAD)
+  valid = s < S
+  at = r * S + s
+  mx = tl.load(v1_ptr + at, mask=valid, other=float("-inf"))
+  sm = tl.load(sum_ptr + at, mask=valid, other=0.0)
+  arg = tl.load(i1_ptr + at, mask=valid, other=_INT_MAX)
+  nan = mx != mx
+  row_nan = _best_and_lse(mx, sm, arg, nan, valid, s, r, 0, best_t_ptr, best_id_ptr,
+                          lse_max_ptr, lse_sum_ptr)
+  key = order_key(mx)
+  counted = valid & ~nan
+  tau = _tau_key(key, counted, M, SLACK, RADIX)
+  sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
+
+  # Each selected slot's entries at or above tau, entry by entry.
+  count = 0
+  count = _put_entries(v1_ptr, i1_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+  count = _put_entries(v2_ptr, i2_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+  count = _put_entries(v3_ptr, i3_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+  count = _put_entries(v4_ptr, i4_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+  # A slot whose fifth value reaches tau may hold unlisted values up to it:
+  # only the values above the largest such bound are the row's, in order.
+  v5 = tl.load(v5_ptr + at, mask=sel, other=float("-inf"))
+  k5 = order_key(v5)
+  full = sel & (k5 >= tau) & (k5 > _KEY_NEG_INF)
+  bound = tl.max(tl.where(full, v5, float("-inf")), axis=0)
+  tl.debug_barrier()
+  _sorted_lists(cand_v_ptr, cand_i_ptr, r, count, (count > CAP) | row_nan, bound, vals_ptr,
+                ids_ptr, bound_ptr, CAP, M)
+
+
+@triton.jit
+def _put_entries(v_ptr, i_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP: tl.constexpr):
+  """The entries ``(v, i)`` of the slots ``sel`` whose value reaches
+  ``tau``, appended to row ``r``'s candidates after ``count``; returns the
+  new count."""
+  v = tl.load(v_ptr + at, mask=sel, other=float("-inf"))
+  k = order_key(v)
+  take = sel & (k >= tau) & (k > _KEY_NEG_INF)
+  p = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+  put = take & (p < CAP)
+  tl.store(cand_v_ptr + r * CAP + p, v, mask=put)
+  tl.store(cand_i_ptr + r * CAP + p, tl.load(i_ptr + at, mask=put, other=0), mask=put)
+  return count + tl.sum(take.to(tl.int32), axis=0)
 
 
 def row_lists(t, offset, m: int, *, slot: int, scale=None, inv_temperature=None):
@@ -439,3 +522,97 @@ def lists_for_inspection(width: int, m: int, slot: int, *, per_id: bool = False,
                                  capability=capability, num_warps=_LISTS_WARPS,
                                  num_stages=_STAGES)
   return stats, lists
+
+
+# The fields of :func:`entry_lists`' input (pallas_kernels.sm90_slots.FIELDS).
+ENTRY_FIELDS = ("v1", "v2", "v3", "v4", "i1", "i2", "i3", "i4", "v5", "sum")
+
+
+def entry_lists(entries: dict, m: int, rows: int | None = None) -> dict:
+  """The top-``m`` list, log-sum-exp and best of each of the first ``rows``
+  rows (default: all) from its slots' entries (:mod:`pallas_kernels.sm90_slots`:
+  per row and slot the four largest ``t`` with their global ids, the fifth
+  value and the sum of ``exp(t - max)``, each ``[N, S]``, ``N >= rows``):
+  what :func:`row_lists` returns (``[rows, ...]``), but
+  ``cand_bound`` is the largest fifth value of a slot that reaches ``tau``
+  (``-inf`` where none does; the list holds the values above it), or
+  ``+inf`` for a row handed to the exact path (a NaN, or more than ``CAP``
+  values at or above ``tau``). Under ``jax.vmap`` one launch over the rows
+  of every block."""
+  if not 1 <= m <= LISTS_MAX:
+    raise ValueError(f"m={m} must be in [1, {LISTS_MAX}]")
+  missing = set(ENTRY_FIELDS) - set(entries)
+  if missing:
+    raise ValueError(f"entries lacks the fields {sorted(missing)}")
+  shape = entries["v1"].shape
+  for name in ENTRY_FIELDS:
+    want = jnp.int32 if name.startswith("i") else jnp.float32
+    if entries[name].shape != shape or entries[name].dtype != want:
+      raise ValueError(f"entries[{name!r}] must be {jnp.dtype(want).name} {shape}, got "
+                       f"{entries[name].dtype} {entries[name].shape}")
+  if len(shape) != 2 or shape[1] >= 1 << 16:
+    raise ValueError(f"entries must be [N, S] with S < 65536, got {shape}")
+  rows = shape[0] if rows is None else rows
+  if not 1 <= rows <= shape[0]:
+    raise ValueError(f"rows={rows} must be in [1, {shape[0]}]")
+  return _entry_batchable(m, rows)(*(entries[name] for name in ENTRY_FIELDS))
+
+
+def _entry_batchable(m: int, rows: int):
+  """:func:`entry_launch` for lists of ``m`` of the first ``rows`` rows,
+  with a batching rule: a batch of blocks is one launch over their rows."""
+
+  @jax.custom_batching.custom_vmap
+  def lists(*fields):
+    return entry_launch(fields, m, rows)
+
+  @lists.def_vmap
+  def _rule(axis_size, in_batched, *fields):
+    if not any(in_batched):
+      out = lists(*fields)
+      return out, jax.tree.map(lambda _: False, out)
+    fields = [(f if on else jnp.broadcast_to(f, (axis_size, *f.shape)))[:, :rows]
+              for f, on in zip(fields, in_batched)]
+    n, b, s = fields[0].shape
+    out = entry_launch(tuple(f.reshape(n * b, s) for f in fields), m, n * b)
+    out = jax.tree.map(lambda x: x.reshape(n, b, *x.shape[1:]), out)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return lists
+
+
+def entry_constexprs(slots: int, m: int) -> dict:
+  """The entry kernel's constexprs for ``slots`` slots and lists of ``m``."""
+  return dict(S=slots, S_PAD=triton.next_power_of_2(slots), M=m, CAP=caps(m)[1],
+              RADIX=_RADIX, SLACK=tau_slack(m, True))
+
+
+def entry_launch(fields, m: int, rows: int) -> dict:
+  """The entry kernel through jax-triton on the first ``rows`` rows of
+  :data:`ENTRY_FIELDS`' arrays (checked by :func:`entry_lists`)."""
+  _, s = fields[0].shape
+  b = rows
+  jt = noise.jax_triton_module()
+  const = entry_constexprs(s, m)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _ = jt.triton_call(
+      *fields, kernel=_entry_lists_kernel,
+      out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
+                 f32(b, const["CAP"]), i32(b, const["CAP"])),
+      grid=(b,), num_warps=_LISTS_WARPS, num_stages=_STAGES, name="flashsample_entry_lists",
+      **const)
+  return dict(cand_vals=vals, cand_ids=ids, cand_bound=bound, lse_max=lse_max,
+              lse_sum=lse_sum, best_t=best_t, best_id=best_id)
+
+
+def entry_lists_for_inspection(slots: int, m: int, *, capability: tuple[int, int] = (9, 0)):
+  """The entry kernel compiled for ``capability`` without a GPU."""
+  pointers = {f"{name}_ptr": ("*i32" if name.startswith("i") else "*fp32")
+              for name in ENTRY_FIELDS}
+  pointers.update({"vals_ptr": "*fp32", "ids_ptr": "*i32", "bound_ptr": "*fp32",
+                   "lse_max_ptr": "*fp32", "lse_sum_ptr": "*fp32", "best_t_ptr": "*fp32",
+                   "best_id_ptr": "*i32", "cand_v_ptr": "*fp32", "cand_i_ptr": "*i32"})
+  return compile_for_inspection(_entry_lists_kernel, pointers, entry_constexprs(slots, m),
+                                capability=capability, num_warps=_LISTS_WARPS,
+                                num_stages=_STAGES)

@@ -307,7 +307,7 @@ def kernel_contract(monkeypatch):
   cleared before (a trace of the same call by another test must not answer
   for this one) and after (nor this one's for the next)."""
   monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
-  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: True)
+  monkeypatch.setattr(xla_backend, "lists_kernel_usable", lambda: True)
   monkeypatch.setattr(tls, "launch", _numpy_launch)
   LAUNCHED.clear()
   api.run.clear_cache()
@@ -472,9 +472,9 @@ def test_kernel_lists_need_a_gpu_and_jax_triton(monkeypatch):
   with pytest.raises(NotImplementedError, match="list_select='kernel'"):
     fs.sample(h, w, jax.random.key(0), backend=DenseBackend(list_select="kernel"), top_k=5)
   monkeypatch.setattr(xla_backend, "_platform", lambda: "gpu")
-  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
+  monkeypatch.setattr(xla_backend, "lists_kernel_usable", lambda: False)
   assert DenseBackend().lists_by() == "slots"
-  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: True)
+  monkeypatch.setattr(xla_backend, "lists_kernel_usable", lambda: True)
   assert DenseBackend().lists_by() == "kernel"
 
 
@@ -491,7 +491,7 @@ def test_kernel_lists_need_a_cuda_device(monkeypatch, platform, capability, usab
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: object() if name in ("triton", "jax_triton")
                       else found(name, *a))
-  assert xla_backend._lists_kernel_usable() is usable
+  assert xla_backend.lists_kernel_usable() is usable
 
 
 # ----------------------------------------------------------------------------
@@ -557,3 +557,161 @@ def test_gpu_lists_under_vmap():
   # The batching rule with the real launch (jax-triton's call alone raises
   # under vmap).
   lists_under_vmap_match_their_contract()
+
+
+# ----------------------------------------------------------------------------
+# The entry kernel: lists from the plain kernel's slot entries
+# ----------------------------------------------------------------------------
+
+
+def slot_entries_of(t, slot: int, first_id: int = 0) -> dict:
+  """What :mod:`pallas_kernels.sm90_slots` writes for rows ``t [B, W]``
+  (every id valid, ids ``first_id + column``) in slots of ``slot`` ids:
+  per slot its four largest values in the lists' order with their ids
+  (``INT_MAX`` past the slot's ids), the fifth value and the sum of
+  ``exp(t - max)``; a slot holding a NaN has the NaN first (its first
+  NaN's id)."""
+  t = np.asarray(t, np.float32)
+  b, w = t.shape
+  s = -(-w // slot)
+  out = {k: np.zeros((b, s), np.int32 if k.startswith("i") else np.float32)
+         for k in tls.ENTRY_FIELDS}
+  for r in range(b):
+    for j in range(s):
+      cols = np.arange(j * slot, min(w, (j + 1) * slot))
+      v = t[r, cols]
+      nan = np.isnan(v)
+      order = np.lexsort((cols, -np.where(nan, 0, v), ~nan))   # NaN first, then by value
+      for e in range(5):
+        val = v[order[e]] if e < cols.size else -np.inf
+        if e == 4:
+          out["v5"][r, j] = val
+        else:
+          out[f"v{e + 1}"][r, j] = val
+          out[f"i{e + 1}"][r, j] = first_id + cols[order[e]] if e < cols.size else INT_MAX
+      with np.errstate(invalid="ignore", over="ignore"):
+        top = v.max()
+        out["sum"][r, j] = 0.0 if top == -np.inf else np.sum(np.exp(v - top))
+  return out
+
+
+def expected_entry_lists(f: dict, m: int) -> dict:
+  """:func:`tls.entry_lists`' contract on the entries ``f``: the values of
+  the slots' entries at or above tau (the m-th largest slot maximum, as the
+  kernel decides it), above the bound (the largest fifth value of a slot
+  whose maximum and fifth value reach tau), sorted, the first m; a row
+  holding a NaN, or with more than ``caps(m)[1]`` such entries, handed over
+  (bound +inf, nothing listed). The best and the log-sum-exp from the
+  slots' maxima and sums (``lse_sum`` NumPy's: compare it within a
+  tolerance)."""
+  f = {k: np.asarray(v) for k, v in f.items()}
+  b, _ = f["v1"].shape
+  cap = tls.caps(m)[1]
+  out = dict(cand_vals=np.full((b, m), -np.inf, np.float32),
+             cand_ids=np.full((b, m), INT_MAX, np.int32),
+             cand_bound=np.full(b, -np.inf, np.float32), lse_max=np.zeros(b, np.float32),
+             lse_sum=np.zeros(b, np.float32), best_t=np.zeros(b, np.float32),
+             best_id=np.zeros(b, np.int32))
+  for r in range(b):
+    mx, sm, arg = f["v1"][r], f["sum"][r], f["i1"][r]
+    nan = np.isnan(mx)
+    clean = np.where(nan, -np.inf, mx)
+    top = clean.max()
+    first = np.argmax(nan) if nan.any() else np.argmax(clean == top)
+    out["best_id"][r] = arg[first]
+    out["best_t"][r] = out["lse_max"][r] = np.nan if nan.any() else top
+    with np.errstate(invalid="ignore", over="ignore"):
+      out["lse_sum"][r] = (np.nan if nan.any() or top == np.inf else 0.0 if top == -np.inf
+                           else np.sum(np.exp(clean - top) * np.where(clean > -np.inf, sm, 0)))
+    if nan.any():
+      out["cand_bound"][r] = np.inf
+      continue
+    tau = tau_key(order_key(mx), m, True)
+    sel = (order_key(mx) >= tau) & (mx > -np.inf)
+    vals = np.concatenate([f[f"v{e}"][r][sel] for e in range(1, 5)])
+    ids = np.concatenate([f[f"i{e}"][r][sel] for e in range(1, 5)])
+    take = (order_key(vals) >= tau) & (vals > -np.inf)
+    if take.sum() > cap:
+      out["cand_bound"][r] = np.inf
+      continue
+    v5 = f["v5"][r]
+    full = sel & (order_key(v5) >= tau) & (v5 > -np.inf)
+    bound = v5[full].max() if full.any() else -np.inf
+    keep = take & (vals > bound)
+    order = np.lexsort((ids[keep], -vals[keep]))[:m]
+    out["cand_vals"][r, :order.size] = vals[keep][order]
+    out["cand_ids"][r, :order.size] = ids[keep][order]
+    out["cand_bound"][r] = bound
+  return out
+
+
+def test_entry_rows_cover_every_case():
+  # rows() as slot entries: NaN rows and crowded rows handed over, a row
+  # with a finite bound (the top 8 in one slot: its fifth value bounds the
+  # list), others exact; the entries reach past the first two.
+  f = slot_entries_of(rows(), SLOT, 5)
+  want = expected_entry_lists(f, M)
+  bound = want["cand_bound"]
+  np.testing.assert_array_equal(np.isposinf(bound), [0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+  assert np.isfinite(bound[9]) and np.isfinite(want["cand_vals"][9]).sum() == 4
+  assert np.isfinite(bound[6]) and want["best_id"][3] == 5 + 7
+  assert np.isfinite(want["cand_vals"][5]).sum() == 5 and want["lse_sum"][4] == 0
+  depths = {int(d) for r in (0, 1, 7, 10) for d in _slot_depths(rows()[r], M, SLOT)}
+  assert max(depths) >= 3
+
+
+def interpret_entries(f: dict, m: int) -> dict:
+  """:func:`tls.entry_launch` itself, jax-triton's call replaced by
+  Triton's interpreter on host arrays."""
+  interpreted = types.SimpleNamespace(triton_call=interpreted_triton_call)
+  with mock.patch.object(noise, "jax_triton_module", lambda: interpreted):
+    got = tls.entry_launch(tuple(np.asarray(f[k]) for k in tls.ENTRY_FIELDS), m,
+                           f["v1"].shape[0])
+  return {name: np.asarray(x) for name, x in got.items()}
+
+
+@interpreter_only
+def test_interpreter_entry_lists_match_their_contract():
+  f = slot_entries_of(rows(), SLOT, 5)
+  check(interpret_entries(f, M), expected_entry_lists(f, M))
+
+
+@compiled_only
+@pytest.mark.parametrize("slots, m", [(1187, 58), (1187, 128), (1002, 58)],
+                         ids=["S-m58", "S-m128", "L-m58"])
+def test_entry_kernel_compiles_without_spills(slots, m, tmp_path):
+  reg, stack = registers(tls.entry_lists_for_inspection(slots, m).asm["cubin"], tmp_path)
+  assert stack == 0, f"spills: {stack} bytes of stack, {reg} registers"
+
+
+def test_entry_launcher_checks_its_arguments():
+  f = {k: jnp.zeros((2, 40), jnp.int32 if k.startswith("i") else jnp.float32)
+       for k in tls.ENTRY_FIELDS}
+  with pytest.raises(ValueError, match="m=0"):
+    tls.entry_lists(f, 0)
+  with pytest.raises(ValueError, match="lacks the fields"):
+    tls.entry_lists({k: v for k, v in f.items() if k != "v5"}, 8)
+  with pytest.raises(ValueError, match=r"entries\['i2'\] must be int32"):
+    tls.entry_lists(dict(f, i2=f["v1"]), 8)
+  with pytest.raises(ValueError, match="rows=3"):
+    tls.entry_lists(f, 8, rows=3)
+
+
+@pytest.mark.gpu
+def test_gpu_entry_lists_match_their_contract():
+  # All rows, then the first 7 of them (the rest padding it does not read).
+  f = slot_entries_of(rows(), SLOT, 5)
+  dev = {k: jnp.asarray(v) for k, v in f.items()}
+  check(jax.jit(lambda f: tls.entry_lists(f, M))(dev), expected_entry_lists(f, M))
+  first = expected_entry_lists({k: v[:7] for k, v in f.items()}, M)
+  check(jax.jit(lambda f: tls.entry_lists(f, M, 7))(dev), first)
+
+
+@pytest.mark.gpu
+def test_gpu_entry_lists_under_vmap():
+  # The batching rule with the real launch: two blocks of rows in one.
+  f = slot_entries_of(rows(), SLOT, 5)
+  both = {k: jnp.stack([jnp.asarray(v), jnp.asarray(v)[::-1]]) for k, v in f.items()}
+  got = jax.jit(jax.vmap(lambda f: tls.entry_lists(f, M)))(both)
+  for i, block in enumerate((f, {k: v[::-1] for k, v in f.items()})):
+    check({k: np.asarray(v)[i] for k, v in got.items()}, expected_entry_lists(block, M))
