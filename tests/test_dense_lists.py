@@ -198,7 +198,7 @@ def test_list_select_auto_takes_slots_on_a_gpu_only(platform, want, monkeypatch)
   # Without jax-triton (with it a GPU takes the kernels: test_triton_lists).
   from flashsample_jax.backends import xla as xla_backend
   monkeypatch.setattr(xla_backend, "_platform", lambda: platform)
-  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
+  monkeypatch.setattr(xla_backend, "lists_kernel_usable", lambda: False)
   assert DenseBackend().list_select == "auto"
   assert XlaBackend().list_select == "top_k"
   assert DenseBackend().lists_by() == want

@@ -335,7 +335,7 @@ def test_dense_gemm_of_an_8bit_head_takes_at_least_16_rows_on_a_gpu(monkeypatch,
   want = fs.reference.sample(h, w, key, weight_scale=s, weight_layout=layout, top_k=20,
                              top_p=0.9, temperature=0.5)
   dots = lambda: _dot_rows(jax.make_jaxpr(lambda h: fs.sample(h, w, key, **kw))(h).jaxpr)
-  monkeypatch.setattr(xla_backend, "_lists_kernel_usable", lambda: False)
+  monkeypatch.setattr(xla_backend, "lists_kernel_usable", lambda: False)
 
   def dots_on(platform):
     monkeypatch.setattr(xla_backend, "_platform", lambda: platform)

@@ -21,9 +21,11 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from flashsample_jax import stage2
+from flashsample_jax import dense_lists, stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
+from flashsample_jax.backends import xla as xla_backend
 from pallas_kernels import devices, rowdata
+from pallas_kernels.state import ControlsState
 
 # Several samples alone (no transform, truncation or log-probabilities) are
 # drawn as S * B rows of one plain launch while those fit the fast plain
@@ -86,6 +88,12 @@ def _kernels():
 # wide steps (B <= 48) and from B = 80 on (docs/performance.md, "Quantized
 # heads at B = 17-128" and "Wide 8-bit steps"; H200, e4m3). Below D = 2048
 # (not measured past 16 rows) only the wide steps of B <= 16.
+# Truncation with an 8-bit head takes the plain kernel's slot lists
+# (MosaicBackend.slot_lists) up to this many rows: faster than the dense
+# route's at B = 1 and 16 on the four benchmark heads, mixed at 32 and 48,
+# slower from 64 on, where the register path's narrower tiles run behind
+# XLA's GEMM (docs/performance.md, "Lists from the plain kernel"; H200).
+SLOT_LISTS_MAX_ROWS = 16
 QUANTIZED_KERNEL_MIN_D = 2048
 QUANTIZED_SHALLOW_MAX_B = 16
 QUANTIZED_DENSE_DEEP_D = 8192
@@ -131,6 +139,9 @@ class MosaicBackend(SamplerBackend):
       entropies) run the controls kernel's batch-invariant split, so that a
       row's bits do not depend on the batch around it (docs/design.md,
       "Determinism and RL"); False: the per-B split.
+    slot_rows: the most rows for which truncation with an 8-bit head takes
+      the plain kernel's slot lists (:meth:`slot_lists`; default
+      :data:`SLOT_LISTS_MAX_ROWS`; 0: never).
   """
 
   name: ClassVar[str] = "mosaic"
@@ -140,10 +151,14 @@ class MosaicBackend(SamplerBackend):
   config: Any = None
   profile_dir: str | None = None
   batch_invariant: bool = True
+  slot_rows: int = SLOT_LISTS_MAX_ROWS
 
   def __post_init__(self):
     if not isinstance(self.batch_invariant, bool):
       raise TypeError(f"batch_invariant={self.batch_invariant!r} must be a bool")
+    if not isinstance(self.slot_rows, int) or isinstance(self.slot_rows, bool) \
+        or self.slot_rows < 0:
+      raise ValueError(f"slot_rows={self.slot_rows!r} must be an int >= 0")
 
   def _target(self):
     common = _kernels()[0]
@@ -201,6 +216,8 @@ class MosaicBackend(SamplerBackend):
                               scale=p.weight_scale)
 
   def controls_state(self, p, c, *, vocab_offset=0):
+    if self.slot_lists(p, c):
+      return _slot_list_state(p, stage2.candidate_count(p, c), vocab_offset, self._target())
     _, _, _, controls_kernel = _kernels()
     rows, penalties, history = _kernel_rows(p, c, c.samples, given=c.given_ids)
     return controls_kernel.controls_state(
@@ -300,9 +317,38 @@ class MosaicBackend(SamplerBackend):
       # The controls kernel stages an 8-bit tile into bf16 before its
       # wgmma; XLA's GEMM and the dense route's lists from slots measured
       # faster at every batch (docs/performance.md, "Candidate lists of the
-      # dense route").
-      return False
+      # dense route"). Where the plain kernel's pass keeps the lists
+      # (slot_lists) it runs here.
+      return self.slot_lists(p, c)
     return c.truncates or rows_per_pass(self, p, c) <= ROUTE_MAX_ROWS
+
+  def slot_lists(self, p, c) -> bool:
+    """Whether the call's pass is the plain kernel keeping each tile's
+    largest tempered logits (:mod:`pallas_kernels.sm90_slots`), its lists
+    built by a Triton row kernel: an 8-bit ``"vd"`` head, a truncation
+    rule on every row (the pass draws no noise, ``Controls.for_pass``), no
+    transform, penalty or reported float, lists of at most 128 from at
+    least 8 tiles per entry (as the dense route's slots), and at most
+    ``slot_rows`` rows, which the plain kernel runs in one
+    vocabulary-major launch (docs/performance.md, "Lists from the plain
+    kernel")."""
+    if not (p.quantized and p.layout == "vd" and c.lists and c.every_row_truncates
+            and p.batch <= self.slot_rows):
+      return False
+    if (c.transforms or c.penalizes or c.reports_floats or c.return_kept or c.raw_lse
+        or c.given_ids is not None or self.fixed_split(c)):
+      return False
+    if not (self.interpret or xla_backend.lists_kernel_usable()):
+      return False
+    m = stage2.candidate_count(p, c)
+    if m > stage2.CANDIDATES:
+      return False
+    from pallas_kernels import sm90_config  # pylint: disable=import-outside-toplevel
+    picked = sm90_config.slot_entries_config(p.batch, p.hidden_dim, p.weight_rows,
+                                             p.hidden.dtype.itemsize, 1, p.layout)
+    if picked is None:
+      return False
+    return -(-p.weight_rows // picked[0].tile_v) >= dense_lists.SLOTS_PER_ENTRY * m
 
   def fuses_penalties(self, p, c):
     # Bit-planes of the history beside the allowed mask: a few bits per id
@@ -331,6 +377,23 @@ def _kernel_rows(p, c, samples: int, given=None):
       penalties=stage2.penalty_rows(c, p.batch) if c.penalizes else None,
       given=given)
   return rows, penalties, history
+
+
+def _slot_list_state(p, m: int, vocab_offset, target):
+  """The pass of :meth:`MosaicBackend.slot_lists`: each tile's entries
+  from the plain kernel, then the rows' lists, log-sum-exp and best from
+  the Triton entry kernel. The best's score is its ``t``: a pass without
+  noise scores greedy rows only, whose ``t`` is ``x``."""
+  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import sm90_slots, triton_lists
+  rows = rowdata.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
+                           ctr_hi=p.ctr_hi[None], ctr_lo=p.ctr_lo[None])
+  entries = sm90_slots.slot_entries(p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
+                                    vocab_size=p.vocab_size, target=target,
+                                    scale=p.weight_scale)
+  f = triton_lists.entry_lists(entries, m, p.batch)
+  best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
+  return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
 
 
 def _is_sm90_device() -> bool:

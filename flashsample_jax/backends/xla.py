@@ -299,7 +299,7 @@ def _kernel_state(p: Problem, x, scale, first_id, m: int, slot: int) -> Controls
   return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
 
 
-def _lists_kernel_usable() -> bool:
+def lists_kernel_usable() -> bool:
   """The list kernels can launch: the default device is a CUDA GPU (a
   numeric compute capability; jax-triton launches CUDA kernels, and a ROCm
   device is a "gpu" too), and triton and jax-triton are installed."""
@@ -360,11 +360,11 @@ class XlaBackend(SamplerBackend):
       return self.list_select
     if _platform() != "gpu":
       return "top_k"
-    return "kernel" if _lists_kernel_usable() else "slots"
+    return "kernel" if lists_kernel_usable() else "slots"
 
   def check(self, p, c):
     del p, c  # every checked problem; only list_select="kernel" needs more
-    if self.list_select == "kernel" and not (_platform() == "gpu" and _lists_kernel_usable()):
+    if self.list_select == "kernel" and not (_platform() == "gpu" and lists_kernel_usable()):
       raise NotImplementedError(
           "list_select='kernel' launches Triton kernels: it needs a CUDA GPU, triton "
           "and jax-triton (pip install 'flashsample-jax[triton]')")
