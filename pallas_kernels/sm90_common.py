@@ -250,6 +250,27 @@ def store_tile(x, ref, *, interpret: bool):
   store(x, ref)
 
 
+def epilogue_passes(acc, chunk, *, passes, acc_smem, epi: int, unroll: int):
+  """Runs ``chunk(c, slot)`` on each column chunk ``c`` of ``epi`` columns
+  of the accumulator ``acc`` [rows, N], pass by pass: a pass's chunks are
+  copied into ``acc_smem`` (``slot`` is a chunk's place there), then a loop
+  over them, not unrolled: unrolled, a tile's epilogue was ~10k
+  straight-line instructions and bound by instruction fetch
+  (docs/performance.md, "The epilogue loop"). ``passes``: the ``(first,
+  end)`` chunks of each pass; ``unroll`` chunks per iteration."""
+  for first, end in passes:
+    for j in range(first, end):
+      acc_smem[j - first] = acc[:, j * epi:(j + 1) * epi]
+
+    def body(it, carry, first=first):
+      for u in range(unroll):
+        slot = it * unroll + u
+        chunk(first + slot, slot)
+      return carry
+
+    lax.fori_loop(0, (end - first) // unroll, body, 0)
+
+
 def approx_exp(x, *, interpret: bool):
   """``exp`` as ``ex2.approx`` (relative error ~2^-22), for sums that feed
   only values read with tolerances (log-probabilities, the top-p

@@ -106,17 +106,8 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     common.store_column(idx, index_ref.at[c, :, pl.ds(out_row, 1)],
                         interpret=interpret)
 
-  for first, end in passes:
-    for j in range(first, end):
-      acc_smem[j - first] = acc[:, j * epi:(j + 1) * epi]
-
-    def body(it, carry, first=first):
-      for u in range(cfg.epi_unroll):
-        slot = it * cfg.epi_unroll + u
-        chunk(first + slot, slot)
-      return carry
-
-    lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
+  common.epilogue_passes(acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
+                         unroll=cfg.epi_unroll)
 
 
 def _slot_update(best, sc, gid):

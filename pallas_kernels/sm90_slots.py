@@ -89,17 +89,8 @@ def _slot_epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new, of
     for x, ref in zip(vals + ids + [rest, total], out_refs):
       common.store_column(x, ref.at[c, :, pl.ds(out_row, 1)], interpret=interpret)
 
-  for first, end in passes:
-    for j in range(first, end):
-      acc_smem[j - first] = acc[:, j * epi:(j + 1) * epi]
-
-    def body(it, carry, first=first):
-      for u in range(cfg.epi_unroll):
-        slot = it * cfg.epi_unroll + u
-        chunk(first + slot, slot)
-      return carry
-
-    lax.fori_loop(0, (end - first) // cfg.epi_unroll, body, 0)
+  common.epilogue_passes(acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
+                         unroll=cfg.epi_unroll)
 
 
 def config(batch: int, dim: int, rows: int, itemsize: int, w_itemsize: int,

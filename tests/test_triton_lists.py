@@ -45,6 +45,16 @@ interpreter_only = pytest.mark.skipif(
 compiled_only = pytest.mark.skipif(INTERPRET, reason="needs compiled kernels")
 
 
+def _empty_lists(b: int, m: int) -> dict:
+  """The kernels' outputs for ``b`` rows before any row is filled in: lists
+  of ``m`` with nothing listed, bounds ``-inf``."""
+  return dict(cand_vals=np.full((b, m), -np.inf, np.float32),
+              cand_ids=np.full((b, m), INT_MAX, np.int32),
+              cand_bound=np.full(b, -np.inf, np.float32), lse_max=np.zeros(b, np.float32),
+              lse_sum=np.zeros(b, np.float32), best_t=np.zeros(b, np.float32),
+              best_id=np.zeros(b, np.int32))
+
+
 def expected(t, first_id, m: int, slot: int, entries: bool | None = None) -> dict:
   """What the kernels write for ``t [B, W]`` (ids ``first_id + column``),
   lists of ``m`` and slots of ``slot`` ids, in a launch that keeps the
@@ -59,11 +69,7 @@ def expected(t, first_id, m: int, slot: int, entries: bool | None = None) -> dic
   entries = tls.keeps_entries(b) if entries is None else entries
   s = -(-w // slot)
   slot_cap, cap = tls.caps(m)
-  out = dict(cand_vals=np.full((b, m), -np.inf, np.float32),
-             cand_ids=np.full((b, m), INT_MAX, np.int32),
-             cand_bound=np.full(b, -np.inf, np.float32), lse_max=np.zeros(b, np.float32),
-             lse_sum=np.zeros(b, np.float32), best_t=np.zeros(b, np.float32),
-             best_id=np.zeros(b, np.int32))
+  out = _empty_lists(b, m)
   for r in range(b):
     row = t[r]
     nan = np.isnan(row)
@@ -607,11 +613,7 @@ def expected_entry_lists(f: dict, m: int) -> dict:
   f = {k: np.asarray(v) for k, v in f.items()}
   b, _ = f["v1"].shape
   cap = tls.caps(m)[1]
-  out = dict(cand_vals=np.full((b, m), -np.inf, np.float32),
-             cand_ids=np.full((b, m), INT_MAX, np.int32),
-             cand_bound=np.full(b, -np.inf, np.float32), lse_max=np.zeros(b, np.float32),
-             lse_sum=np.zeros(b, np.float32), best_t=np.zeros(b, np.float32),
-             best_id=np.zeros(b, np.int32))
+  out = _empty_lists(b, m)
   for r in range(b):
     mx, sm, arg = f["v1"][r], f["sum"][r], f["i1"][r]
     nan = np.isnan(mx)
