@@ -13,10 +13,11 @@ unlisted values) and the sum of ``exp(t - max)``. The Triton row kernel
 :func:`pallas_kernels.triton_lists.entry_lists` turns those into the
 row's list (docs/performance.md, "Lists from the plain kernel").
 
-Outputs, each ``[B, n_tiles]`` (:data:`FIELDS`): ``v1..v4`` f32 and
-``i1..i4`` int32 (global ids; ``-inf`` and ``INT_MAX`` past a tile's valid
-ids), ``v5`` f32, ``sum`` f32. A tile holding a NaN has ``v1`` NaN (the
-row is then handed to stage 2's exact path).
+Outputs, each ``[N, n_tiles]`` (:data:`FIELDS`; ``N >= B`` the launch's
+padded batch): ``v1..v4`` f32 and ``i1..i4`` int32 (global ids; ``-inf``
+and ``INT_MAX`` past a tile's valid ids), ``v5`` f32, ``sum`` f32. A tile
+holding a NaN has ``v1`` NaN (the row is then handed to stage 2's exact
+path).
 """
 
 from __future__ import annotations

@@ -88,16 +88,18 @@ def _kernels():
 # wide steps (B <= 48) and from B = 80 on (docs/performance.md, "Quantized
 # heads at B = 17-128" and "Wide 8-bit steps"; H200, e4m3). Below D = 2048
 # (not measured past 16 rows) only the wide steps of B <= 16.
-# Truncation with an 8-bit head takes the plain kernel's slot lists
-# (MosaicBackend.slot_lists) up to this many rows: faster than the dense
-# route's at B = 1 and 16 on the four benchmark heads, mixed at 32 and 48,
-# slower from 64 on, where the register path's narrower tiles run behind
-# XLA's GEMM (docs/performance.md, "Lists from the plain kernel"; H200).
-SLOT_LISTS_MAX_ROWS = 16
 QUANTIZED_KERNEL_MIN_D = 2048
 QUANTIZED_SHALLOW_MAX_B = 16
 QUANTIZED_DENSE_DEEP_D = 8192
 QUANTIZED_DENSE_DEEP_ROWS = (17, 79)
+
+# Truncation with an 8-bit head takes the plain kernel's slot lists
+# (MosaicBackend.slot_lists) up to this many rows: faster than the dense
+# route's at B = 1 and 16 on the benchmark heads (level on gpt-oss at
+# B = 1), mixed at 32 and 48,
+# slower from 64 on, where the register path's narrower tiles run behind
+# XLA's GEMM (docs/performance.md, "Lists from the plain kernel"; H200).
+SLOT_LISTS_MAX_ROWS = 16
 
 
 def _quantized_plain_prefers(p) -> bool:
