@@ -55,13 +55,14 @@ assert _ROWS.rows == ROWDATA_ROWS  # the SMEM budget counts this block
 
 def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
               off_ref, rowdata_smem, acc_smem, scratch_f, scratch_i,
-              score_ref, index_ref, out_row, rows_valid: int, vocab_size: int,
+              out_refs, out_row, rows_valid: int, vocab_size: int,
               interpret: bool):
   """Noise, transform and per-column (max, first argmax) of one accumulator.
 
   ``acc`` [vw, N] f32 holds rows ``start + row0 + [0, vw)`` of the weight;
   rows below ``first_new`` (tile-local) were done by an earlier tile.
-  Writes one candidate column ``score_ref[:, :, out_row]`` (and index).
+  Writes one candidate column ``out_row`` of ``out_refs = (score_ref,
+  index_ref)``, ``[nc, C, n_out]`` each.
 
   The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
   the noise runs in a (not unrolled) loop over column chunks: unrolled, the
@@ -101,10 +102,8 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     m, idx = rules.first_best(s, gid, 0, mask=valid,
                               max_fn=reduce("max", scratch_f),
                               min_fn=reduce("min", scratch_i))
-    common.store_column(m, score_ref.at[c, :, pl.ds(out_row, 1)],
-                        interpret=interpret)
-    common.store_column(idx, index_ref.at[c, :, pl.ds(out_row, 1)],
-                        interpret=interpret)
+    for x, ref in zip((m, idx), out_refs):
+      common.store_column(x, ref.at[c, :, pl.ds(out_row, 1)], interpret=interpret)
 
   common.epilogue_passes(acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
                          unroll=cfg.epi_unroll)
@@ -224,7 +223,7 @@ def _kernel(off_ref, rowdata_ref, h_ref, w_ref, score_ref, index_ref, *,
                     start=start, first_new=first_new, off_ref=off_ref,
                     rowdata_smem=rowdata_smem, acc_smem=acc_smem.at[wg],
                     scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
-                    score_ref=score_ref, index_ref=index_ref,
+                    out_refs=(score_ref, index_ref),
                     out_row=tile * n_wg + wg, rows_valid=rows_valid,
                     vocab_size=vocab_size, interpret=interpret)
 
@@ -242,8 +241,7 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   Same refs as :func:`_kernel`, but one candidate column per tile
   (``[nc, C, n_tiles]``). ``tile_epilogue`` (default :func:`_epilogue`)
   reads each tile's accumulator and writes the last ``outputs`` refs
-  (:func:`_epilogue`'s keywords, ``score_ref``/``index_ref`` replaced by
-  ``out_refs``; the slot kernel, :mod:`pallas_kernels.sm90_slots`, passes
+  (``out_refs``; the slot kernel, :mod:`pallas_kernels.sm90_slots`, passes
   its own). With ``scale`` (an 8-bit weight's
   :func:`~pallas_kernels.sm90_common.scale_mode`) ``scale_ref`` f32 after
   ``w_ref``, by which the accumulator is multiplied first (8-bit weights:
@@ -274,9 +272,7 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   """
   scale_ref = refs[0] if scale else None
   out_refs = refs[-outputs:]
-  if tile_epilogue is None:
-    tile_epilogue = lambda acc, *, out_refs, **kw: _epilogue(
-        acc, score_ref=out_refs[0], index_ref=out_refs[1], **kw)
+  tile_epilogue = tile_epilogue or _epilogue
   epi = cfg.epi_cols
   n_chunks = n // epi
   scratch_elems = wg_scratch_elems(epi)

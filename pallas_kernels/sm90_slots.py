@@ -31,7 +31,7 @@ from pallas_kernels import rules, sm90_common as common, sm90_sampler
 from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.sm90_config import TuningConfig, slot_entries_config
 
-__all__ = ["ENTRIES", "FIELDS", "slot_entries", "config"]
+__all__ = ["ENTRIES", "FIELDS", "slot_entries"]
 
 # Entries kept per tile and row: a row's list is exact above the largest
 # fifth value of a tile, so a row is certified unless five of its top-k
@@ -94,23 +94,15 @@ def _slot_epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new, of
                          unroll=cfg.epi_unroll)
 
 
-def config(batch: int, dim: int, rows: int, itemsize: int, w_itemsize: int,
-           layout: str) -> tuple[TuningConfig, int] | None:
-  """``(cfg, n)``: the plain kernel's one launch for ``batch`` rows where it
-  runs the vocabulary-major ping-pong schedule with whole tiles per
-  warpgroup (this epilogue's), else None
-  (:func:`~pallas_kernels.sm90_config.slot_entries_config`)."""
-  return slot_entries_config(batch, dim, rows, itemsize, w_itemsize, layout)
-
-
 def slot_entries(hidden, weight, rows, vocab_offset=0, *, layout: str, vocab_size: int,
                  target: common.Target = common.Target(), scale=None) -> dict:
   """Each tile's entries (:data:`FIELDS`, each ``[N, n_tiles]``) of the
   tempered logits ``(hidden @ W.T) * scale / T`` (``rows``: the per-row
   block of :func:`~pallas_kernels.rowdata.pack_rows` with one sample; the
   other arguments as :func:`sm90_sampler.candidates`'). Tiles are
-  ``tile_v`` ids of the launch's config (:func:`config`, which must not be
-  None for these shapes). ``N >= B`` is the launch's padded batch: rows
+  ``tile_v`` ids of the launch's config
+  (:func:`~pallas_kernels.sm90_config.slot_entries_config`, which must not
+  be None for these shapes). ``N >= B`` is the launch's padded batch: rows
   past ``B`` are padding, left in place (slicing them off copied each of
   the ten arrays; the entry kernel reads the first ``B`` rows)."""
   offset = jnp.asarray(vocab_offset, jnp.int32).reshape((1,))
@@ -118,7 +110,7 @@ def slot_entries(hidden, weight, rows, vocab_offset=0, *, layout: str, vocab_siz
   w, rows_k = common.pad_vocab(weight, layout, common.vocab_align(weight.dtype, layout))
   scale, mode = common.scale_operand(scale, rows_k)
   batch, dim = hidden.shape
-  picked = config(batch, dim, rows_k, jnp.dtype(hidden.dtype).itemsize,
+  picked = slot_entries_config(batch, dim, rows_k, jnp.dtype(hidden.dtype).itemsize,
                   jnp.dtype(weight.dtype).itemsize, layout)
   if picked is None:
     raise ValueError(f"no single vocabulary-major launch for B={batch}, D={dim}, "

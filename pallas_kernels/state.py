@@ -65,6 +65,16 @@ class ControlsState(NamedTuple):
   raw_bound: Any = None
 
 
+def from_row_lists(f: dict) -> ControlsState:
+  """The state of a pass without noise from a list kernel's outputs
+  (``triton_lists.row_lists`` / ``entry_lists``: lists, log-sum-exp and
+  ``best_t``/``best_id`` ``[B]``): the best's score is its ``t``, read only
+  for greedy rows, whose ``t`` is ``x``; one best serves every sample."""
+  f = dict(f)
+  best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
+  return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
+
+
 def parts_sum(x, axis: int = 1):
   """``x`` summed over ``axis`` (``[B, P]``: over the parts) in an order
   fixed by that axis's length alone: a pairwise tree of elementwise

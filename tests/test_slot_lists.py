@@ -49,7 +49,7 @@ def _entries(backend, h, w, scale, temperature, vocab_size=None):
                                   vocab_size=vocab_size or v,
                                   target=backend._target()))  # pylint: disable=protected-access
   got = run(h, w, rows, 0, scale=scale)
-  cfg, n = sm90_slots.config(b, h.shape[1], v, 2, 1, "vd")
+  cfg, n = sm90_config.slot_entries_config(b, h.shape[1], v, 2, 1, "vd")
   assert all(x.shape[0] == n for x in got.values())   # the launch's padded rows
   return {k: np.asarray(x)[:b] for k, x in got.items()}, cfg.tile_v
 
@@ -130,13 +130,18 @@ def _route(h, w, s, temperature, **kw):
   return p, c
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=20, top_p=0.9), dict(top_k=50),
-                                dict(top_k=np.array([20, 5, 56, 1], np.int32), min_p=0.2)],
-                         ids=["k-p", "k", "k-rows-minp"])
-def test_route_equals_reference(entry_contract, kw):
+@pytest.mark.parametrize("kw, temperature", [
+    (dict(top_k=20, top_p=0.9), "pow2"), (dict(top_k=50), "pow2"),
+    (dict(top_k=np.array([20, 5, 56, 1], np.int32), min_p=0.2), "pow2"),
+    # 1 / T rounds (0.6, 0.7, 1.3) and a greedy row: the lists' t must be
+    # the reference's l / T bit for bit (docs/design.md, "Division").
+    (dict(top_k=20, top_p=0.9), [0.6, 0.7, 1.3, 0.0])],
+    ids=["k-p", "k", "k-rows-minp", "k-p-rounding-T"])
+def test_route_equals_reference(entry_contract, kw, temperature):
   del entry_contract
   h, w, s = inputs.quantized_inputs(B, D, V, seed=3)
-  t = inputs.pow2_temperatures(B, greedy_every=3, seed=3)
+  t = (inputs.pow2_temperatures(B, greedy_every=3, seed=3) if temperature == "pow2"
+       else jnp.asarray(temperature, jnp.float32))
   keys = inputs.row_keys(B, seed=4)
   p, c = _route(h, w, s, t, **kw)
   assert INTERPRET.slot_lists(p, c) and INTERPRET.prefers(p, c)
@@ -258,6 +263,21 @@ def test_gpu_route_equals_reference(b, kw):
     assert fs.which_backend(h, w, keys, temperature=t, weight_scale=s, **kw) == "mosaic"
   got = jax.jit(lambda h, w, s, k: fs.sample(h, w, k, temperature=t, weight_scale=s,
                                              backend=be, **kw))(h, w, s, keys)
+  want = fs.reference.sample(h, w, keys, temperature=t, weight_scale=s, **kw)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 16])
+def test_gpu_route_with_temperatures_that_round(b):
+  # Temperatures whose 1 / T rounds, through auto on the S head's shape.
+  h, w, s = inputs.quantized_inputs(b, 4096, 151936, seed=b + 3)
+  t = jnp.asarray(np.resize(np.float32([0.6, 0.7, 1.3, 0.0]), b))
+  keys = inputs.row_keys(b, seed=b + 3)
+  kw = dict(top_k=50, top_p=0.9)
+  assert MosaicBackend().slot_lists(*_route(h, w, s, t, **kw))
+  got = jax.jit(lambda h, w, s, k: fs.sample(h, w, k, temperature=t, weight_scale=s, **kw))(
+      h, w, s, keys)
   want = fs.reference.sample(h, w, keys, temperature=t, weight_scale=s, **kw)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

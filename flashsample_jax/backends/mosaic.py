@@ -25,7 +25,7 @@ from flashsample_jax import dense_lists, stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from flashsample_jax.backends import xla as xla_backend
 from pallas_kernels import devices, rowdata
-from pallas_kernels.state import ControlsState
+from pallas_kernels.state import from_row_lists
 
 # Several samples alone (no transform, truncation or log-probabilities) are
 # drawn as S * B rows of one plain launch while those fit the fast plain
@@ -384,8 +384,7 @@ def _kernel_rows(p, c, samples: int, given=None):
 def _slot_list_state(p, m: int, vocab_offset, target):
   """The pass of :meth:`MosaicBackend.slot_lists`: each tile's entries
   from the plain kernel, then the rows' lists, log-sum-exp and best from
-  the Triton entry kernel. The best's score is its ``t``: a pass without
-  noise scores greedy rows only, whose ``t`` is ``x``."""
+  the Triton entry kernel (:func:`~pallas_kernels.state.from_row_lists`)."""
   # pylint: disable=import-outside-toplevel
   from pallas_kernels import sm90_slots, triton_lists
   rows = rowdata.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
@@ -393,9 +392,7 @@ def _slot_list_state(p, m: int, vocab_offset, target):
   entries = sm90_slots.slot_entries(p.hidden, p.weight, rows, vocab_offset, layout=p.layout,
                                     vocab_size=p.vocab_size, target=target,
                                     scale=p.weight_scale)
-  f = triton_lists.entry_lists(entries, m, p.batch)
-  best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
-  return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
+  return from_row_lists(triton_lists.entry_lists(entries, m, p.batch))
 
 
 def _is_sm90_device() -> bool:

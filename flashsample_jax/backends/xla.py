@@ -21,7 +21,7 @@ from flashsample_jax import controls, dense_lists, problem, stage2
 from flashsample_jax.backends import SamplerBackend, rows_per_pass
 from flashsample_jax.problem import Problem
 from pallas_kernels import devices, rowdata, rules
-from pallas_kernels.state import ControlsState
+from pallas_kernels.state import ControlsState, from_row_lists
 
 # Elements of the [B, Vc] chunk. On a GPU 2**22 f32 values (16 MiB of
 # logits, about as much again for the scores): measured on an H200, 2**20
@@ -293,10 +293,9 @@ def _kernel_state(p: Problem, x, scale, first_id, m: int, slot: int) -> Controls
   logits are not written for them. The best's score is its ``t``: a pass
   without noise scores greedy rows only, whose ``t`` is ``x``."""
   from pallas_kernels import triton_lists  # pylint: disable=import-outside-toplevel
-  f = triton_lists.row_lists(x, first_id, m, slot=slot, scale=scale,
-                             inv_temperature=rowdata.reciprocal(p.temperature))
-  best_t, best_id = f.pop("best_t")[:, None], f.pop("best_id")[:, None]
-  return ControlsState(best_score=best_t, best_id=best_id, best_t=best_t, **f)
+  return from_row_lists(triton_lists.row_lists(
+      x, first_id, m, slot=slot, scale=scale,
+      inv_temperature=rowdata.reciprocal(p.temperature)))
 
 
 def lists_kernel_usable() -> bool:
