@@ -11,6 +11,8 @@ compared bit for bit, and every 8-bit code goes through the conversion.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,7 @@ import flashsample_jax as fs
 from flashsample_jax import problem
 from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
-from pallas_kernels import sm90_common, sm90_config
+from pallas_kernels import rowdata, sm90_common, sm90_config
 from pallas_kernels.sm90_config import Schedule, TuningConfig, WeightPath
 from tests import inputs
 
@@ -285,6 +287,22 @@ def test_heuristic_configs_lower_for_cuda(layout):
     # The 8-bit weight goes to the kernel as it is: no converted copy.
     assert f"tensor<{151936 if layout == 'vd' else 4096}x" \
            f"{4096 if layout == 'vd' else 151936}x{_mlir(dt)}>" in text
+
+
+def test_slot_kernel_lowers_for_cuda():
+  # The heads' shapes at one row (wide steps), 16 rows and 48 (e5m2,
+  # gpt-oss' D = 2880, its last step past D).
+  from pallas_kernels import sm90_slots  # pylint: disable=import-outside-toplevel
+  for b, d, v, dt in [(1, 4096, 151936, jnp.float8_e4m3fn), (16, 8192, 128256, jnp.int8),
+                      (48, 2880, 201088, jnp.float8_e5m2)]:
+    f = functools.partial(sm90_slots.slot_entries, layout="vd", vocab_size=v,
+                          target=sm90_common.Target())
+    args = (jax.ShapeDtypeStruct((b, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), dt),
+            jax.ShapeDtypeStruct((rowdata.RowLayout().rows, b), jnp.uint32), 0)
+    with h100_lowering():
+      text = jax.jit(f).trace(*args, scale=jax.ShapeDtypeStruct((v,), jnp.float32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert "flashsample_sm90_slots" in text
 
 
 def _mlir(dt):

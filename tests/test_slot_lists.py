@@ -9,8 +9,10 @@ fifth value and the sum, then the Triton entry kernel's lists.
   tokens equal the reference with the entry kernel's launch replaced by
   its NumPy contract, rows it cannot certify taking the exact path.
 * routing (CPU): which calls take the route.
-* lowering for CUDA (CPU) and gpu (marked ``gpu``): the real kernels
-  against the contracts and the reference.
+* gpu (marked ``gpu``): the real kernels against the contracts and the
+  reference. The slot kernel's CUDA lowering is tested with the other
+  8-bit kernels' (tests/test_quantized_mosaic.py, on both ends of the jax
+  range).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ pytest.importorskip("triton")
 import flashsample_jax as fs  # noqa: E402
 from flashsample_jax import api, controls, problem, stage2  # noqa: E402
 from flashsample_jax.backends import xla as xla_backend  # noqa: E402
-from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering  # noqa: E402
-from pallas_kernels import rowdata, sm90_common, sm90_config  # noqa: E402
+from flashsample_jax.backends.mosaic import MosaicBackend  # noqa: E402
+from pallas_kernels import rowdata, sm90_config  # noqa: E402
 from pallas_kernels import triton_lists as tls  # noqa: E402
 from tests import inputs  # noqa: E402
 from tests.test_triton_lists import expected_entry_lists, slot_entries_of  # noqa: E402
@@ -216,22 +218,6 @@ def test_the_config_is_the_plain_launch():
     assert cfg == sm90_config.pick_config(n, 4096, 151936, 2, w_itemsize=1, layout="vd")
   assert sm90_config.slot_entries_config(256, 4096, 151936, 2, 1, "vd") is None
   assert sm90_config.slot_entries_config(128, 4096, 151936, 2, 2, "vd") is None
-
-
-def test_slot_kernel_lowers_for_cuda():
-  # The heads' shapes at one row (wide steps), 16 rows and 48 (e5m2,
-  # gpt-oss' D = 2880, its last step past D).
-  from pallas_kernels import sm90_slots  # pylint: disable=import-outside-toplevel
-  for b, d, v, dt in [(1, 4096, 151936, jnp.float8_e4m3fn), (16, 8192, 128256, jnp.int8),
-                      (48, 2880, 201088, jnp.float8_e5m2)]:
-    f = functools.partial(sm90_slots.slot_entries, layout="vd", vocab_size=v,
-                          target=sm90_common.Target())
-    args = (jax.ShapeDtypeStruct((b, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), dt),
-            jax.ShapeDtypeStruct((rowdata.RowLayout().rows, b), jnp.uint32), 0)
-    with h100_lowering():
-      text = jax.jit(f).trace(*args, scale=jax.ShapeDtypeStruct((v,), jnp.float32)).lower(
-          lowering_platforms=("cuda",)).as_text()
-    assert "flashsample_sm90_slots" in text
 
 
 # -- on the GPU --------------------------------------------------------------
