@@ -328,7 +328,8 @@ def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, 
                         v5_ptr, sum_ptr, vals_ptr, ids_ptr, bound_ptr, lse_max_ptr,
                         lse_sum_ptr, best_t_ptr, best_id_ptr, cand_v_ptr, cand_i_ptr,
                         S: tl.constexpr, S_PAD: tl.constexpr, M: tl.constexpr,
-                        CAP: tl.constexpr, RADIX: tl.constexpr, SLACK: tl.constexpr):
+                        CAP: tl.constexpr, RADIX: tl.constexpr, SLACK: tl.constexpr,
+                        ONE_SCAN: tl.constexpr):
   """:func:`entry_lists`' row program: the row's best, log-sum-exp and
   list from its slots' four entries (ids global), the fifth value and the
   sum; never a read of ``t``."""
@@ -347,12 +348,29 @@ def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, 
   tau = _tau_key(key, counted, M, SLACK, RADIX)
   sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
 
-  # Each selected slot's entries at or above tau, entry by entry.
-  count = 0
-  count = _put_entries(v1_ptr, i1_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
-  count = _put_entries(v2_ptr, i2_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
-  count = _put_entries(v3_ptr, i3_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
-  count = _put_entries(v4_ptr, i4_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+  # Each selected slot's entries at or above tau: one scan of the slots'
+  # counts places them (the sort below orders them).
+  if ONE_SCAN:
+    t1 = _takes(mx, sel, tau)
+    v2, t2 = _entry_takes(v2_ptr, at, sel, tau)
+    v3, t3 = _entry_takes(v3_ptr, at, sel, tau)
+    v4, t4 = _entry_takes(v4_ptr, at, sel, tau)
+    n = t1 + t2 + t3 + t4
+    base = r * CAP + tl.cumsum(n, axis=0) - n
+    count = tl.sum(n, axis=0)
+    _put_at(mx, arg, t1, base, cand_v_ptr, cand_i_ptr, r, CAP)
+    _put_at(v2, tl.load(i2_ptr + at, mask=t2 != 0, other=0), t2, base + t1, cand_v_ptr,
+            cand_i_ptr, r, CAP)
+    _put_at(v3, tl.load(i3_ptr + at, mask=t3 != 0, other=0), t3, base + t1 + t2, cand_v_ptr,
+            cand_i_ptr, r, CAP)
+    _put_at(v4, tl.load(i4_ptr + at, mask=t4 != 0, other=0), t4, base + t1 + t2 + t3,
+            cand_v_ptr, cand_i_ptr, r, CAP)
+  else:
+    count = 0
+    count = _put_entries(v1_ptr, i1_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+    count = _put_entries(v2_ptr, i2_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+    count = _put_entries(v3_ptr, i3_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+    count = _put_entries(v4_ptr, i4_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
   # A slot whose fifth value reaches tau may hold unlisted values up to it:
   # only the values above the largest such bound are the row's, in order.
   v5 = tl.load(v5_ptr + at, mask=sel, other=float("-inf"))
@@ -362,6 +380,30 @@ def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, 
   tl.debug_barrier()
   _sorted_lists(cand_v_ptr, cand_i_ptr, r, count, (count > CAP) | row_nan, bound, vals_ptr,
                 ids_ptr, bound_ptr, CAP, M)
+
+
+@triton.jit
+def _takes(v, sel, tau):
+  """1 where slot ``sel``'s entry ``v`` reaches ``tau`` (int32)."""
+  k = order_key(v)
+  return (sel & (k >= tau) & (k > _KEY_NEG_INF)).to(tl.int32)
+
+
+@triton.jit
+def _entry_takes(v_ptr, at, sel, tau):
+  """The selected slots' entries ``v`` (``-inf`` elsewhere) and where each
+  reaches ``tau``."""
+  v = tl.load(v_ptr + at, mask=sel, other=float("-inf"))
+  return v, _takes(v, sel, tau)
+
+
+@triton.jit
+def _put_at(v, i, take, p, cand_v_ptr, cand_i_ptr, r, CAP: tl.constexpr):
+  """Stores the entries ``(v, i)`` where ``take`` at flat places ``p`` of
+  row ``r``'s candidates (those within its ``CAP``)."""
+  put = (take != 0) & (p < r * CAP + CAP)
+  tl.store(cand_v_ptr + p, v, mask=put)
+  tl.store(cand_i_ptr + p, i, mask=put)
 
 
 @triton.jit
@@ -581,26 +623,27 @@ def _entry_batchable(m: int, rows: int):
   return lists
 
 
-def entry_constexprs(slots: int, m: int) -> dict:
+def entry_constexprs(slots: int, m: int, radix: int = _RADIX, one_scan: bool = True) -> dict:
   """The entry kernel's constexprs for ``slots`` slots and lists of ``m``."""
   return dict(S=slots, S_PAD=triton.next_power_of_2(slots), M=m, CAP=caps(m)[1],
-              RADIX=_RADIX, SLACK=tau_slack(m, True))
+              RADIX=radix, SLACK=tau_slack(m, True), ONE_SCAN=one_scan)
 
 
-def entry_launch(fields, m: int, rows: int) -> dict:
+def entry_launch(fields, m: int, rows: int, *, radix: int = _RADIX, one_scan: bool = True,
+                 num_warps: int = _LISTS_WARPS) -> dict:
   """The entry kernel through jax-triton on the first ``rows`` rows of
   :data:`ENTRY_FIELDS`' arrays (checked by :func:`entry_lists`)."""
   _, s = fields[0].shape
   b = rows
   jt = noise.jax_triton_module()
-  const = entry_constexprs(s, m)
+  const = entry_constexprs(s, m, radix, one_scan)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _ = jt.triton_call(
       *fields, kernel=_entry_lists_kernel,
       out_shape=(f32(b, m), i32(b, m), f32(b), f32(b), f32(b), f32(b), i32(b),
                  f32(b, const["CAP"]), i32(b, const["CAP"])),
-      grid=(b,), num_warps=_LISTS_WARPS, num_stages=_STAGES, name="flashsample_entry_lists",
+      grid=(b,), num_warps=num_warps, num_stages=_STAGES, name="flashsample_entry_lists",
       **const)
   return dict(cand_vals=vals, cand_ids=ids, cand_bound=bound, lse_max=lse_max,
               lse_sum=lse_sum, best_t=best_t, best_id=best_id)
