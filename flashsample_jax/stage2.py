@@ -950,12 +950,13 @@ EXACT_ROWS = 8
 
 # Batches of at most this many rows redo every row behind a two-way
 # conditional. Larger ones nest a second choice in its taken branch:
-# EXACT_ROWS compacted rows, or every row. When no row is flagged that costs
-# about what the two-way conditional does, where one three-way switch cost
-# more; when one row is, the compacted branch sorts EXACT_ROWS rows where
-# every row's sort took up to several times as long (docs/performance.md,
-# "The exact path's conditional").
-EXACT_COND_ROWS = EXACT_ROWS
+# EXACT_ROWS compacted rows, or every row. When one row is flagged the
+# compacted branch is cheaper (it sorts EXACT_ROWS rows, not every row), but
+# the host updates and relaunches the CUDA graph of every branch on every
+# call, flagged or not: up to 16 rows the single branch's smaller graph
+# saves more host time a call than the nested one saves when a row is
+# flagged (docs/performance.md, "The exact path's conditional").
+EXACT_COND_ROWS = 16
 
 # The bytes of one row group's f32 logits ``[rows, V]`` on the exact path
 # beyond EXACT_ROWS flagged rows. XLA reserves every branch's buffers for

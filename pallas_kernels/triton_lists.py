@@ -328,8 +328,7 @@ def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, 
                         v5_ptr, sum_ptr, vals_ptr, ids_ptr, bound_ptr, lse_max_ptr,
                         lse_sum_ptr, best_t_ptr, best_id_ptr, cand_v_ptr, cand_i_ptr,
                         S: tl.constexpr, S_PAD: tl.constexpr, M: tl.constexpr,
-                        CAP: tl.constexpr, RADIX: tl.constexpr, SLACK: tl.constexpr,
-                        ONE_SCAN: tl.constexpr):
+                        CAP: tl.constexpr, RADIX: tl.constexpr, SLACK: tl.constexpr):
   """:func:`entry_lists`' row program: the row's best, log-sum-exp and
   list from its slots' four entries (ids global), the fifth value and the
   sum; never a read of ``t``."""
@@ -350,27 +349,19 @@ def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, 
 
   # Each selected slot's entries at or above tau: one scan of the slots'
   # counts places them (the sort below orders them).
-  if ONE_SCAN:
-    t1 = _takes(mx, sel, tau)
-    v2, t2 = _entry_takes(v2_ptr, at, sel, tau)
-    v3, t3 = _entry_takes(v3_ptr, at, sel, tau)
-    v4, t4 = _entry_takes(v4_ptr, at, sel, tau)
-    n = t1 + t2 + t3 + t4
-    base = r * CAP + tl.cumsum(n, axis=0) - n
-    count = tl.sum(n, axis=0)
-    _put_at(mx, arg, t1, base, cand_v_ptr, cand_i_ptr, r, CAP)
-    _put_at(v2, tl.load(i2_ptr + at, mask=t2 != 0, other=0), t2, base + t1, cand_v_ptr,
-            cand_i_ptr, r, CAP)
-    _put_at(v3, tl.load(i3_ptr + at, mask=t3 != 0, other=0), t3, base + t1 + t2, cand_v_ptr,
-            cand_i_ptr, r, CAP)
-    _put_at(v4, tl.load(i4_ptr + at, mask=t4 != 0, other=0), t4, base + t1 + t2 + t3,
-            cand_v_ptr, cand_i_ptr, r, CAP)
-  else:
-    count = 0
-    count = _put_entries(v1_ptr, i1_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
-    count = _put_entries(v2_ptr, i2_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
-    count = _put_entries(v3_ptr, i3_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
-    count = _put_entries(v4_ptr, i4_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP)
+  t1 = _takes(mx, sel, tau)
+  v2, t2 = _entry_takes(v2_ptr, at, sel, tau)
+  v3, t3 = _entry_takes(v3_ptr, at, sel, tau)
+  v4, t4 = _entry_takes(v4_ptr, at, sel, tau)
+  n = t1 + t2 + t3 + t4
+  base = r * CAP + tl.cumsum(n, axis=0) - n
+  count = tl.sum(n, axis=0)
+  end = r * CAP + CAP
+  _put_at(mx, arg, t1, base, end, cand_v_ptr, cand_i_ptr)
+  _put_at(v2, _ids_where(i2_ptr, at, t2), t2, base + t1, end, cand_v_ptr, cand_i_ptr)
+  _put_at(v3, _ids_where(i3_ptr, at, t3), t3, base + t1 + t2, end, cand_v_ptr, cand_i_ptr)
+  _put_at(v4, _ids_where(i4_ptr, at, t4), t4, base + t1 + t2 + t3, end, cand_v_ptr,
+          cand_i_ptr)
   # A slot whose fifth value reaches tau may hold unlisted values up to it:
   # only the values above the largest such bound are the row's, in order.
   v5 = tl.load(v5_ptr + at, mask=sel, other=float("-inf"))
@@ -398,27 +389,18 @@ def _entry_takes(v_ptr, at, sel, tau):
 
 
 @triton.jit
-def _put_at(v, i, take, p, cand_v_ptr, cand_i_ptr, r, CAP: tl.constexpr):
-  """Stores the entries ``(v, i)`` where ``take`` at flat places ``p`` of
-  row ``r``'s candidates (those within its ``CAP``)."""
-  put = (take != 0) & (p < r * CAP + CAP)
-  tl.store(cand_v_ptr + p, v, mask=put)
-  tl.store(cand_i_ptr + p, i, mask=put)
+def _ids_where(i_ptr, at, take):
+  """The ids of the entries ``take`` (0 elsewhere)."""
+  return tl.load(i_ptr + at, mask=take != 0, other=0)
 
 
 @triton.jit
-def _put_entries(v_ptr, i_ptr, at, sel, tau, cand_v_ptr, cand_i_ptr, r, count, CAP: tl.constexpr):
-  """The entries ``(v, i)`` of the slots ``sel`` whose value reaches
-  ``tau``, appended to row ``r``'s candidates after ``count``; returns the
-  new count."""
-  v = tl.load(v_ptr + at, mask=sel, other=float("-inf"))
-  k = order_key(v)
-  take = sel & (k >= tau) & (k > _KEY_NEG_INF)
-  p = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-  put = take & (p < CAP)
-  tl.store(cand_v_ptr + r * CAP + p, v, mask=put)
-  tl.store(cand_i_ptr + r * CAP + p, tl.load(i_ptr + at, mask=put, other=0), mask=put)
-  return count + tl.sum(take.to(tl.int32), axis=0)
+def _put_at(v, i, take, p, end, cand_v_ptr, cand_i_ptr):
+  """Stores the entries ``(v, i)`` where ``take`` at the candidates' flat
+  places ``p`` (those before ``end``, the row's last place + 1)."""
+  put = (take != 0) & (p < end)
+  tl.store(cand_v_ptr + p, v, mask=put)
+  tl.store(cand_i_ptr + p, i, mask=put)
 
 
 def row_lists(t, offset, m: int, *, slot: int, scale=None, inv_temperature=None):
@@ -623,20 +605,24 @@ def _entry_batchable(m: int, rows: int):
   return lists
 
 
-def entry_constexprs(slots: int, m: int, radix: int = _RADIX, one_scan: bool = True) -> dict:
-  """The entry kernel's constexprs for ``slots`` slots and lists of ``m``."""
+def entry_constexprs(slots: int, m: int, radix: int = _RADIX) -> dict:
+  """The entry kernel's constexprs for ``slots`` slots and lists of ``m``
+  (``radix``: bits a step of tau's select)."""
   return dict(S=slots, S_PAD=triton.next_power_of_2(slots), M=m, CAP=caps(m)[1],
-              RADIX=radix, SLACK=tau_slack(m, True), ONE_SCAN=one_scan)
+              RADIX=radix, SLACK=tau_slack(m, True))
 
 
-def entry_launch(fields, m: int, rows: int, *, radix: int = _RADIX, one_scan: bool = True,
+def entry_launch(fields, m: int, rows: int, *, radix: int = _RADIX,
                  num_warps: int = _LISTS_WARPS) -> dict:
   """The entry kernel through jax-triton on the first ``rows`` rows of
-  :data:`ENTRY_FIELDS`' arrays (checked by :func:`entry_lists`)."""
+  :data:`ENTRY_FIELDS`' arrays (checked by :func:`entry_lists`).
+  ``radix`` and ``num_warps``: the measured alternatives (4 bits a step,
+  16 warps: both slower, docs/performance.md, "Lists from the plain
+  kernel")."""
   _, s = fields[0].shape
   b = rows
   jt = noise.jax_triton_module()
-  const = entry_constexprs(s, m, radix, one_scan)
+  const = entry_constexprs(s, m, radix)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   vals, ids, bound, lse_max, lse_sum, best_t, best_id, _, _ = jt.triton_call(

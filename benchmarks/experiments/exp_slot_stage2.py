@@ -1,6 +1,6 @@
 """The slot-lists route after its Mosaic kernel (#40): the entry kernel's
-variants alone, and the call with each (plus top-p's prefix sums with their
-terms computed once).
+variants alone, and the call with the exact path's conditional in its
+layouts.
 
   python3 -m benchmarks.experiments.exp_slot_stage2 [--heads S L] [--batches 1 16]
       [--rounds 3] [--skip-kernel] [--skip-call]
@@ -9,17 +9,21 @@ For each head and B (FP8 per row, random inputs, top-k 50 + top-p 0.9):
 
 * the entry kernel (``triton_lists.entry_launch``) on the Mosaic kernel's
   entries of that point, per variant (``r``: bits a step of tau's radix
-  select; ``scan``: the four entries placed by one scan of the slots' counts,
-  or one scan each; ``w``: warps), its device time per launch from a profiler
-  trace, and whether its lists equal the first variant's (a lower ``tau``
-  may give another valid bound, so this is reported, not asserted);
+  select; ``w``: warps), its device time per launch from a profiler trace,
+  and whether its lists equal the first variant's (a lower ``tau`` may give
+  another valid bound, so this is reported, not asserted);
 * ``fs.sample`` through mosaic (the slot lists) per call variant, traced
-  with the patches in place: ``old`` (radix 2, four scans), ``scan`` (one
-  scan), ``scan_r4``, ``fence`` (one scan, top-p's terms ``exp(t - t0)``
-  behind an optimization barrier so that XLA's fusion of the doubling scan
-  reads them instead of recomputing them per read), ``all``; ``plain``
-  beside. Alternating rounds of wall time, then one device timeline each;
-  the tokens of every variant are checked equal to ``old``'s.
+  with the patches in place: ``nested`` (the exact path's conditional with
+  a second one inside past 8 rows), ``single`` (one conditional up to 16
+  rows: ``stage2.EXACT_COND_ROWS``), ``no_cond`` (the exact path left out:
+  for timing only); ``plain`` beside. The tokens of every variant are
+  checked equal to the first's; then alternating rounds of wall time, the
+  host's time a call (``enqueue_us``), its host events (the CUDA graph's
+  update and launch) and one device timeline each.
+
+The committed results of the first version of this script (commit
+0de2bf8) also hold the entry kernel with four scans, one an entry (``old``) and
+top-p's terms behind an optimization barrier (``fence``: no change).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import json
 
 import jax
 import numpy as np
-from jax import lax
 
 import flashsample_jax as fs
 from benchmarks._timing import enqueue_us, timed_rounds
@@ -44,19 +47,11 @@ from flashsample_jax.backends import mosaic
 from pallas_kernels import rowdata, sm90_slots, triton_lists as tls
 
 _ENTRY = tls.entry_launch
-_PREFIX = controls.prefix_sums
 _EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
 _COND_ROWS = stage2.EXACT_COND_ROWS
-_BASE = dict(radix=2, one_scan=True, fence=False, cond_rows=_COND_ROWS, exact=True)
-CALLS = {"old": dict(_BASE, one_scan=False),
-         "scan": _BASE,
-         "fence": dict(_BASE, fence=True),
-         "cond16": dict(_BASE, cond_rows=16),
-         "no_cond": dict(_BASE, exact=False)}
-
-
-def _fenced_prefix_sums(x):
-  return _PREFIX(lax.optimization_barrier(x))
+CALLS = {"nested": dict(cond_rows=8, exact=True),
+         "single": dict(cond_rows=16, exact=True),
+         "no_cond": dict(cond_rows=_COND_ROWS, exact=False)}
 
 
 def _no_exact_path(p, c, rows, axis, *, then=None):
@@ -65,18 +60,15 @@ def _no_exact_path(p, c, rows, axis, *, then=None):
 
 
 @contextlib.contextmanager
-def _patched(radix: int, one_scan: bool, fence: bool, cond_rows: int, exact: bool):
+def _patched(cond_rows: int, exact: bool):
   """The call's code with these choices (jax's caches cleared on both
   sides: fs.sample's inner jits would keep the first variant's trace)."""
   jax.clear_caches()
-  tls.entry_launch = functools.partial(_ENTRY, radix=radix, one_scan=one_scan)
-  controls.prefix_sums = _fenced_prefix_sums if fence else _PREFIX
   stage2.EXACT_COND_ROWS = cond_rows
   stage2._exact_path = _EXACT_PATH if exact else _no_exact_path  # pylint: disable=protected-access
   try:
     yield
   finally:
-    tls.entry_launch, controls.prefix_sums = _ENTRY, _PREFIX
     stage2.EXACT_COND_ROWS, stage2._exact_path = _COND_ROWS, _EXACT_PATH  # pylint: disable=protected-access
     jax.clear_caches()
 
@@ -106,17 +98,15 @@ def kernel_variants(h, w, scale, key, tags) -> None:
   b = h.shape[0]
   m = stage2.candidate_count(*_pc(h, w, scale, key))
   first = None
-  for radix, one_scan, warps in itertools.product((2, 4), (False, True), (8, 16)):
-    f = jax.jit(functools.partial(lambda *fs_, r, o, nw: _ENTRY(fs_, m, b, radix=r, one_scan=o,
-                                                                   num_warps=nw),
-                                  r=radix, o=one_scan, nw=warps))
+  for radix, warps in itertools.product((2, 4), (8, 16)):
+    f = jax.jit(functools.partial(lambda *fs_, r, nw: _ENTRY(fs_, m, b, radix=r, num_warps=nw),
+                                  r=radix, nw=warps))
     out = jax.device_get(f(*fields))
     first = first or out
     same = all(np.array_equal(out[k], first[k]) for k in ("cand_vals", "cand_ids"))
     tl_ = timeline(f, *fields, calls=20)
     us = {n: t for n, t in tl_["per_kernel"].items() if "entry" in n}
-    print(json.dumps(dict(tags, part="entry_kernel", radix=radix, one_scan=one_scan,
-                          warps=warps, kernel_us=us, same_lists=same,
+    print(json.dumps(dict(tags, part="entry_kernel", radix=radix, warps=warps, kernel_us=us, same_lists=same,
                           bound_finite=int(np.isfinite(out["cand_bound"]).sum()))), flush=True)
 
 
@@ -130,7 +120,7 @@ def call_variants(h, w, scale, key, tags, rounds: int) -> None:
       compiled[name] = f.lower(h, w, key).compile()
     toks[name] = np.stack([np.asarray(compiled[name](h, w, k)) for k in keys])
   print(json.dumps(dict(tags, part="same_tokens",
-                        **{n: bool(np.array_equal(t, toks["old"])) for n, t in toks.items()})),
+                        **{n: bool(np.array_equal(t, toks["nested"])) for n, t in toks.items()})),
         flush=True)
   variants = {n: functools.partial(lambda h_, w_, f: f(h_, w_, key), f=f)
               for n, f in compiled.items()}
