@@ -41,7 +41,8 @@ name; all of ours are unmangled ``extern "C"``-style entries):
   Python function's own name (``metadata["name"]`` from the PTX ``.entry``;
   Triton 3.6 keeps the part of ``module.qualname`` after the last dot), and
   ``triton_call(name=...)`` names only the XLA custom call. So the entries are
-  ``_sampler_kernel`` and ``_controls_kernel``: ``kns=flashsample`` alone
+  ``_sampler_kernel``, ``_controls_kernel`` and ``_entry_lists_kernel`` (the
+  slot lists' row kernel): ``kns=flashsample`` alone
   never checked them. :data:`KERNEL_FILTERS` lists them too (several
   ``--kernel-name`` options: a kernel matching any one is checked);
   :func:`check_kernel_filters` fails if a kernel's name leaves the filters.
@@ -90,7 +91,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 GROUPS = ("mosaic_plain", "mosaic_controls", "triton")
 
 # Substrings of the CUDA kernel names to instrument (see the module docstring).
-KERNEL_FILTERS = ("kns=flashsample", "kns=_sampler_kernel", "kns=_controls_kernel")
+KERNEL_FILTERS = ("kns=flashsample", "kns=_sampler_kernel", "kns=_controls_kernel",
+                  "kns=_entry_lists_kernel")
 
 SANITIZER_OPTIONS = (
     "--target-processes", "application-only",
@@ -119,6 +121,9 @@ DEFAULT_TIMEOUT = 420
 # Problem size of every case: D = 256 gives 4 pipeline steps of Dt = 64 (slot
 # reuse), V = 1000 is a multiple of no tile (a partial last tile).
 D, V = 256, 1000
+# Weight rows of the list kernels' cases: 520 tiles of 128 ids, the last
+# partial (lists of 64 need 8 x 64 tiles).
+LISTS_ROWS = 128 * 520 - 37
 # CTAs of the Mosaic persistent grids: 8 or 16 tiles over 3 CTAs, so every
 # CTA runs several tiles, unevenly (slot and warpgroup hand-over across
 # tiles is where races would be).
@@ -141,7 +146,10 @@ class Case:
   batch: int
   layout: str = "vd"
   per_row_keys: bool = False
+  rows: int = V
   vocab_size: int = V
+  weight_dtype: str = "bfloat16"
+  via: str = ""   # the backend when not the group's ("mosaic")
   controls: tuple = ()
   config: object = None  # a sm90_config.TuningConfig (mosaic plain), else None
   scale: int = 3
@@ -153,7 +161,7 @@ class Case:
 
   @property
   def backend(self) -> str:
-    return "triton" if self.group == "triton" else "mosaic"
+    return self.via or ("triton" if self.group == "triton" else "mosaic")
 
   @property
   def kind(self) -> str:
@@ -163,6 +171,12 @@ class Case:
     kw = " ".join(f"{k}={v}" for k, v in self.controls)
     keys = "row keys" if self.per_row_keys else "one key"
     s = f"B={self.batch} {self.layout} vocab_size={self.vocab_size} {keys}"
+    if self.rows != V:
+      s += f" rows={self.rows}"
+    if self.weight_dtype != "bfloat16":
+      s += f" {self.weight_dtype} per-row scales"
+    if self.via:
+      s += f" backend={self.via}"
     s += f" {kw}" if kw else ""
     if self.config is not None:
       cfg = self.config
@@ -242,6 +256,14 @@ def all_cases() -> list[Case]:
                     per_row_keys=True, scale=1, seed=41,
                     controls=_kw(logit_bias=True, allowed_mask=True,
                                  return_logprobs=True, num_samples=5)))
+  # The slot lists (jax-triton's entry kernel after the plain Mosaic kernel's
+  # slot epilogue): an 8-bit head, every row truncating, up to 16 rows. Lists
+  # of 64 need 8 x 64 tiles of 128 ids; the last tile is partial. (The dense
+  # route's list kernels read XLA's GEMM, which this program keeps off the
+  # GPU: not covered here.)
+  cases.append(Case("triton", "slot_lists_fp8", batch=12, rows=LISTS_ROWS,
+                    vocab_size=LISTS_ROWS, weight_dtype="float8_e4m3fn", via="mosaic",
+                    scale=1, seed=42, controls=_kw(top_k=5, top_p=0.9)))
   return cases
 
 
@@ -271,8 +293,12 @@ def _inputs(case: Case):
   import numpy as np
 
   from tests import inputs
-  h, w = inputs.exact_inputs(case.batch, D, V, layout=case.layout, seed=case.seed,
+  h, w = inputs.exact_inputs(case.batch, D, case.rows, layout=case.layout, seed=case.seed,
                              scale=case.scale)
+  scale = None
+  if case.weight_dtype != "bfloat16":
+    import flashsample_jax as fs
+    w, scale = fs.quantize_weight(w, case.weight_dtype, weight_layout=case.layout)
   key = (inputs.row_keys(case.batch, seed=case.seed) if case.per_row_keys
          else jax.random.key(case.seed))
   t = inputs.pow2_temperatures(case.batch, greedy_every=7, seed=case.seed)
@@ -285,14 +311,14 @@ def _inputs(case: Case):
     # About 3 ids in 4 allowed.
     kw["allowed_mask"] = jnp.asarray(r.integers(0, 2**32, words, dtype=np.uint32)
                                      | r.integers(0, 2**32, words, dtype=np.uint32))
-  return h, w, key, t, kw
+  return h, w, key, t, kw, scale
 
 
-def _reference(case: Case, h, w, key, t, kw):
+def _reference(case: Case, h, w, key, t, kw, scale):
   """``flashsample_jax.reference.sample`` (runs where its inputs live)."""
   import flashsample_jax as fs
   return fs.reference.sample(h, w, key, temperature=t, weight_layout=case.layout,
-                             vocab_size=case.vocab_size, **kw)
+                             vocab_size=case.vocab_size, weight_scale=scale, **kw)
 
 
 def _backend(case: Case, interpret: bool):
@@ -304,7 +330,7 @@ def _backend(case: Case, interpret: bool):
   return TritonBackend()
 
 
-def _run_kernels(case: Case, h, w, key, t, kw, *, cpu, device, interpret: bool):
+def _run_kernels(case: Case, h, w, key, t, kw, scale, *, cpu, device, interpret: bool):
   """The kernels' result: tokens ``[S, B]`` and the log-probabilities
   (a ``SampleOutput`` of ``[S, B]`` arrays) or None.
 
@@ -318,7 +344,7 @@ def _run_kernels(case: Case, h, w, key, t, kw, *, cpu, device, interpret: bool):
   backend = _backend(case, interpret)
   with jax.default_device(cpu):
     p = problem.prepare(h, w, key, temperature=t, weight_layout=case.layout,
-                        vocab_size=case.vocab_size)
+                        vocab_size=case.vocab_size, weight_scale=scale)
     c = controls.prepare_controls(batch=case.batch, vocab_size=case.vocab_size,
                                   rows=p.weight_rows, **kw)
   p_dev, c_dev = jax.device_put((p, c), device)
@@ -382,14 +408,14 @@ def run_cases(cases: list[Case], *, dry_run: bool = False,
       return 1
     print(f"sanitize_kernels: {device.device_kind} (sm {getattr(device, 'compute_capability', '?')}), "
           f"jax {jax.__version__}", flush=True)
-    check_kernel_filters(triton=any(c.backend == "triton" for c in cases))
+    check_kernel_filters(triton=any(c.group == "triton" for c in cases))
   counts = {"ok": 0, "DIFFER": 0, "ERROR": 0}
   for case in cases:
     t0 = time.perf_counter()
     head = f"case {case.full_name} [{case.describe()}]"
     print(f"start {case.full_name}", flush=True)  # where a stopped run was
     try:
-      if case.backend == "triton" and not (interpret or dry_run):
+      if case.group == "triton" and not (interpret or dry_run):
         import importlib.util
         if importlib.util.find_spec("jax_triton") is None:
           raise RuntimeError("jax_triton is not importable: the Triton kernels cannot run")
@@ -402,7 +428,7 @@ def run_cases(cases: list[Case], *, dry_run: bool = False,
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
         counts["ok"] += 1
         continue
-      if interpret and case.backend == "triton":
+      if interpret and case.group == "triton":
         print(f"{head}: skipped (no interpreter for the Triton kernels here)", flush=True)
         continue
       got = _run_kernels(case, *args, cpu=cpu, device=device, interpret=interpret)
@@ -437,9 +463,10 @@ def mosaic_kernel_names() -> list[str]:
 def triton_kernel_names() -> list[str]:
   """CUDA entry names of the Triton kernels that the backend launches: the
   Python function's name (see the module docstring)."""
-  from pallas_kernels import triton_controls, triton_sampler
+  from pallas_kernels import triton_controls, triton_lists, triton_sampler
   return [k.fn.__name__ for k in (triton_sampler._sampler_kernel,
-                                  triton_controls._controls_kernel)]
+                                  triton_controls._controls_kernel,
+                                  triton_lists._entry_lists_kernel)]
 
 
 def unfiltered_kernels(*, triton: bool = True) -> list[str]:

@@ -88,6 +88,23 @@ def test_triton_cuda_entry_is_the_function_name():
   assert compiled.metadata.name in sk.triton_kernel_names()
 
 
+def test_the_slot_lists_case_runs_the_entry_kernel():
+  # The case is there for the slot lists' kernels: its call must take that
+  # route (MosaicBackend.slot_lists), whatever thresholds move.
+  import jax
+
+  from flashsample_jax import controls, problem
+  case = next(c for c in sk.all_cases() if c.name == "slot_lists_fp8")
+  with jax.default_device(jax.devices("cpu")[0]):
+    h, w, key, t, kw, scale = sk._inputs(case)  # pylint: disable=protected-access
+    p = problem.prepare(h, w, key, temperature=t, weight_layout=case.layout,
+                        vocab_size=case.vocab_size, weight_scale=scale)
+  c = controls.prepare_controls(batch=case.batch, vocab_size=case.vocab_size,
+                                rows=p.weight_rows, **kw)
+  assert p.quantized and case.group == "triton"
+  assert sk._backend(case, interpret=True).slot_lists(p, c)  # pylint: disable=protected-access
+
+
 def test_command_lines():
   ports = set()
   for tool in sk.TOOLS:
