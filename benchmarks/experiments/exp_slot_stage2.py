@@ -106,7 +106,8 @@ def kernel_variants(h, w, scale, key, tags) -> None:
     same = all(np.array_equal(out[k], first[k]) for k in ("cand_vals", "cand_ids"))
     tl_ = timeline(f, *fields, calls=20)
     us = {n: t for n, t in tl_["per_kernel"].items() if "entry" in n}
-    print(json.dumps(dict(tags, part="entry_kernel", radix=radix, warps=warps, kernel_us=us, same_lists=same,
+    print(json.dumps(dict(tags, part="entry_kernel", radix=radix, warps=warps, kernel_us=us,
+                          same_lists=same,
                           bound_finite=int(np.isfinite(out["cand_bound"]).sum()))), flush=True)
 
 
