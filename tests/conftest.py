@@ -111,7 +111,8 @@ def session_cache_dir() -> str | None:
 # the mosaic controls kernel's exact-input cases in interpret mode, its
 # batch-invariant split and scores, the triton adapter's invariant
 # launches, float outputs across shard counts, the list kernels under
-# Triton's interpreter, the 8-bit controls kernel's CUDA lowering (~450 s).
+# Triton's interpreter, the 8-bit controls kernel's CUDA lowering, the slot
+# lists' route against the reference in interpret mode (~680 s).
 FOR_TEN_MINUTES = (
     "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check",
     "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
@@ -126,6 +127,8 @@ FOR_TEN_MINUTES = (
     "tests/test_rl.py::test_float_outputs_across_shard_counts_within_2_ulp",
     "tests/test_triton_lists.py::test_interpreter_suite",
     "tests/test_quantized_mosaic.py::test_controls_and_f16_lower_for_cuda",
+    "tests/test_slot_lists.py::test_route_equals_reference",
+    "tests/test_slot_lists.py::test_rows_the_entries_cannot_certify_take_the_exact_path",
 )
 
 
