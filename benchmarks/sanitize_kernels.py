@@ -285,7 +285,7 @@ def select(cases: list[Case], only: str | None) -> list[Case]:
 # -- running one case ----------------------------------------------------------
 
 
-def _inputs(case: Case):
+def case_inputs(case: Case):
   """Host arrays and ``sample()`` keyword arguments of a case (on the
   current default device: the CPU)."""
   import jax
@@ -321,13 +321,24 @@ def _reference(case: Case, h, w, key, t, kw, scale):
                              vocab_size=case.vocab_size, weight_scale=scale, **kw)
 
 
-def _backend(case: Case, interpret: bool):
+def case_backend(case: Case, interpret: bool):
   if case.backend == "mosaic":
     from flashsample_jax.backends.mosaic import MosaicBackend
     return MosaicBackend(config=case.config, num_sms=MOSAIC_CTAS,
                          interpret=True if interpret else None)
   from flashsample_jax.backends.triton import TritonBackend
   return TritonBackend()
+
+
+def case_problem(case: Case, h, w, key, t, kw, scale):
+  """The checked ``(Problem, Controls)`` of a case's call (on the current
+  default device)."""
+  from flashsample_jax import controls, problem
+  p = problem.prepare(h, w, key, temperature=t, weight_layout=case.layout,
+                      vocab_size=case.vocab_size, weight_scale=scale)
+  c = controls.prepare_controls(batch=case.batch, vocab_size=case.vocab_size,
+                                rows=p.weight_rows, **kw)
+  return p, c
 
 
 def _run_kernels(case: Case, h, w, key, t, kw, scale, *, cpu, device, interpret: bool):
@@ -340,13 +351,10 @@ def _run_kernels(case: Case, h, w, key, t, kw, scale, *, cpu, device, interpret:
   """
   import jax
 
-  from flashsample_jax import controls, problem, stage2
-  backend = _backend(case, interpret)
+  from flashsample_jax import stage2
+  backend = case_backend(case, interpret)
   with jax.default_device(cpu):
-    p = problem.prepare(h, w, key, temperature=t, weight_layout=case.layout,
-                        vocab_size=case.vocab_size, weight_scale=scale)
-    c = controls.prepare_controls(batch=case.batch, vocab_size=case.vocab_size,
-                                  rows=p.weight_rows, **kw)
+    p, c = case_problem(case, h, w, key, t, kw, scale)
   p_dev, c_dev = jax.device_put((p, c), device)
   if case.kind == "plain":
     _, token = jax.jit(lambda p: backend.candidates(p))(p_dev)
@@ -420,7 +428,7 @@ def run_cases(cases: list[Case], *, dry_run: bool = False,
         if importlib.util.find_spec("jax_triton") is None:
           raise RuntimeError("jax_triton is not importable: the Triton kernels cannot run")
       with jax.default_device(cpu):
-        args = _inputs(case)
+        args = case_inputs(case)
         want = jax.device_get(_reference(case, *args))
       if dry_run:
         tokens = np.asarray(getattr(want, "tokens", want))

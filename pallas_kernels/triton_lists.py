@@ -348,8 +348,9 @@ def _entry_lists_kernel(v1_ptr, v2_ptr, v3_ptr, v4_ptr, i1_ptr, i2_ptr, i3_ptr, 
   sel = counted & (key >= tau) & (key > _KEY_NEG_INF)
 
   # Each selected slot's entries at or above tau: one scan of the slots'
-  # counts places them (the sort below orders them).
-  t1 = _takes(mx, sel, tau)
+  # counts places them (the sort below orders them). A selected slot's first
+  # entry, its maximum, reaches tau by the selection.
+  t1 = sel.to(tl.int32)
   v2, t2 = _entry_takes(v2_ptr, at, sel, tau)
   v3, t3 = _entry_takes(v3_ptr, at, sel, tau)
   v4, t4 = _entry_takes(v4_ptr, at, sel, tau)

@@ -93,16 +93,11 @@ def test_the_slot_lists_case_runs_the_entry_kernel():
   # route (MosaicBackend.slot_lists), whatever thresholds move.
   import jax
 
-  from flashsample_jax import controls, problem
   case = next(c for c in sk.all_cases() if c.name == "slot_lists_fp8")
   with jax.default_device(jax.devices("cpu")[0]):
-    h, w, key, t, kw, scale = sk._inputs(case)  # pylint: disable=protected-access
-    p = problem.prepare(h, w, key, temperature=t, weight_layout=case.layout,
-                        vocab_size=case.vocab_size, weight_scale=scale)
-  c = controls.prepare_controls(batch=case.batch, vocab_size=case.vocab_size,
-                                rows=p.weight_rows, **kw)
+    p, c = sk.case_problem(case, *sk.case_inputs(case))
   assert p.quantized and case.group == "triton"
-  assert sk._backend(case, interpret=True).slot_lists(p, c)  # pylint: disable=protected-access
+  assert sk.case_backend(case, interpret=True).slot_lists(p, c)
 
 
 def test_command_lines():

@@ -43,7 +43,6 @@ from benchmarks.bench_controls import TOP_K, TOP_P
 from benchmarks.experiments._points import add_point_args, host_events, points
 from benchmarks.experiments.exp_small_b_timeline import timeline
 from flashsample_jax import controls, problem, stage2
-from flashsample_jax.backends import mosaic
 from pallas_kernels import rowdata, sm90_slots, triton_lists as tls
 
 _ENTRY = tls.entry_launch
@@ -88,7 +87,7 @@ def _entries(h, w, scale, key):
                            ctr_hi=p.ctr_hi[None], ctr_lo=p.ctr_lo[None])
   f = jax.jit(lambda: sm90_slots.slot_entries(
       p.hidden, p.weight, rows, 0, layout=p.layout, vocab_size=p.vocab_size,
-      target=mosaic.MosaicBackend()._target(), scale=p.weight_scale))  # pylint: disable=protected-access
+      scale=p.weight_scale))
   return f()
 
 
