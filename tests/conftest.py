@@ -112,7 +112,8 @@ def session_cache_dir() -> str | None:
 # batch-invariant split and scores, the triton adapter's invariant
 # launches, float outputs across shard counts, the list kernels under
 # Triton's interpreter, the 8-bit controls kernel's CUDA lowering, the slot
-# lists' route against the reference in interpret mode (~680 s).
+# lists' route against the reference in interpret mode, the interpreter's
+# scores of list and several-sample calls (~710 s).
 FOR_TEN_MINUTES = (
     "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check",
     "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
@@ -129,6 +130,7 @@ FOR_TEN_MINUTES = (
     "tests/test_quantized_mosaic.py::test_controls_and_f16_lower_for_cuda",
     "tests/test_slot_lists.py::test_route_equals_reference",
     "tests/test_slot_lists.py::test_rows_the_entries_cannot_certify_take_the_exact_path",
+    "tests/test_mosaic.py::TestMosaicInterpret::test_score_tokens_is_what_sample_with_lists_or_samples_returned",
 )
 
 
@@ -239,6 +241,31 @@ SLOW = (
     # other tests, the kernels in tests/test_triton_kernels.py and the GPU
     # suite.
     "tests/test_triton_adapter.py::TestTritonAdapter",
+    # More parametrizations of paths ./run test runs once (~140 s): rules
+    # that also run with scalar keys (per-row keys stay with "all", "top_k"
+    # and "min_p"); the slot lists of the xla backend where the dense one
+    # runs them, and back; the speculative methods with one heavy case each;
+    # SamplingParams' cases that "all" holds; the 8-bit steps in the other
+    # layout; top-N counts below the two largest; the interpreter's "dv"
+    # layout with a scalar key (test_per_row_keys[dv] keeps it); the e5m2
+    # Flax head (fp8 and int8 stay).
+    *(f"tests/test_xla_backend.py::TestXlaBackend::test_control_matches_reference[per_row-{c}]"
+      for c in ("penalties_all", "top_logprobs_truncated", "top_p", "p_minp_vllm")),
+    *(f"tests/test_dense_lists.py::test_sample_with_slot_lists_equals_reference[{c}]"
+      for c in ("exact-0-traced-xla", "ties-sampled-traced-xla", "random-0-traced-dense",
+                "ties-sampled-concrete-dense")),
+    "tests/test_speculative.py::test_xla_equals_reference[strict-per_request-top_k_top_p]",
+    "tests/test_speculative.py::test_xla_equals_reference[one_hot-per_request-mask_penalties]",
+    "tests/test_params.py::test_sample_logits_is_sample[penalties_all]",
+    "tests/test_params.py::test_sample_logits_is_sample[p_minp_vllm]",
+    "tests/test_params.py::test_params_are_the_keywords[p_minp_vllm]",
+    "tests/test_params.py::test_params_are_the_keywords[k_p_minp]",
+    "tests/test_quantized_mosaic.py::test_steps_that_do_not_divide_d[dv-batch_blocks]",
+    "tests/test_quantized_mosaic.py::test_steps_that_do_not_divide_d[vd-wide]",
+    *(f"tests/test_top_logprobs_lists.py::test_top_n_up_to_the_maximum_is_certified_on_the_lists"
+      f"[{n}-{t}]" for n in (120, 121) for t in ("plain", "top_k_top_p")),
+    "tests/test_mosaic.py::TestMosaicInterpret::test_scalar_key[dv]",
+    "tests/test_flax.py::test_quantized_head_in_two_lines[float8_e5m2]",
 ) + FOR_TEN_MINUTES
 
 
