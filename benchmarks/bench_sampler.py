@@ -100,7 +100,10 @@ def _xla_topk_topp(k, h, w, s):
   return jnp.take_along_axis(ids, jax.random.categorical(k, vals)[:, None], 1)[:, 0]
 
 
-def _make(provider):
+def make_provider(provider):
+  """The jitted function ``f(k, h, w, s)`` a provider times (the extra
+  providers' XLA programs, else ``fs.sample`` on that backend); shared with
+  :mod:`benchmarks.stamp_timing`, so that both harnesses time one program."""
   if provider == "xla_baseline":
     return jax.jit(_baseline)
   if provider == "dot":
@@ -113,12 +116,12 @@ def _make(provider):
   return jax.jit(lambda k, h, w, s: fs.sample(h, w, k, backend=provider, weight_scale=s))
 
 
-def _gpu_name() -> str:
+def gpu_name() -> str:
   dev = jax.devices()[0]
   return getattr(dev, "device_kind", str(dev))
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
@@ -173,7 +176,7 @@ def run(shapes, batches, providers, weight_dtypes=("bf16",), *, bw, reps=15, inn
           row["auto_topk_topp_backend"] = fs.which_backend(
               h, w, key, weight_scale=s, top_k=TOP_K, top_p=TOP_P)
         for prov in providers:
-          f = _make(prov)
+          f = make_provider(prov)
           try:
             row[f"{prov}_compile_s"] = _timing.first_call_seconds(f, key, h, w, s)
             row[f"{prov}_us"], _ = _timing.median_us(f, key, h, w, s, reps=reps,
@@ -252,7 +255,7 @@ def _describe(weight_dtype: str) -> str:
 def write(out, bw, rows, meta, providers, *, plot=True):
   os.makedirs(out, exist_ok=True)
   wdt = meta["weight_dtype"]
-  base = os.path.join(out, f"sampler_{_slug(meta['gpu'])}"
+  base = os.path.join(out, f"sampler_{slug(meta['gpu'])}"
                       + ("" if wdt == "bf16" else f"_{wdt}")
                       + (f"_{meta['name']}" if meta.get("name") else ""))
   with open(base + ".json", "w") as fh:
@@ -347,7 +350,7 @@ def main(argv=None):
   if min(batches) < 1 or reps < 1 or inner < 1:
     ap.error(f"--batches={batches}, --reps={reps}, --inner={inner} must be >= 1")
   argv = sys.argv[1:] if argv is None else argv
-  meta = dict(gpu=_gpu_name(), jax=jax.__version__,
+  meta = dict(gpu=gpu_name(), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"),
               host=platform.node(), shapes={k: SHAPES[k] for k in shapes},
