@@ -2,7 +2,7 @@
 each call's device time read off the GPU's own clock, inside the program.
 
     python3 -m benchmarks.stamp_timing [--shapes S L qwen3-1.7b gpt-oss]
-        [--batches 1 16] [--weight-dtype bf16] [--calls 60]
+        [--batches 1 16] [--weight-dtype bf16] [--providers dot auto ...] [--calls 60]
         [--out benchmarks/results/small_b] [--name SUFFIX]
     python3 -m benchmarks.stamp_timing --smoke     # CPU, seconds: a tiny head
 
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import flashsample_jax as fs
 from benchmarks import bench_sampler
 
 FLOOR_GIB = 4.0
@@ -134,9 +135,10 @@ def read_bandwidth(gib: float, calls: int) -> tuple[float, dict]:
 
 
 def run(shapes, batches, weight_dtype: str, *, calls: int, gib: float = FLOOR_GIB,
-        on_row=None):
-  """Rows of every (shape, B): the floor, the dot alone and ``auto`` by
-  their stamps, and the ratios."""
+        providers=PROVIDERS, on_row=None):
+  """Rows of every (shape, B): the floor and each provider (the dot alone
+  and ``auto`` at least) by their stamps, and the ratios to the floor, the
+  dot and ``auto``."""
   bw, sum_t = read_bandwidth(gib, calls)
   print(f"read bandwidth {bw / 1e12:.3f} TB/s (sum over {gib:g} GiB: "
         f"{sum_t['median_us']:.1f} us)", flush=True)
@@ -150,12 +152,15 @@ def run(shapes, batches, weight_dtype: str, *, calls: int, gib: float = FLOOR_GI
       k = jax.random.key(7)
       row = dict(shape=name, B=b, weight_dtype=weight_dtype, floor_us=floor_us,
                  read_tbs=bw / 1e12)
-      for p in PROVIDERS:
+      for p in dict.fromkeys((*PROVIDERS, *providers)):
         t = device_us(bench_sampler.make_provider(p), k, h, w, s, calls=calls)
         row.update({f"{p}_us": t["median_us"], f"{p}_min_us": t["min_us"],
                     f"{p}_max_us": t["max_us"]})
       row["auto_to_floor"] = row["auto_us"] / floor_us
       row["auto_to_dot"] = row["auto_us"] / row["dot_us"]
+      for p in providers:
+        if p not in PROVIDERS:
+          row[f"{p}_to_auto"] = row[f"{p}_us"] / row["auto_us"]
       print(json.dumps(row), flush=True)
       rows.append(row)
       if on_row:
@@ -164,12 +169,16 @@ def run(shapes, batches, weight_dtype: str, *, calls: int, gib: float = FLOOR_GI
 
 
 def table(rows) -> str:
-  head = ("| head | B | floor us | cuBLAS dot alone | auto | auto / floor | auto / dot |\n"
-          "|---|---|---|---|---|---|---|\n")
-  return head + "".join(
-      f"| {r['shape']} | {r['B']} | {r['floor_us']:.1f} | {r['dot_us']:.1f} | "
-      f"{r['auto_us']:.1f} | {r['auto_to_floor']:.3f} | {r['auto_to_dot']:.3f} |\n"
-      for r in rows)
+  extra = [k[:-len("_to_auto")] for k in rows[0] if k.endswith("_to_auto")] if rows else []
+  cols = ["head", "B", "floor us", "cuBLAS dot alone", "auto", "auto / floor", "auto / dot"]
+  cols += [c for p in extra for c in (p, f"{p} / auto")]
+  out = "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|\n"
+  for r in rows:
+    cells = [r["shape"], str(r["B"]), f"{r['floor_us']:.1f}", f"{r['dot_us']:.1f}",
+             f"{r['auto_us']:.1f}", f"{r['auto_to_floor']:.3f}", f"{r['auto_to_dot']:.3f}"]
+    cells += [c for p in extra for c in (f"{r[p + '_us']:.1f}", f"{r[p + '_to_auto']:.3f}")]
+    out += "| " + " | ".join(cells) + " |\n"
+  return out
 
 
 def write(out: str, name: str, rows, meta) -> None:
@@ -192,8 +201,13 @@ def main(argv=None) -> int:
   ap.add_argument("--shapes", nargs="+", default=["S", "L", "qwen3-1.7b", "gpt-oss"])
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--weight-dtype", default="bf16", choices=sorted(bench_sampler.WEIGHT_DTYPES))
+  ap.add_argument("--providers", nargs="+", default=list(PROVIDERS),
+                  choices=[*fs.BACKENDS, *bench_sampler.EXTRA,
+                           *bench_sampler.TOPK_TOPP],
+                  help="timed beside the floor, the dot and auto (e.g. auto_topk_topp)")
   ap.add_argument("--calls", type=int, default=60)
-  ap.add_argument("--out", default="benchmarks/results/small_b")
+  ap.add_argument("--out", default=None,
+                  help="default benchmarks/results/small_b (--smoke: nothing written)")
   ap.add_argument("--name", default="")
   ap.add_argument("--smoke", action="store_true", help="CPU: a tiny head, a tiny sum")
   args = ap.parse_args(argv)
@@ -204,10 +218,11 @@ def main(argv=None) -> int:
               date=datetime.date.today().isoformat(), calls=args.calls, gib=gib,
               weight_dtype=args.weight_dtype,
               command="python3 -m benchmarks.stamp_timing " + shlex.join(sys.argv[1:]))
-  rows, bw = run(shapes, args.batches, args.weight_dtype, calls=args.calls, gib=gib)
+  rows, bw = run(shapes, args.batches, args.weight_dtype, calls=args.calls, gib=gib,
+                 providers=args.providers)
   meta["read_tbs"] = bw / 1e12
-  if not args.smoke:
-    write(args.out, args.name, rows, meta)
+  if args.out or not args.smoke:
+    write(args.out or "benchmarks/results/small_b", args.name, rows, meta)
   print(table(rows))
   return 0
 

@@ -242,3 +242,20 @@ def test_score_benchmark_baseline_matches_score_tokens(tmp_path):
   assert point["N"] == 4 and point["config"] == "topk_topp"
   assert {"fused_us", "xla_us", "dot_us", "fused_temp_mib", "xla_over_fused"} <= set(point)
   assert "| topk_topp | 4 |" in res.with_suffix(".md").read_text()
+
+
+def test_stamp_timing_writes_its_table(tmp_path):
+  # The second harness (benchmarks/stamp_timing.py) on the tiny head: the
+  # floor, the dot, auto and top-k + top-p between stamps (the host's clock
+  # on a CPU), their ratios in the JSON and the table.
+  _run(["benchmarks.stamp_timing", "--smoke", "--providers", "auto", "auto_topk_topp",
+        "--name", "test"], tmp_path)
+  res = json.loads((tmp_path / "stamps_cpu_test.json").read_text())
+  assert {"gpu", "jax", "date", "command", "read_tbs", "calls"} <= set(res)
+  (r,) = res["rows"]
+  for prov in ("dot", "auto", "auto_topk_topp"):
+    assert 0 < r[f"{prov}_min_us"] <= r[f"{prov}_us"] <= r[f"{prov}_max_us"], prov
+  assert r["auto_to_floor"] == pytest.approx(r["auto_us"] / r["floor_us"])
+  assert r["auto_topk_topp_to_auto"] == pytest.approx(r["auto_topk_topp_us"] / r["auto_us"])
+  md = (tmp_path / "stamps_cpu_test.md").read_text()
+  assert "| auto_topk_topp / auto |" in md and "| smoke | 1 |" in md
