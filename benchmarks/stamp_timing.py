@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import io_callback
 
 import flashsample_jax as fs
 from benchmarks import bench_sampler
@@ -80,7 +81,7 @@ def stamp(dep):
   host's clock."""
   out = jax.ShapeDtypeStruct((2,), jnp.uint32)
   if jax.default_backend() != "gpu":
-    return jax.experimental.io_callback(_host_ns, out, dep, ordered=True)
+    return io_callback(_host_ns, out, dep, ordered=True)
   import jax_triton as jt  # pylint: disable=import-outside-toplevel
   return jt.triton_call(dep, kernel=_timer_kernel(), out_shape=out, grid=(1,), num_warps=1,
                         name="stamp_globaltimer")
@@ -111,7 +112,7 @@ def nanoseconds(t0, t1) -> np.ndarray:
 
 def device_us(f, *args, calls: int = 60, warmup: int = 5) -> dict:
   """``f(*args)``'s device time per call between its stamps (us):
-  ``calls`` calls enqueued back to back after ``warmup``; median and min."""
+  ``calls`` calls enqueued back to back after ``warmup``; median, min, max."""
   g = bracketed(f)
   for _ in range(warmup):
     jax.block_until_ready(g(*args))
@@ -135,7 +136,7 @@ def read_bandwidth(gib: float, calls: int) -> tuple[float, dict]:
 
 
 def run(shapes, batches, weight_dtype: str, *, calls: int, gib: float = FLOOR_GIB,
-        providers=PROVIDERS, on_row=None):
+        providers=PROVIDERS):
   """Rows of every (shape, B): the floor and each provider (the dot alone
   and ``auto`` at least) by their stamps, and the ratios to the floor, the
   dot and ``auto``."""
@@ -163,8 +164,6 @@ def run(shapes, batches, weight_dtype: str, *, calls: int, gib: float = FLOOR_GI
           row[f"{p}_to_auto"] = row[f"{p}_us"] / row["auto_us"]
       print(json.dumps(row), flush=True)
       rows.append(row)
-      if on_row:
-        on_row(rows)
   return rows, bw
 
 
@@ -211,6 +210,8 @@ def main(argv=None) -> int:
   ap.add_argument("--name", default="")
   ap.add_argument("--smoke", action="store_true", help="CPU: a tiny head, a tiny sum")
   args = ap.parse_args(argv)
+  if args.calls < 1 or min(args.batches) < 1:
+    ap.error(f"--calls={args.calls}, --batches={args.batches} must be >= 1")
   shapes, gib = args.shapes, FLOOR_GIB
   if args.smoke:
     shapes, gib, args.batches, args.calls = ["smoke"], 1 / 64, [1], 5

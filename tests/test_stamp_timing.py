@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 from benchmarks import stamp_timing as st
 
@@ -29,7 +30,7 @@ def test_the_stamps_bracket_the_calls_work():
     def nap(y):
       time.sleep(0.02)
       return np.asarray(y)
-    return jax.experimental.io_callback(nap, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+    return io_callback(nap, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
                                         ordered=True) + 1
   t = st.device_us(slow, jnp.ones((4,), jnp.float32), calls=3, warmup=1)
   assert 20_000 <= t["min_us"] <= t["median_us"] < 1_000_000
