@@ -2,7 +2,7 @@
 the device timeline of plain sampling next to the two programs that bound it.
 
   python3 -m benchmarks.experiments.exp_small_b_timeline [--heads S L qwen3-1.7b gpt-oss]
-      [--batches 1 16] [--calls 20]
+      [--batches 1 16] [--calls 20] [--weight-dtype bf16|fp8|int8]
 
 For each head and batch size, three programs in one process: ``jnp.sum`` over
 ``W`` itself (the floor's own kernel at this size: its tail and ramp are what
@@ -12,7 +12,10 @@ async calls), and from a profiler trace of ``--calls`` back-to-back calls the
 device time per call of each kernel, the busy time and the idle time per
 call (the period minus the busy time: launch gaps), and the last call's
 kernels in order with the gap before each. The floor is ``W``'s bytes over a
-4 GiB ``jnp.sum``'s read bandwidth, as in ``bench_sampler``.
+4 GiB ``jnp.sum``'s read bandwidth, as in ``bench_sampler``. With an 8-bit
+``--weight-dtype`` the head is ``bench_sampler.make_head``'s per-row
+quantization, the floor its bytes, and the dot XLA's way (the converted
+weight's dot times the scale).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import flashsample_jax as fs
-from benchmarks import shapes
+from benchmarks import bench_sampler, shapes
 from benchmarks._timing import device_name, median_us, read_bandwidth, trace_events
 
 
@@ -57,25 +60,31 @@ def main():
                   choices=sorted(shapes.HEADS))
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--calls", type=int, default=20)
+  ap.add_argument("--weight-dtype", default="bf16", choices=sorted(bench_sampler.WEIGHT_DTYPES))
   args = ap.parse_args()
   gbs = read_bandwidth(4.0)
   key = jax.random.key(0)
+
   programs = {
-      "sum_w": jax.jit(lambda h, w: jnp.sum(w, dtype=jnp.float32)),
-      "dot": jax.jit(lambda h, w: jnp.dot(h, w.T, preferred_element_type=jnp.float32)),
-      "sample": jax.jit(lambda h, w: fs.sample(h, w, key)),
+      "sum_w": jax.jit(lambda h, w, s: jnp.sum(w, dtype=jnp.float32)),
+      "dot": jax.jit(bench_sampler._logits),  # pylint: disable=protected-access
+      "sample": jax.jit(lambda h, w, s: fs.sample(h, w, key, weight_scale=s)),
   }
   for head in args.heads:
     d, v = shapes.HEADS[head]
-    w = shapes.random_head(head, 1.3)
-    floor = v * d * 2 / gbs * 1e6
+    if args.weight_dtype == "bf16":
+      w, s = shapes.random_head(head, 1.3), None
+    else:
+      w, s = bench_sampler.make_head(head, args.weight_dtype)
+    floor = w.size * w.dtype.itemsize / gbs * 1e6
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
       for name, f in programs.items():
         if name == "sum_w" and b != args.batches[0]:
           continue
-        t = timeline(f, h, w, calls=args.calls)
+        t = timeline(f, h, w, s, calls=args.calls)
         print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, head=head, B=b,
+                              weight_dtype=args.weight_dtype,
                               program=name, floor_us=round(floor, 1),
                               wall_over_floor=round(t["wall_us"] / floor, 3), **t)),
               flush=True)
