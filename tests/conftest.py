@@ -106,17 +106,16 @@ def session_cache_dir() -> str | None:
 
 
 # Tests out of ./run test for its 10 minutes alone, which CI runs (in both
-# SLOW and CI_LONG): traced values out of range under checkify, 8-bit
-# configs in interpret mode, the exact path's redone rows and its fallback,
-# the mosaic controls kernel's exact-input cases in interpret mode, its
-# batch-invariant split and scores, the triton adapter's invariant
-# launches, float outputs across shard counts, the list kernels under
-# Triton's interpreter, the 8-bit controls kernel's CUDA lowering, the slot
-# lists' route against the reference in interpret mode, the interpreter's
-# scores of list and several-sample calls (~710 s).
+# SLOW and CI_LONG; of those in :data:`CI_CASES` only the cases named
+# there): traced values out of range under checkify, the exact path's
+# redone rows and its fallback, the mosaic controls kernel's exact-input
+# cases in interpret mode, its batch-invariant split and scores, the
+# triton adapter's invariant launches, float outputs across shard counts,
+# the list kernels under Triton's interpreter, the 8-bit controls kernel's
+# CUDA lowering, the slot lists' route against the reference in interpret
+# mode, the interpreter's scores of list and several-sample calls.
 FOR_TEN_MINUTES = (
     "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check",
-    "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
     "tests/test_exact_path.py::test_flagged_rows_and_only_they_are_redone",
     "tests/test_controls.py::test_fallback_path_is_exact",
     "tests/test_controls.py::test_a_top_k_past_the_default_lists_is_certified_on_longer_ones",
@@ -132,6 +131,25 @@ FOR_TEN_MINUTES = (
     "tests/test_slot_lists.py::test_rows_the_entries_cannot_certify_take_the_exact_path",
     "tests/test_mosaic.py::TestMosaicInterpret::test_score_tokens_is_what_sample_with_lists_or_samples_returned",
 )
+
+
+# Of FOR_TEN_MINUTES' tests, the cases CI runs (the others are deep: ./run
+# test-long runs them): one or two of each path, so that CI stays under 20
+# minutes on a slow 2-core machine, where interpret mode's callbacks take
+# 3-4x the time they take on a fast one (a route case 35-41 s).
+CI_CASES = {
+    "tests/test_checkify.py::test_traced_control_out_of_range_fails_a_checkify_check":
+        ("top_k=-3", "temperature=nan", "repetition_penalty=-2.0"),
+    "tests/test_exact_path.py::test_flagged_rows_and_only_they_are_redone":
+        ("0-scalar-head-None", "23-per_row-logits-120040"),
+    "tests/test_mosaic.py::TestMosaicInterpret::test_control_matches_reference":
+        ("scalar-all", "per_row-penalties_all"),
+    "tests/test_mosaic.py::TestMosaicInterpret::test_top_p_near_one_with_a_nucleus_past_the_candidates":
+        ("1-1e-03",),
+    "tests/test_mosaic.py::test_float_outputs_take_one_split_for_every_batch": ("top_k_top_p",),
+    # The per-row k and min-p, and 1 / T that rounds (docs/design.md, "Division").
+    "tests/test_slot_lists.py::test_route_equals_reference": ("k-rows-minp", "k-p-rounding-T"),
+}
 
 
 # The long CPU tests, marked ``slow`` here: ``./run test`` leaves them out,
@@ -210,6 +228,9 @@ SLOW = (
     "tests/test_mosaic.py::test_top_lists_kernel_equals_the_two_key_sort",
     "tests/test_mosaic.py::test_heuristic_configs_lower_for_cuda",
     "tests/test_mosaic.py::test_configs_match_xla_scores",
+    # Every 8-bit config's scores in interpret mode (~17 s; the heuristic's
+    # 8-bit steps stay in ./run test: tests/test_quantized_mosaic.py).
+    "tests/test_quantized_mosaic.py::test_configs_match_xla_scores",
     "tests/test_mosaic.py::test_batch_blocks_share_one_launch",
     "tests/test_mosaic.py::TestMosaicInterpret::test_traced_controls_under_jit",
     "tests/test_mosaic.py::TestMosaicInterpret::test_padded_vocab",
@@ -242,8 +263,8 @@ SLOW = (
     # suite.
     "tests/test_triton_adapter.py::TestTritonAdapter",
     # More parametrizations of paths ./run test runs once (~140 s): rules
-    # that also run with scalar keys (per-row keys stay with "all", "top_k"
-    # and "min_p"); the slot lists of the xla backend where the dense one
+    # that also run with scalar keys (per-row keys stay with "all"; "top_k"
+    # and "min_p" go below); the slot lists of the xla backend where the dense one
     # runs them, and back; the speculative methods with one heavy case each;
     # SamplingParams' cases that "all" holds; the 8-bit steps in the other
     # layout; top-N counts below the two largest; the interpreter's "dv"
@@ -266,13 +287,29 @@ SLOW = (
       f"[{n}-{t}]" for n in (120, 121) for t in ("plain", "top_k_top_p")),
     "tests/test_mosaic.py::TestMosaicInterpret::test_scalar_key[dv]",
     "tests/test_flax.py::test_quantized_head_in_two_lines[float8_e5m2]",
+    # More of them (~45 s): strict verification with per-request keys,
+    # masks and penalties (the probabilistic method keeps that case); the
+    # exact path's nested conditionals of top-k and the one of top-p
+    # (./run test keeps top-k's one and top-p's nested); the 8-bit dense
+    # GEMM's padding past 16 rows (1 and 5 rows stay); per-row keys with
+    # top-k and min-p alone ("all" keeps them).
+    "tests/test_speculative.py::test_xla_equals_reference[strict-per_request-mask_penalties]",
+    "tests/test_exact_path.py::test_flagged_rows_of_one_and_nested_conditionals_equal_reference"
+    "[top_k-20]",
+    "tests/test_exact_path.py::test_flagged_rows_of_one_and_nested_conditionals_equal_reference"
+    "[top_p-24]",
+    "tests/test_quantized.py::test_dense_gemm_of_an_8bit_head_takes_at_least_16_rows_on_a_gpu"
+    "[20-vd]",
+    *(f"tests/test_xla_backend.py::TestXlaBackend::test_control_matches_reference[per_row-{c}]"
+      for c in ("top_k", "min_p")),
 ) + FOR_TEN_MINUTES
 
 
 # Of the long tests, those CI runs too (:func:`is_deep`: the others, marked
 # ``deep``, run in ``./run test-long`` alone): what users read and run (the
 # README's snippets, the notebooks, the examples), the statistical checks
-# of distributions, every kernel in interpret mode, and FOR_TEN_MINUTES.
+# of distributions, every kernel in interpret mode, and FOR_TEN_MINUTES (of
+# :data:`CI_CASES`' tests, the cases named there).
 # The deep tests re-run, with more cases, shard counts, kernel programs and
 # tools (the benchmarks' smoke modes, the Flax heads' every option), paths
 # that ``./run test`` covers once on the CPU (and the GPU suite in full),
@@ -294,7 +331,8 @@ CI_LONG = (
     # ./run test).
     "tests/test_triton_kernels.py::test_interpreter_suite",
     "tests/test_mosaic.py::test_top_lists_kernel_equals_the_two_key_sort",
-) + FOR_TEN_MINUTES
+) + tuple(t for t in FOR_TEN_MINUTES if t not in CI_CASES) + tuple(
+    f"{t}[{case}]" for t, kept in CI_CASES.items() for case in kept)
 
 
 def _listed(nodeid: str, names) -> bool:
@@ -313,11 +351,24 @@ def is_deep(nodeid: str) -> bool:
   return is_slow(nodeid) and not _listed(nodeid, CI_LONG)
 
 
+def _check_ci_cases(items) -> None:
+  """A case of :data:`CI_CASES` that names none of its test's collected
+  parametrizations (renamed, re-parametrized) would take the whole test out
+  of CI: an error, not a silent gap."""
+  ids = {item.nodeid for item in items}
+  for test, kept in CI_CASES.items():
+    if any(i.startswith(test + "[") for i in ids):
+      missing = [c for c in kept if f"{test}[{c}]" not in ids]
+      if missing:
+        raise pytest.UsageError(f"tests/conftest.py, CI_CASES: {test} has no cases {missing}")
+
+
 # First: the marks must be there when -m selects ("not slow", "slow").
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   del config
   slow, deep = pytest.mark.slow, pytest.mark.deep
+  _check_ci_cases(items)
   for item in items:
     if is_slow(item.nodeid):
       item.add_marker(slow)
