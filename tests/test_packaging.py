@@ -78,6 +78,21 @@ def test_every_slow_entry_names_a_test():
         assert obj is not None, entry
 
 
+def test_every_ci_case_names_a_collected_case():
+  # tests/conftest.py's CI_CASES: a case id that names no parametrization
+  # (renamed, re-parametrized) would take its whole test out of CI.
+  import subprocess
+  import sys
+  from tests.conftest import CI_CASES
+  out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", *CI_CASES], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+  collected = set(out.stdout.split())
+  for test, kept in CI_CASES.items():
+    missing = [c for c in kept if f"{test}[{c}]" not in collected]
+    assert not missing, (test, missing, out.stdout[-2000:], out.stderr[-2000:])
+
+
 def _fake_python(tmp_path, version):
   """An executable that answers like a Python of ``version`` would."""
   major, minor = version
