@@ -138,8 +138,10 @@ CI_CASES = {
         ("top_k=-3", "temperature=nan", "repetition_penalty=-2.0"),
     "tests/test_exact_path.py::test_flagged_rows_and_only_they_are_redone":
         ("0-scalar-head-None", "23-per_row-logits-120040"),
+    # Every rule, penalties with top-N under truncation, and top-N alone (the
+    # early-exit top kernels' route).
     "tests/test_mosaic.py::TestMosaicInterpret::test_control_matches_reference":
-        ("scalar-all", "per_row-penalties_all"),
+        ("scalar-all", "per_row-penalties_all", "scalar-top_logprobs"),
     "tests/test_mosaic.py::TestMosaicInterpret::test_top_p_near_one_with_a_nucleus_past_the_candidates":
         ("1-1e-03",),
     "tests/test_mosaic.py::test_float_outputs_take_one_split_for_every_batch": ("top_k_top_p",),
