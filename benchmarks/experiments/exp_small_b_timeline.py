@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 
 import jax
@@ -67,7 +68,7 @@ def main():
 
   programs = {
       "sum_w": jax.jit(lambda h, w, s: jnp.sum(w, dtype=jnp.float32)),
-      "dot": jax.jit(bench_sampler._logits),  # pylint: disable=protected-access
+      "dot": functools.partial(bench_sampler.make_provider("dot"), key),
       "sample": jax.jit(lambda h, w, s: fs.sample(h, w, key, weight_scale=s)),
   }
   for head in args.heads:
