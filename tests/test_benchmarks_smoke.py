@@ -259,3 +259,26 @@ def test_stamp_timing_writes_its_table(tmp_path):
   assert r["auto_topk_topp_to_auto"] == pytest.approx(r["auto_topk_topp_us"] / r["auto_us"])
   md = (tmp_path / "stamps_cpu_test.md").read_text()
   assert "| auto_topk_topp / auto |" in md and "| smoke | 1 |" in md
+
+
+def test_cta_spread_reads_profiler_cycles_as_microseconds():
+  # exp_cta_spread's summary of a Mosaic GPU profiler trace (GPU only to
+  # record): the stamps are SM cycles over 1000, so the times are scaled by
+  # the clock that makes the last CTA end at the unprofiled kernel's time.
+  from benchmarks.experiments.exp_cta_spread import summarize
+  events = []
+  for cta, (end, epi) in enumerate([(400.0, 6.0), (300.0, 4.0)]):  # kcycles
+    tid = 1 + 3 * cta
+    events += [dict(ph="B", tid=tid + 2, pid=7 + cta, name="stream", ts=0.0),
+               dict(ph="E", tid=tid + 2, pid=7 + cta, name="stream", ts=end - epi)]
+    for wg, (a, b) in enumerate([(2.0, end / 2), (end / 2, end - epi)]):
+      events += [dict(ph="B", tid=tid + wg, pid=7 + cta, name="mma", ts=a),
+                 dict(ph="E", tid=tid + wg, pid=7 + cta, name="mma", ts=b)]
+    events += [dict(ph="B", tid=tid + 1, pid=7 + cta, name="epilogue", ts=end - epi),
+               dict(ph="E", tid=tid + 1, pid=7 + cta, name="epilogue", ts=end)]
+  s = summarize(events, kernel_us=200.0)  # 400 kcycles in 200 us: 2 GHz
+  assert s["clock_ghz"] == 2.0 and s["ctas"] == 2 and s["tiles_per_cta"] == [2, 2]
+  assert s["end_us"] == [150.0, 155.0, 175.0, 195.0, 200.0]
+  assert s["tail_us"] == 25.0 and s["start_spread_us"] == 0.0
+  assert s["last_epilogue_us"] == 2.5   # the median of 3 and 2 us
+  assert s["latest_ctas"] == [0, 1] and s["latest_sms"] == [6, 7]
