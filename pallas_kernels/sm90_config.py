@@ -403,14 +403,21 @@ class _Row:
 # size"):
 # * N <= 48: vocabulary on M, tiles of 128 rows; H slices this small leave
 #   room for 4-5 slots of Dt = 128, and each slot is released as soon as its
-#   wgmma is done.
+#   wgmma is done. Up to 8 rows the batch side is 8 (epilogue chunks of 8
+#   columns): half of every tile's noise and argmax, and the last tile's
+#   epilogue is the kernel's tail after its last weight byte; 2-3 us
+#   shorter on an H200 with bf16 and 8-bit heads (docs/performance.md,
+#   "Small batches").
 # * N = 64: batch on M, chunks of [64, 16], one wgmma kept in flight.
 # * N = 128: batch on M, chunks of [128, 8] (half the loop body), each slot
 #   released at once.
 # * N > 128: vocabulary on M over tiles of 64 rows (an accumulator [64, N]
 #   is 128 registers at N = 256), a quarter-accumulator buffer per
 #   warpgroup so both epilogues may run at once.
+_EIGHT_ROWS = _Row(8, Schedule.PINGPONG_VOCAB_M, tile_v=128, epi_cols=8, mma_in_flight=0,
+                   n_align=8)
 _TABLE = (
+    _EIGHT_ROWS,
     _Row(48, Schedule.PINGPONG_VOCAB_M, tile_v=128, epi_cols=16, mma_in_flight=0),
     _Row(64, Schedule.PINGPONG_BATCH_M, tile_v=128, epi_cols=16, mma_in_flight=1,
          n_align=64),
@@ -431,6 +438,7 @@ _TABLE = (
 # steps there at B = 24.
 REGISTER_PATH_MAX_N = 128
 _TABLE_8BIT_VD = (
+    _EIGHT_ROWS,
     _Row(REGISTER_PATH_MAX_N, Schedule.PINGPONG_VOCAB_M, tile_v=128, epi_cols=16,
          mma_in_flight=0),
     _TABLE[-1],

@@ -423,6 +423,13 @@ def test_heuristic_picks_the_measured_schedules():
   assert (mid.schedule, mid.epi_cols, mid.mma_in_flight, mid.tile_d,
           mid.max_concurrent_steps) == (Schedule.PINGPONG_BATCH_M, 8, 0, 64, 4)
   assert sm90_config.pick_config(64, 4096, rows).epi_cols == 16
+  # Up to 8 rows a batch side of 8 (epilogue chunks of 8 columns), bf16 and
+  # 8-bit heads alike; from 9 rows 16 (docs/performance.md, "Small batches").
+  from pallas_kernels import sm90_sampler
+  for w_itemsize in (2, 1):
+    for b, n, epi in ((1, 8, 8), (8, 8, 8), (9, 16, 16), (16, 16, 16)):
+      (_, _, cfg, side), = sm90_sampler.launches(b, 4096, rows, 2, w_itemsize=w_itemsize)
+      assert (cfg.schedule, side, cfg.epi_cols) == (Schedule.PINGPONG_VOCAB_M, n, epi)
   wide = sm90_config.pick_config(256, 4096, rows)
   assert (wide.schedule, wide.tile_v, wide.epi_passes, wide.tile_d,
           wide.max_concurrent_steps, wide.mma_in_flight) == (
@@ -433,7 +440,7 @@ def test_heuristic_picks_the_measured_schedules():
   # in 4 slots for two blocks, Dt = 128 in 2 from three on (D permitting).
   # On an H100 (the abstract mesh's device: on a GPU host the heuristic
   # would otherwise follow the local GPU's kind).
-  from pallas_kernels import sm90_common, sm90_sampler
+  from pallas_kernels import sm90_common
   launch = lambda b, d=4096: [(b0, b1, c.batch_blocks, c.tile_d, c.max_concurrent_steps)
                               for b0, b1, c, _ in sm90_sampler.launches(b, d, rows, 2)]
   with jax.sharding.use_abstract_mesh(sm90_common.h100_abstract_mesh()):

@@ -1,7 +1,7 @@
-"""Two guesses about the mosaic kernel's own time at small B (#41).
+"""Guesses about the mosaic kernel's own time at small B (#41).
 
   python3 -m benchmarks.experiments.exp_small_b_kernel [--heads S L qwen3-1.7b gpt-oss]
-      [--batches 1 16] [--rounds 2] [--variants base ctas:132 ctas:126]
+      [--batches 1 16] [--rounds 2] [--variants base ctas:132 ctas:126 epi8 n16 pdl]
       [--weight-dtype bf16|fp8]
 
 At B = 1 and 16 the kernel's own time on the L head was 1.04x that of a
@@ -18,6 +18,18 @@ kernels ran at or below it). Variants (``base``: the heuristic's config):
   rows a power-of-two stride apart): a variant that started tile t's walk
   at ``t % k_steps`` ran at commit 42dc632 (``TuningConfig.rotate_k``,
   removed since: no change, docs/performance.md, "Small batches").
+* ``epi8``: epilogue chunks of 8 columns, so that up to 8 rows run with a
+  batch side of N = 8 instead of 16: half the noise and argmax work of
+  every tile's epilogue, and the last tile's epilogue is the kernel's tail
+  after its last weight byte (``exp_cta_spread``).
+* ``n16``: the launch of 16 rows' config (batch side 16, epilogue chunks
+  of 16 columns), which the heuristic ran up to 8 rows before ``epi8``'s
+  batch side of 8 became its own (``sm90_config``'s first table row).
+* ``pdl``: programmatic dependent launch. Every warpgroup runs
+  ``griddepcontrol.wait`` before the frame (so before any read of GMEM),
+  which lets the launch start while the kernel before it (the per-row
+  data's fusion) still runs: its CTAs' setup overlaps that kernel and the
+  launch gap. A prototype: the frame is wrapped while the variant traces.
 
 Variants are timed in alternating rounds (device time per call from a
 profiler trace of back-to-back calls, the kernel's own time, and the wall
@@ -29,11 +41,13 @@ compared with the first variant's on the timed random inputs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import flashsample_jax as fs
 from benchmarks import shapes
@@ -41,15 +55,41 @@ from benchmarks._timing import (device_name, device_period_us, median_us, read_b
                                 trace_events)
 from flashsample_jax import reference
 from flashsample_jax.backends.mosaic import MosaicBackend
-from pallas_kernels import sm90_sampler
+from pallas_kernels import sm90_common, sm90_sampler
+
 
 def config(variant: str, b: int, d: int, v: int, w_itemsize: int = 2):
   """The heuristic's config of a ``b``-row launch, changed as ``variant`` says."""
   (_, _, cfg, _), = sm90_sampler.launches(b, d, v, 2, w_itemsize=w_itemsize)
   if variant.startswith("ctas:"):
     return dataclasses.replace(cfg, num_ctas=int(variant[5:]))
-  assert variant == "base", variant
+  if variant == "epi8":
+    return dataclasses.replace(cfg, epi_cols=8)
+  if variant == "n16":
+    (_, _, cfg, _), = sm90_sampler.launches(max(b, 16), d, v, 2, w_itemsize=w_itemsize)
+    return cfg
+  assert variant in ("base", "pdl"), variant
   return cfg
+
+
+@contextlib.contextmanager
+def tracing(variant: str):
+  """While a ``pdl`` variant traces: every ping-pong frame starts with
+  ``griddepcontrol.wait`` in every warpgroup."""
+  if variant != "pdl":
+    yield
+    return
+  frame = sm90_common.pingpong_frame
+
+  def waiting_frame(*args, **kwargs):
+    plgpu.griddepcontrol_wait()
+    return frame(*args, **kwargs)
+
+  sm90_common.pingpong_frame = waiting_frame
+  try:
+    yield
+  finally:
+    sm90_common.pingpong_frame = frame
 
 
 def compiled(variant: str, h, w, key, *, scale=None, interpret: bool = False):
@@ -59,7 +99,8 @@ def compiled(variant: str, h, w, key, *, scale=None, interpret: bool = False):
   backend = MosaicBackend(config=cfg, interpret=True if interpret else None)
   f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, weight_scale=scale,
                                         backend=backend))
-  jax.block_until_ready(f(h, w, key))
+  with tracing(variant):
+    jax.block_until_ready(f(h, w, key))
   return f
 
 
