@@ -276,7 +276,7 @@ def test_cta_spread_reads_profiler_cycles_as_microseconds():
                  dict(ph="E", tid=tid + wg, pid=7 + cta, name="mma", ts=b)]
     events += [dict(ph="B", tid=tid + 1, pid=7 + cta, name="epilogue", ts=end - epi),
                dict(ph="E", tid=tid + 1, pid=7 + cta, name="epilogue", ts=end)]
-  s = summarize(events, kernel_us=200.0)  # 400 kcycles in 200 us: 2 GHz
+  s = summarize(events, kernel_time_us=200.0)  # 400 kcycles in 200 us: 2 GHz
   assert s["clock_ghz"] == 2.0 and s["ctas"] == 2 and s["tiles_per_cta"] == [2, 2]
   assert s["end_us"] == [150.0, 155.0, 175.0, 195.0, 200.0]
   assert s["tail_us"] == 25.0 and s["start_spread_us"] == 0.0

@@ -53,6 +53,7 @@ import numpy as np
 import flashsample_jax as fs
 from benchmarks import shapes
 from benchmarks._timing import device_name, trace_events
+from benchmarks.experiments.exp_small_b_kernel import kernel_us
 from flashsample_jax.backends.mosaic import MosaicBackend
 
 _WGS = 3  # two compute warpgroups and the memory warpgroup, per CTA
@@ -75,7 +76,7 @@ def regions(events):
   return out
 
 
-def summarize(events, kernel_us: float) -> dict:
+def summarize(events, kernel_time_us: float) -> dict:
   """The spread over CTAs of one launch's trace (see the module's doc).
 
   Mosaic GPU's profiler stamps regions with the SM's cycle counter (the
@@ -90,7 +91,7 @@ def summarize(events, kernel_us: float) -> dict:
   t0 = min(a for evs in per_cta.values() for a, _, _, _ in evs)
   ctas = sorted(per_cta)
   ends = np.array([max(b for _, b, _, _ in per_cta[c]) - t0 for c in ctas])
-  clock = float(ends.max()) / kernel_us
+  clock = float(ends.max()) / kernel_time_us
   us = lambda x: round(float(x) / clock, 2)
   starts, first_mma, mma, last_epi, tiles = [], [], [], [], []
   for cta in ctas:
@@ -116,15 +117,6 @@ def summarize(events, kernel_us: float) -> dict:
               last_epilogue_us=med(last_epi),
               latest_ctas=[int(c) for c in latest],
               latest_sms=[int(sm_of.get(c, -1)) for c in latest])
-
-
-def kernel_us(f, *args, calls: int = 20, name: str = "mosaic") -> float:
-  """The named kernel's device time per call in a trace of ``calls``
-  back-to-back calls (the largest kernel's when ``name`` is None)."""
-  device, _ = trace_events(f, *args, calls=calls)
-  if name is None:
-    return max(d for _, d, _, _ in device) / 1e3
-  return sum(d for _, d, n, _ in device if name in n) / calls / 1e3
 
 
 def profiled_trace(h, w, key, scale, where: str, calls: int):
@@ -168,7 +160,7 @@ def main():
     for wd in args.weight_dtypes:
       w, scale = (w16, None) if wd == "bf16" else fs.quantize_weight(w16)
       sum_w = jax.jit(lambda w: jnp.sum(w, dtype=jnp.float32))
-      sum_kernel = kernel_us(sum_w, w, calls=5, name=None)
+      sum_kernel = max(d for _, d, _, _ in trace_events(sum_w, w, calls=1)[0]) / 1e3
       for b in args.batches:
         h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
         plain = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7,
