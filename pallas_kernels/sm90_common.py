@@ -250,14 +250,16 @@ def store_tile(x, ref, *, interpret: bool):
   store(x, ref)
 
 
-def epilogue_passes(acc, chunk, *, passes, acc_smem, epi: int, unroll: int):
-  """Runs ``chunk(c, slot)`` on each column chunk ``c`` of ``epi`` columns
-  of the accumulator ``acc`` [rows, N], pass by pass: a pass's chunks are
-  copied into ``acc_smem`` (``slot`` is a chunk's place there), then a loop
-  over them, not unrolled: unrolled, a tile's epilogue was ~10k
-  straight-line instructions and bound by instruction fetch
+def epilogue_passes(acc, chunk, *, passes, acc_smem, epi: int, unroll: int,
+                    carry=()):
+  """Runs ``chunk(c, slot, carry) -> carry`` on each column chunk ``c`` of
+  ``epi`` columns of the accumulator ``acc`` [rows, N], pass by pass: a
+  pass's chunks are copied into ``acc_smem`` (``slot`` is a chunk's place
+  there), then a loop over them, not unrolled: unrolled, a tile's epilogue
+  was ~10k straight-line instructions and bound by instruction fetch
   (docs/performance.md, "The epilogue loop"). ``passes``: the ``(first,
-  end)`` chunks of each pass; ``unroll`` chunks per iteration."""
+  end)`` chunks of each pass; ``unroll`` chunks per iteration. Returns the
+  last carry."""
   for first, end in passes:
     for j in range(first, end):
       acc_smem[j - first] = acc[:, j * epi:(j + 1) * epi]
@@ -265,10 +267,11 @@ def epilogue_passes(acc, chunk, *, passes, acc_smem, epi: int, unroll: int):
     def body(it, carry, first=first):
       for u in range(unroll):
         slot = it * unroll + u
-        chunk(first + slot, slot)
+        carry = chunk(first + slot, slot, carry)
       return carry
 
-    lax.fori_loop(0, (end - first) // unroll, body, 0)
+    carry = lax.fori_loop(0, (end - first) // unroll, body, carry)
+  return carry
 
 
 def approx_exp(x, *, interpret: bool):

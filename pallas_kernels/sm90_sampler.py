@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import rules, sm90_common as common, threefry
+from pallas_kernels import rules, sm90_common as common, sm90_finish, threefry
 from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.sm90_config import (
     BLOCK_ROWS, BLOCKED_MIN_ROWS, MAX_BLOCKS, ROWDATA_ROWS, Schedule,
@@ -56,13 +56,16 @@ assert _ROWS.rows == ROWDATA_ROWS  # the SMEM budget counts this block
 def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
               off_ref, rowdata_smem, acc_smem, scratch_f, scratch_i,
               out_refs, out_row, rows_valid: int, vocab_size: int,
-              interpret: bool):
+              interpret: bool, best=None):
   """Noise, transform and per-column (max, first argmax) of one accumulator.
 
   ``acc`` [vw, N] f32 holds rows ``start + row0 + [0, vw)`` of the weight;
   rows below ``first_new`` (tile-local) were done by an earlier tile.
   Writes one candidate column ``out_row`` of ``out_refs = (score_ref,
-  index_ref)``, ``[nc, C, n_out]`` each.
+  index_ref)``, ``[nc, C, n_out]`` each. With ``best`` (one chunk of
+  columns, ``N == C``): writes nothing and returns ``best``, a warpgroup's
+  running ``(score, id)`` per column over its tiles, updated by this tile's
+  (:func:`_slot_update`: a warpgroup's tiles come in increasing ids).
 
   The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
   the noise runs in a (not unrolled) loop over column chunks: unrolled, the
@@ -85,7 +88,7 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
   reduce = lambda op, scratch: lambda x, axis: common.col_reduce(
       x, op, scratch, interpret=interpret)
 
-  def chunk(c, slot):
+  def chunk(c, slot, carry):
     load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i],
                                       layout=col_layout))
     l = plgpu.load(acc_smem.at[slot], layout=plgpu.Layout.WGMMA)
@@ -102,11 +105,15 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
     m, idx = rules.first_best(s, gid, 0, mask=valid,
                               max_fn=reduce("max", scratch_f),
                               min_fn=reduce("min", scratch_i))
+    if best is not None:
+      return _slot_update(carry, m, idx)
     for x, ref in zip((m, idx), out_refs):
       common.store_column(x, ref.at[c, :, pl.ds(out_row, 1)], interpret=interpret)
+    return carry
 
-  common.epilogue_passes(acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
-                         unroll=cfg.epi_unroll)
+  return common.epilogue_passes(
+      acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
+      unroll=cfg.epi_unroll, carry=() if best is None else best)
 
 
 def _slot_update(best, sc, gid):
@@ -235,7 +242,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
                      cfg: TuningConfig, layout: str, n: int, dim: int,
                      rows: int, rows_valid: int, vocab_size: int, n_tiles: int,
                      num_ctas: int, interpret: bool, scale: str | None = None,
-                     tile_epilogue=None, outputs: int = 2):
+                     tile_epilogue=None, outputs: int = 2,
+                     per_warpgroup: bool = False, finish: bool = False):
   """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
 
   Same refs as :func:`_kernel`, but one candidate column per tile
@@ -261,6 +269,15 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   warpgroup before reuse. ``cfg.mma_in_flight`` wgmmas stay in flight
   across steps.
 
+  ``per_warpgroup`` (one chunk of columns, ``N == C``, the default
+  epilogue): each compute warpgroup keeps its best per row over its tiles
+  and writes one column at the end, ``[1, C, 2 * num_ctas]``. ``finish``
+  (with it, on the GPU): the last warpgroup to end also reduces those
+  columns to each row's best, two more outputs ``[C]``
+  (:func:`~pallas_kernels.sm90_finish.finish_rows`; its arrival counter is
+  the first row block's soft-cap word, which the plain kernels do not read
+  and :func:`candidates` passes as 0).
+
   With ``epi_passes == 1`` the two warpgroups share one SMEM copy of the
   accumulator ``[N / C, Vt, C]`` (the whole of it: the epilogue then holds
   no accumulator registers and has room for ILP); ``acc_free[w]`` hands it
@@ -280,8 +297,14 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   passes = [(0, n_chunks)] if shared else cfg.passes(n)
   pass_chunks = max(b - a for a, b in passes)
 
+  if finish and not per_warpgroup:
+    raise ValueError("finish needs per_warpgroup")
+  if per_warpgroup:
+    out_refs, final_refs = refs[-outputs:][:2], refs[-outputs:][2:]
+  flag_scratch = {"flag_smem": plgpu.SMEM((2,), jnp.int32)} if finish else {}
+
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i,
-              **scale_refs):
+              flag_smem=None, **scale_refs):
     def prologue(tile, start):
       del tile
       common.copy_scale_tile(scale_ref, start, cfg.tile_v, wg, **scale_refs)
@@ -289,17 +312,30 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
     def epilogue(acc, tile, start, first_new, carry):
       s = common.tile_scale(scale, scale_ref, wg, 0, **scale_refs)
       acc = common.scaled(acc, s, 0)
-      tile_epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
-                    first_new=first_new, off_ref=off_ref,
-                    rowdata_smem=rowdata_smem,
-                    acc_smem=acc_smem if shared else acc_smem.at[wg],
-                    scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
-                    out_refs=out_refs, out_row=tile,
-                    rows_valid=rows_valid, vocab_size=vocab_size,
-                    interpret=interpret)
-      return carry
+      out = tile_epilogue(acc, cfg=cfg, passes=passes, row0=0, start=start,
+                          first_new=first_new, off_ref=off_ref,
+                          rowdata_smem=rowdata_smem,
+                          acc_smem=acc_smem if shared else acc_smem.at[wg],
+                          scratch_f=red_f.at[wg], scratch_i=red_i.at[wg],
+                          out_refs=out_refs, out_row=tile,
+                          rows_valid=rows_valid, vocab_size=vocab_size,
+                          interpret=interpret,
+                          **({"best": carry} if per_warpgroup else {}))
+      return out if per_warpgroup else carry
 
-    tile_loop(epilogue, (), prologue if scale == "row" else None)
+    init = _no_candidate(epi) if per_warpgroup else ()
+    best = tile_loop(epilogue, init, prologue if scale == "row" else None)
+    if per_warpgroup:
+      column = lax.axis_index("sm") * 2 + wg
+      columns = tuple(r.at[0, :, pl.ds(column, 1)] for r in out_refs)
+      if finish:
+        sm90_finish.finish_rows(
+            best, cand_refs=tuple(r.at[0] for r in out_refs), column_refs=columns,
+            out_refs=final_refs, counter_ref=rowdata_ref.at[0, _ROWS.SOFTCAP, pl.ds(0, 1)],
+            flag_ref=flag_smem.at[pl.ds(wg, 1)], arrivals=2 * num_ctas)
+      else:
+        for x, ref in zip(best, columns):
+          common.store_column(x, ref, interpret=interpret)
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
@@ -310,8 +346,15 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
       acc_smem=plgpu.SMEM(((pass_chunks,) if shared else (2, pass_chunks))
                           + (cfg.tile_v, epi), jnp.float32),
       red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
-      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32))
+      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32), **flag_scratch)
 
+
+def _no_candidate(cols: int):
+  """``(-inf, INT_MAX)`` for each of ``cols`` columns, the start of a
+  running best (layout ``WGMMA.reduce(0)``)."""
+  layout = plgpu.Layout.WGMMA.reduce(0)
+  return (plgpu.layout_cast(jnp.full((cols,), -jnp.inf, jnp.float32), layout),
+          plgpu.layout_cast(jnp.full((cols,), rules.INT_MAX, jnp.int32), layout))
 
 
 def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
@@ -443,7 +486,8 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
 def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str,
             rows_valid: int, vocab_size: int, target: common.Target,
             scale_mode: str | None = None, tile_epilogue=None,
-            out_dtypes=(jnp.float32, jnp.int32), kernel_name: str = "flashsample_sm90"):
+            out_dtypes=(jnp.float32, jnp.int32), kernel_name: str = "flashsample_sm90",
+            finish: bool | None = None):
   """Runs the kernel on one batch chunk (``h`` [N * batch_blocks, D], N <=
   256 padded; ``rowdata`` [batch_blocks, 8, N] when batch_blocks > 1;
   ``scale``, ``scale_mode``: an 8-bit weight's :func:`~pallas_kernels.
@@ -453,7 +497,9 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
 
   Returns one array per ``out_dtypes`` (default ``(score, index)``), each
   ``[N * batch_blocks, n_out]``: each row's candidates (one per tile or per
-  compute warpgroup) along the minor axis.
+  compute warpgroup) along the minor axis; or, where the launch finishes
+  them itself (``finish``, see :func:`finishes`), ``(score, index)`` ``[N,
+  1]``: each row's best.
   """
   nb = cfg.batch_blocks
   n, dim = h.shape[0] // nb, h.shape[1]
@@ -481,17 +527,29 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
       raise ValueError(f"a tile epilogue needs the vocabulary-major ping-pong schedule, "
                        f"got {cfg.schedule}")
     body = functools.partial(body, tile_epilogue=tile_epilogue, outputs=len(out_dtypes))
+  per_wg = tile_epilogue is None and per_warpgroup(cfg, n)
+  finish = per_wg and finishes(target, finish)
+  if per_wg:
+    body = functools.partial(body, per_warpgroup=True, finish=finish,
+                             outputs=4 if finish else 2)
   # Candidates on the minor axis (each store is a strided column): stage 2
   # is then one row reduction, which XLA runs as one kernel; over the major
   # axis it took three (max, select, min; docs/performance.md, "The exact
   # path's conditional").
-  if cfg.schedule.batch_major:  # one candidate per compute warpgroup
+  if cfg.schedule.batch_major or per_wg:  # one candidate per compute warpgroup
     n_out = 2 * num_ctas
     shape = (nb, n, n_out) if nb > 1 else (n, n_out)
+    if per_wg:
+      shape = (1, n, n_out)
   else:  # one per tile (or per warpgroup's part of a tile)
     n_out = n_tiles * cfg.wg_share
     shape = (n // cfg.epi_cols, cfg.epi_cols, n_out)
   out_type = tuple(jax.ShapeDtypeStruct(shape, d) for d in out_dtypes)
+  if finish:
+    out_type += tuple(jax.ShapeDtypeStruct((n,), d) for d in out_dtypes)
+    # The kernel counts its warpgroups in a word of the row block: a
+    # mutable operand, so that XLA hands it a buffer of its own.
+    rowdata = jax.new_ref(rowdata)
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
@@ -499,7 +557,24 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
       compiler_params=target.compiler_params(),
       interpret=target.interpret)
   outs = f(offset, rowdata, h, w, *(() if scale is None else (scale,)))
+  if finish:
+    return tuple(o.reshape(n, 1) for o in outs[2:])
   return tuple(o.reshape(nb * n, n_out) for o in outs)
+
+
+def finishes(target: common.Target, finish: bool | None = None) -> bool:
+  """Whether a launch that keeps one candidate per warpgroup also reduces
+  them (:mod:`pallas_kernels.sm90_finish`): on the GPU, unless ``finish``
+  is False (benchmarks); interpret mode cannot run its inline code."""
+  return target.interpret is None and finish is not False
+
+
+def per_warpgroup(cfg: TuningConfig, n: int) -> bool:
+  """Whether a plain launch of batch side ``n`` keeps one candidate per
+  compute warpgroup (a running best over its tiles) instead of one per
+  tile: the vocabulary-major ping-pong schedule with one chunk of columns
+  (``n == epi_cols``: up to 16 rows)."""
+  return cfg.schedule is Schedule.PINGPONG_VOCAB_M and n == cfg.epi_cols
 
 
 _KERNELS = {
@@ -553,7 +628,8 @@ def launches(batch: int, dim: int, rows: int, itemsize: int,
 
 def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                vocab_size: int, config: TuningConfig | None = None,
-               target: common.Target = common.Target(), scale=None):
+               target: common.Target = common.Target(), scale=None,
+               finish: bool | None = None):
   """Best ``(score, global id)`` of each row over the weight's rows.
 
   Args:
@@ -577,6 +653,8 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     scale: with an 8-bit weight, None, an f32 scalar (per tensor) or f32
       ``[V]`` (per row of this weight): the logits are the f32 dot product
       times it (one f32 multiply, before everything else).
+    finish: False keeps XLA's reduction of the candidates where the launch
+      would reduce them itself (:func:`finishes`; benchmarks).
 
   Returns:
     ``(score f32 [B], id int32 [B])``: sampled rows ``l / T + gumbel``,
@@ -596,6 +674,11 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     nb = b1 - b0
     blocks = cfg.batch_blocks
     rowdata = jnp.pad(rows[:, b0:b1], [(0, 0), (0, n * blocks - nb)])
+    if per_warpgroup(cfg, n) and finishes(target, finish):
+      # The launch's arrival counter (sm90_finish) starts at 0: the
+      # soft-cap row, which the plain kernels do not read.
+      row = lax.broadcasted_iota(jnp.int32, rowdata.shape, 0)
+      rowdata = jnp.where(row == _ROWS.SOFTCAP, jnp.uint32(0), rowdata)
     if blocks > 1:  # [8, nb * N] -> [nb, 8, N]: one block per CTA group
       rowdata = rowdata.reshape(_ROWS.rows, blocks, n).transpose(1, 0, 2)
     elif not cfg.schedule.batch_major:
@@ -604,9 +687,12 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
       rowdata = rowdata.transpose(1, 0, 2)
     h = jnp.pad(hidden[b0:b1], [(0, n * blocks - nb), (0, 0)])
     s, i = _launch(offset, rowdata, h, w, scale, scale_mode=mode, cfg=cfg,
-                   layout=layout,
-                   rows_valid=n_rows, vocab_size=vocab_size, target=target)
-    s, i = rules.argbest(s[:nb], i[:nb], axis=1)
+                   layout=layout, rows_valid=n_rows, vocab_size=vocab_size,
+                   target=target, finish=finish)
+    if per_warpgroup(cfg, n) and finishes(target, finish):
+      s, i = s[:nb, 0], i[:nb, 0]
+    else:
+      s, i = rules.argbest(s[:nb], i[:nb], axis=1)
     scores.append(s)
     tokens.append(i)
   if len(scores) == 1:

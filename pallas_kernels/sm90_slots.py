@@ -65,7 +65,7 @@ def _slot_epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new, of
   col_max, col_min = red("max", scratch_f), red("min", scratch_i)
   rl = _ROWS
 
-  def chunk(c, slot):
+  def chunk(c, slot, carry):
     load = lambda i: bcast(plgpu.load(rowdata_smem.at[c, i], layout=col_layout))
     f32 = lambda i: lax.bitcast_convert_type(load(i), jnp.float32)
     l = plgpu.load(acc_smem.at[slot], layout=plgpu.Layout.WGMMA)
@@ -89,6 +89,7 @@ def _slot_epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new, of
     total = common.col_reduce(e, "add", scratch_f, interpret=interpret)
     for x, ref in zip(vals + ids + [rest, total], out_refs):
       common.store_column(x, ref.at[c, :, pl.ds(out_row, 1)], interpret=interpret)
+    return carry
 
   common.epilogue_passes(acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
                          unroll=cfg.epi_unroll)

@@ -376,6 +376,17 @@ def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_launches_of_up_to_16_rows_reduce_their_candidates_themselves():
+  # Up to 16 rows the plain call is the per-row data's fusion and the
+  # kernel, whose last warpgroup picks each row's best (sm90_finish): no
+  # XLA reduction after it, and the row block (its arrival counter) is a
+  # mutable operand, aliased to an output. Past 16 rows XLA reduces.
+  for b, finished in ((1, True), (8, True), (16, True), (17, False)):
+    text = _lower_for_cuda(b, 4096, 151936, "vd", jnp.bfloat16).as_text()
+    assert ("stablehlo.reduce" not in text) == finished, b
+    assert ("output_operand_alias" in text) == finished, b
+
+
 def test_kernel_noise_lowers_and_matches_in_interpret_mode():
   # The kernels' noise log lowers for CUDA, and in interpret mode (XLA:CPU's
   # log) gives the reference noise, at the extremes of u and a spread.
