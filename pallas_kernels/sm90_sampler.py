@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import rules, sm90_common as common, sm90_finish, threefry
+from pallas_kernels import rules, sm90_common as common, threefry
 from pallas_kernels.rowdata import RowLayout
 from pallas_kernels.sm90_config import (
     BLOCK_ROWS, BLOCKED_MIN_ROWS, MAX_BLOCKS, ROWDATA_ROWS, Schedule,
@@ -243,7 +243,7 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
                      rows: int, rows_valid: int, vocab_size: int, n_tiles: int,
                      num_ctas: int, interpret: bool, scale: str | None = None,
                      tile_epilogue=None, outputs: int = 2,
-                     per_warpgroup: bool = False, finish: bool = False):
+                     per_warpgroup: bool = False):
   """One CTA, ping-pong schedule: the compute warpgroups alternate tiles.
 
   Same refs as :func:`_kernel`, but one candidate column per tile
@@ -271,12 +271,9 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
 
   ``per_warpgroup`` (one chunk of columns, ``N == C``, the default
   epilogue): each compute warpgroup keeps its best per row over its tiles
-  and writes one column at the end, ``[1, C, 2 * num_ctas]``. ``finish``
-  (with it, on the GPU): the last warpgroup to end also reduces those
-  columns to each row's best, two more outputs ``[C]``
-  (:func:`~pallas_kernels.sm90_finish.finish_rows`; its arrival counter is
-  the first row block's soft-cap word, which the plain kernels do not read
-  and :func:`candidates` passes as 0).
+  and writes one column at the end, ``[C, 2 * num_ctas]``: no store per
+  tile, and stage 2 reduces 2 candidates per CTA instead of one per tile
+  (docs/performance.md, "Small batches").
 
   With ``epi_passes == 1`` the two warpgroups share one SMEM copy of the
   accumulator ``[N / C, Vt, C]`` (the whole of it: the epilogue then holds
@@ -297,14 +294,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   passes = [(0, n_chunks)] if shared else cfg.passes(n)
   pass_chunks = max(b - a for a, b in passes)
 
-  if finish and not per_warpgroup:
-    raise ValueError("finish needs per_warpgroup")
-  if per_warpgroup:
-    out_refs, final_refs = refs[-outputs:][:2], refs[-outputs:][2:]
-  flag_scratch = {"flag_smem": plgpu.SMEM((2,), jnp.int32)} if finish else {}
-
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, red_f, red_i,
-              flag_smem=None, **scale_refs):
+              **scale_refs):
     def prologue(tile, start):
       del tile
       common.copy_scale_tile(scale_ref, start, cfg.tile_v, wg, **scale_refs)
@@ -327,15 +318,8 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
     best = tile_loop(epilogue, init, prologue if scale == "row" else None)
     if per_warpgroup:
       column = lax.axis_index("sm") * 2 + wg
-      columns = tuple(r.at[0, :, pl.ds(column, 1)] for r in out_refs)
-      if finish:
-        sm90_finish.finish_rows(
-            best, cand_refs=tuple(r.at[0] for r in out_refs), column_refs=columns,
-            out_refs=final_refs, counter_ref=rowdata_ref.at[0, _ROWS.SOFTCAP, pl.ds(0, 1)],
-            flag_ref=flag_smem.at[pl.ds(wg, 1)], arrivals=2 * num_ctas)
-      else:
-        for x, ref in zip(best, columns):
-          common.store_column(x, ref, interpret=interpret)
+      for x, ref in zip(best, out_refs):
+        common.store_column(x, ref.at[:, pl.ds(column, 1)], interpret=interpret)
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
@@ -346,7 +330,7 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
       acc_smem=plgpu.SMEM(((pass_chunks,) if shared else (2, pass_chunks))
                           + (cfg.tile_v, epi), jnp.float32),
       red_f=plgpu.SMEM((2, scratch_elems), jnp.float32),
-      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32), **flag_scratch)
+      red_i=plgpu.SMEM((2, scratch_elems), jnp.int32))
 
 
 def _no_candidate(cols: int):
@@ -486,8 +470,7 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
 def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str,
             rows_valid: int, vocab_size: int, target: common.Target,
             scale_mode: str | None = None, tile_epilogue=None,
-            out_dtypes=(jnp.float32, jnp.int32), kernel_name: str = "flashsample_sm90",
-            finish: bool | None = None):
+            out_dtypes=(jnp.float32, jnp.int32), kernel_name: str = "flashsample_sm90"):
   """Runs the kernel on one batch chunk (``h`` [N * batch_blocks, D], N <=
   256 padded; ``rowdata`` [batch_blocks, 8, N] when batch_blocks > 1;
   ``scale``, ``scale_mode``: an 8-bit weight's :func:`~pallas_kernels.
@@ -497,9 +480,7 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
 
   Returns one array per ``out_dtypes`` (default ``(score, index)``), each
   ``[N * batch_blocks, n_out]``: each row's candidates (one per tile or per
-  compute warpgroup) along the minor axis; or, where the launch finishes
-  them itself (``finish``, see :func:`finishes`), ``(score, index)`` ``[N,
-  1]``: each row's best.
+  compute warpgroup) along the minor axis.
   """
   nb = cfg.batch_blocks
   n, dim = h.shape[0] // nb, h.shape[1]
@@ -528,10 +509,8 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
                        f"got {cfg.schedule}")
     body = functools.partial(body, tile_epilogue=tile_epilogue, outputs=len(out_dtypes))
   per_wg = tile_epilogue is None and per_warpgroup(cfg, n)
-  finish = per_wg and finishes(target, finish)
   if per_wg:
-    body = functools.partial(body, per_warpgroup=True, finish=finish,
-                             outputs=4 if finish else 2)
+    body = functools.partial(body, per_warpgroup=True)
   # Candidates on the minor axis (each store is a strided column): stage 2
   # is then one row reduction, which XLA runs as one kernel; over the major
   # axis it took three (max, select, min; docs/performance.md, "The exact
@@ -539,17 +518,10 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
   if cfg.schedule.batch_major or per_wg:  # one candidate per compute warpgroup
     n_out = 2 * num_ctas
     shape = (nb, n, n_out) if nb > 1 else (n, n_out)
-    if per_wg:
-      shape = (1, n, n_out)
   else:  # one per tile (or per warpgroup's part of a tile)
     n_out = n_tiles * cfg.wg_share
     shape = (n // cfg.epi_cols, cfg.epi_cols, n_out)
   out_type = tuple(jax.ShapeDtypeStruct(shape, d) for d in out_dtypes)
-  if finish:
-    out_type += tuple(jax.ShapeDtypeStruct((n,), d) for d in out_dtypes)
-    # The kernel counts its warpgroups in a word of the row block: a
-    # mutable operand, so that XLA hands it a buffer of its own.
-    rowdata = jax.new_ref(rowdata)
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
@@ -557,16 +529,7 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
       compiler_params=target.compiler_params(),
       interpret=target.interpret)
   outs = f(offset, rowdata, h, w, *(() if scale is None else (scale,)))
-  if finish:
-    return tuple(o.reshape(n, 1) for o in outs[2:])
   return tuple(o.reshape(nb * n, n_out) for o in outs)
-
-
-def finishes(target: common.Target, finish: bool | None = None) -> bool:
-  """Whether a launch that keeps one candidate per warpgroup also reduces
-  them (:mod:`pallas_kernels.sm90_finish`): on the GPU, unless ``finish``
-  is False (benchmarks); interpret mode cannot run its inline code."""
-  return target.interpret is None and finish is not False
 
 
 def per_warpgroup(cfg: TuningConfig, n: int) -> bool:
@@ -628,8 +591,7 @@ def launches(batch: int, dim: int, rows: int, itemsize: int,
 
 def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
                vocab_size: int, config: TuningConfig | None = None,
-               target: common.Target = common.Target(), scale=None,
-               finish: bool | None = None):
+               target: common.Target = common.Target(), scale=None):
   """Best ``(score, global id)`` of each row over the weight's rows.
 
   Args:
@@ -653,8 +615,6 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     scale: with an 8-bit weight, None, an f32 scalar (per tensor) or f32
       ``[V]`` (per row of this weight): the logits are the f32 dot product
       times it (one f32 multiply, before everything else).
-    finish: False keeps XLA's reduction of the candidates where the launch
-      would reduce them itself (:func:`finishes`; benchmarks).
 
   Returns:
     ``(score f32 [B], id int32 [B])``: sampled rows ``l / T + gumbel``,
@@ -674,11 +634,6 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     nb = b1 - b0
     blocks = cfg.batch_blocks
     rowdata = jnp.pad(rows[:, b0:b1], [(0, 0), (0, n * blocks - nb)])
-    if per_warpgroup(cfg, n) and finishes(target, finish):
-      # The launch's arrival counter (sm90_finish) starts at 0: the
-      # soft-cap row, which the plain kernels do not read.
-      row = lax.broadcasted_iota(jnp.int32, rowdata.shape, 0)
-      rowdata = jnp.where(row == _ROWS.SOFTCAP, jnp.uint32(0), rowdata)
     if blocks > 1:  # [8, nb * N] -> [nb, 8, N]: one block per CTA group
       rowdata = rowdata.reshape(_ROWS.rows, blocks, n).transpose(1, 0, 2)
     elif not cfg.schedule.batch_major:
@@ -688,11 +643,8 @@ def candidates(hidden, weight, rows, vocab_offset=0, *, layout: str,
     h = jnp.pad(hidden[b0:b1], [(0, n * blocks - nb), (0, 0)])
     s, i = _launch(offset, rowdata, h, w, scale, scale_mode=mode, cfg=cfg,
                    layout=layout, rows_valid=n_rows, vocab_size=vocab_size,
-                   target=target, finish=finish)
-    if per_warpgroup(cfg, n) and finishes(target, finish):
-      s, i = s[:nb, 0], i[:nb, 0]
-    else:
-      s, i = rules.argbest(s[:nb], i[:nb], axis=1)
+                   target=target)
+    s, i = rules.argbest(s[:nb], i[:nb], axis=1)
     scores.append(s)
     tokens.append(i)
   if len(scores) == 1:

@@ -20,7 +20,7 @@ from flashsample_jax import backends, controls, noise, problem, stage2
 from flashsample_jax.backends import mosaic as mosaic_backend
 from flashsample_jax.backends import xla as xla_backend
 from flashsample_jax.backends.mosaic import MosaicBackend, h100_lowering
-from pallas_kernels import sm90_common, sm90_config, sm90_controls, sm90_top
+from pallas_kernels import sm90_common, sm90_config, sm90_controls, sm90_sampler, sm90_top
 from pallas_kernels.sm90_config import Schedule, TuningConfig
 from tests import inputs
 from tests.backend_suite import (BackendSuite, check_exact_top, check_fused_penalties,
@@ -376,15 +376,38 @@ def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-def test_launches_of_up_to_16_rows_reduce_their_candidates_themselves():
-  # Up to 16 rows the plain call is the per-row data's fusion and the
-  # kernel, whose last warpgroup picks each row's best (sm90_finish): no
-  # XLA reduction after it, and the row block (its arrival counter) is a
-  # mutable operand, aliased to an output. Past 16 rows XLA reduces.
-  for b, finished in ((1, True), (8, True), (16, True), (17, False)):
-    text = _lower_for_cuda(b, 4096, 151936, "vd", jnp.bfloat16).as_text()
-    assert ("stablehlo.reduce" not in text) == finished, b
-    assert ("output_operand_alias" in text) == finished, b
+@pytest.mark.parametrize("b", [1, 9])
+def test_running_best_per_warpgroup_in_interpret_mode(b):
+  # Up to 16 rows each compute warpgroup keeps a running best over its
+  # tiles (several here: 24 tiles over few CTAs) and writes one candidate:
+  # scores and ids equal the xla backend's, with a greedy row of equal
+  # logits (zero hidden: the lowest id), a NaN row and a cut vocabulary.
+  d, v = 256, 3001
+  (_, _, cfg, n), = sm90_sampler.launches(b, d, v, 2)
+  assert sm90_sampler.per_warpgroup(cfg, n)
+  h, w = inputs.exact_inputs(b, d, v, seed=30 + b)
+  h = h.at[0].set(0.0)
+  if b > 2:
+    h = h.at[2, 5].set(jnp.nan)
+  t = jnp.asarray(np.r_[0.0, np.linspace(0.4, 2.0, b - 1)], jnp.float32)
+  p = problem.prepare(h, w, inputs.row_keys(b, seed=b), temperature=t, vocab_size=2990)
+  got = jax.jit(lambda p: INTERPRET.candidates(p))(p)
+  want = jax.jit(lambda p: xla_backend.candidates(p))(p)
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(_winning_scores(p, got[1])))
+  assert int(got[1][0]) == 0
+
+
+def test_per_warpgroup_candidates_up_to_16_rows():
+  # The heuristic's launches of 1-16 rows keep one candidate per warpgroup
+  # (one chunk of columns); wider ones one per tile or per warpgroup of
+  # the batch-major schedule.
+  for b, d, v in ((1, 4096, 151936), (8, 2880, 201088), (16, 4096, 151936),
+                  (16, 2048, 151936)):
+    (_, _, cfg, n), = sm90_sampler.launches(b, d, v, 2)
+    assert sm90_sampler.per_warpgroup(cfg, n), (b, cfg)
+  (_, _, cfg, n), = sm90_sampler.launches(17, 4096, 151936, 2)
+  assert not sm90_sampler.per_warpgroup(cfg, n)
 
 
 def test_kernel_noise_lowers_and_matches_in_interpret_mode():

@@ -1,7 +1,7 @@
 """Guesses about the mosaic kernel's own time at small B (#41).
 
   python3 -m benchmarks.experiments.exp_small_b_kernel [--heads S L qwen3-1.7b gpt-oss]
-      [--batches 1 16] [--rounds 2] [--variants base ctas:132 ctas:126 epi8 n16 pdl xla_reduce]
+      [--batches 1 16] [--rounds 2] [--variants base ctas:132 ctas:126 epi8 n16 pdl per_tile]
       [--weight-dtype bf16|fp8]
 
 At B = 1 and 16 the kernel's own time on the L head was 1.04x that of a
@@ -25,13 +25,14 @@ kernels ran at or below it). Variants (``base``: the heuristic's config):
 * ``n16``: the launch of 16 rows' config (batch side 16, epilogue chunks
   of 16 columns), which the heuristic ran up to 8 rows before ``epi8``'s
   batch side of 8 became its own (``sm90_config``'s first table row).
-* ``xla_reduce``: the launch of up to 16 rows writes each warpgroup's
-  candidate and XLA's row reduction (stage 2) picks each row's best, as
-  before the kernel's last warpgroup did that itself
-  (``sm90_finish``): one kernel more a call.
-* ``per_tile``: XLA's reduction of one candidate per tile (1187 a row on
+* ``per_tile``: one candidate per tile for XLA's reduction (1187 a row on
   S), as before each compute warpgroup kept a running best over its tiles
-  (one candidate per warpgroup, 264 a row).
+  (one candidate per warpgroup, 264 a row; ``sm90_sampler.per_warpgroup``).
+* The launch's last warpgroup reducing every warpgroup's candidate itself
+  (an atomic count on a word of the row block, then its reads), so that a
+  call is the per-row data's fusion and one kernel: ran at commit 2e62ddd
+  (``sm90_finish``, variants ``base`` against ``xla_reduce``), slower than
+  XLA's reduction, removed since (docs/performance.md, "Small batches").
 * ``pdl``: programmatic dependent launch. Every warpgroup runs
   ``griddepcontrol.wait`` before the frame (so before any read of GMEM),
   which lets the launch start while the kernel before it (the per-row
@@ -62,7 +63,7 @@ from benchmarks._timing import (device_name, device_period_us, median_us, read_b
                                 trace_events)
 from flashsample_jax import reference
 from flashsample_jax.backends.mosaic import MosaicBackend
-from pallas_kernels import rowdata, sm90_common, sm90_sampler
+from pallas_kernels import sm90_common, sm90_sampler
 
 
 def config(variant: str, b: int, d: int, v: int, w_itemsize: int = 2):
@@ -75,7 +76,7 @@ def config(variant: str, b: int, d: int, v: int, w_itemsize: int = 2):
   if variant == "n16":
     (_, _, cfg, _), = sm90_sampler.launches(max(b, 16), d, v, 2, w_itemsize=w_itemsize)
     return cfg
-  assert variant in ("base", "pdl", "xla_reduce", "per_tile"), variant
+  assert variant in ("base", "pdl", "per_tile"), variant
   return cfg
 
 
@@ -108,30 +109,17 @@ def tracing(variant: str):
     sm90_common.pingpong_frame = frame
 
 
-class XlaReduceBackend(MosaicBackend):
-  """The mosaic backend with XLA's reduction of the plain kernel's
-  candidates (the ``xla_reduce`` variant). A class of its own, so that
-  ``fs.sample``'s inner jit does not reuse the base variant's trace."""
-
-  def candidates(self, p, *, vocab_offset=0):
-    rows = rowdata.pack_rows(k0=p.k0, k1=p.k1, temperature=p.temperature,
-                             ctr_hi=p.ctr_hi[None], ctr_lo=p.ctr_lo[None])
-    return sm90_sampler.candidates(p.hidden, p.weight, rows, vocab_offset,
-                                   layout=p.layout, vocab_size=p.vocab_size,
-                                   config=self.config, target=self._target(),
-                                   scale=p.weight_scale, finish=False)
-
-
-class PerTileBackend(XlaReduceBackend):
-  """The ``per_tile`` variant's backend (its own class, as above)."""
+class PerTileBackend(MosaicBackend):
+  """The ``per_tile`` variant's backend: a class of its own, so that
+  ``fs.sample``'s inner jit does not reuse the base variant's trace (the
+  configs are equal)."""
 
 
 def compiled(variant: str, h, w, key, *, scale=None, interpret: bool = False):
   """Plain sampling on the mosaic backend with ``variant``'s config, compiled
   (``scale``: an 8-bit head's per-row scales)."""
   cfg = config(variant, *h.shape, w.shape[0], w.dtype.itemsize)
-  kind = (PerTileBackend if variant == "per_tile" else
-          XlaReduceBackend if variant == "xla_reduce" else MosaicBackend)
+  kind = PerTileBackend if variant == "per_tile" else MosaicBackend
   backend = kind(config=cfg, interpret=True if interpret else None)
   f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, weight_scale=scale,
                                         backend=backend))
