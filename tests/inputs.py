@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashsample_jax import problem
+
 POW2_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
@@ -83,3 +85,18 @@ def pow2_temperatures(batch, *, greedy_every=0, seed=0):
 def row_keys(batch, seed=0):
   """``[B]`` typed keys, one per row."""
   return jax.random.split(jax.random.key(seed), batch)
+
+
+def edge_rows_problem(batch, dim, vocab, *, seed=0, vocab_size=None):
+  """A plain-sampling problem on exact inputs with the rows a reduction can
+  get wrong: row 0 greedy with a zero hidden row (every logit 0: the tie
+  rule's lowest id), row 2 (B > 2) with a NaN hidden value, the others
+  sampled at temperatures 0.4-2.0; the vocabulary cut 11 ids below the
+  weight's rows (``vocab_size``)."""
+  h, w = exact_inputs(batch, dim, vocab, seed=seed)
+  h = h.at[0].set(0.0)
+  if batch > 2:
+    h = h.at[2, 5].set(jnp.nan)
+  t = jnp.asarray(np.r_[0.0, np.linspace(0.4, 2.0, batch - 1)], jnp.float32)
+  return problem.prepare(h, w, row_keys(batch, seed=batch), temperature=t,
+                         vocab_size=vocab - 11 if vocab_size is None else vocab_size)
