@@ -282,3 +282,25 @@ def test_cta_spread_reads_profiler_cycles_as_microseconds():
   assert s["tail_us"] == 25.0 and s["start_spread_us"] == 0.0
   assert s["last_epilogue_us"] == 2.5   # the median of 3 and 2 us
   assert s["latest_ctas"] == [0, 1] and s["latest_sms"] == [6, 7]
+
+
+def test_small_b_kernel_variants_trace_their_own_programs():
+  # exp_small_b_kernel's variants in interpret mode: each samples the
+  # reference's tokens, and per_tile (a code path, not a config) gets a
+  # program of its own: with an equal backend, fs.sample's inner jit would
+  # reuse the base variant's trace and the A/B would time one program twice.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from benchmarks.experiments import exp_small_b_kernel as e
+  assert e.exact_check(["base", "per_tile", "epi8"], 3, dim=256, vocab=1000,
+                       interpret=True) == {"base": True, "per_tile": True, "epi8": True}
+  h = jnp.ones((3, 256), jnp.bfloat16)
+  w = jnp.ones((1500, 256), jnp.bfloat16)
+  key = jax.random.key(0)
+  texts = {v: e.compiled(v, h, w, key, interpret=True).lower(h, w, key).as_text()
+           for v in ("base", "per_tile")}
+  # One candidate per warpgroup (2 x 4 CTAs in interpret mode) against one
+  # per tile (12 tiles of 128 ids), for each of the launch's 8 rows.
+  for v, n_out in (("base", 8), ("per_tile", 12)):
+    assert f"-> tensor<8x{n_out}xf32>" in texts[v], v
+  assert "-> tensor<8x12xf32>" not in texts["base"]
