@@ -380,9 +380,9 @@ def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
 def test_running_best_per_warpgroup_in_interpret_mode(b):
   # Up to 16 rows each compute warpgroup keeps a running best over its
   # tiles (24 tiles over interpret mode's 4 CTAs: 3 a warpgroup) and writes
-  # one candidate:
-  # scores and ids equal the xla backend's, with a greedy row of equal
-  # logits (zero hidden: the lowest id), a NaN row and a cut vocabulary.
+  # one candidate: scores and ids equal the xla backend's, with a greedy row
+  # of equal logits (zero hidden: the lowest id), a NaN row and a cut
+  # vocabulary.
   d, v = 256, 3001
   (_, _, cfg, n), = sm90_sampler.launches(b, d, v, 2)
   assert sm90_sampler.per_warpgroup(cfg, n)
@@ -455,7 +455,6 @@ def test_heuristic_picks_the_measured_schedules():
   assert sm90_config.pick_config(64, 4096, rows).epi_cols == 16
   # Up to 8 rows a batch side of 8 (epilogue chunks of 8 columns), bf16 and
   # 8-bit heads alike; from 9 rows 16 (docs/performance.md, "Small batches").
-  from pallas_kernels import sm90_sampler
   for w_itemsize in (2, 1):
     for b, n, epi in ((1, 8, 8), (8, 8, 8), (9, 16, 16), (16, 16, 16)):
       (_, _, cfg, side), = sm90_sampler.launches(b, 4096, rows, 2, w_itemsize=w_itemsize)
@@ -470,7 +469,6 @@ def test_heuristic_picks_the_measured_schedules():
   # in 4 slots for two blocks, Dt = 128 in 2 from three on (D permitting).
   # On an H100 (the abstract mesh's device: on a GPU host the heuristic
   # would otherwise follow the local GPU's kind).
-  from pallas_kernels import sm90_common
   launch = lambda b, d=4096: [(b0, b1, c.batch_blocks, c.tile_d, c.max_concurrent_steps)
                               for b0, b1, c, _ in sm90_sampler.launches(b, d, rows, 2)]
   with jax.sharding.use_abstract_mesh(sm90_common.h100_abstract_mesh()):
