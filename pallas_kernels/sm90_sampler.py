@@ -62,10 +62,10 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
   ``acc`` [vw, N] f32 holds rows ``start + row0 + [0, vw)`` of the weight;
   rows below ``first_new`` (tile-local) were done by an earlier tile.
   Writes one candidate column ``out_row`` of ``out_refs = (score_ref,
-  index_ref)``, ``[nc, C, n_out]`` each. With ``best`` (one chunk of
-  columns, ``N == C``): writes nothing and returns ``best``, a warpgroup's
-  running ``(score, id)`` per column over its tiles, updated by this tile's
-  (:func:`_slot_update`: a warpgroup's tiles come in increasing ids).
+  index_ref)``, ``[nc, C, n_out]`` each. With ``best`` (one ``(score, id)``
+  pair per chunk of columns, :func:`per_warpgroup`): writes nothing and
+  returns ``best``, a warpgroup's running best per column over its tiles,
+  updated by this tile's (:func:`_chunk_update`).
 
   The accumulator goes to SMEM (``acc_smem`` [pass_chunks, vw, C]) so that
   the noise runs in a (not unrolled) loop over column chunks: unrolled, the
@@ -106,7 +106,7 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
                               max_fn=reduce("max", scratch_f),
                               min_fn=reduce("min", scratch_i))
     if best is not None:
-      return _slot_update(carry, m, idx)
+      return _chunk_update(carry, c, m, idx)
     for x, ref in zip((m, idx), out_refs):
       common.store_column(x, ref.at[c, :, pl.ds(out_row, 1)], interpret=interpret)
     return carry
@@ -114,6 +114,21 @@ def _epilogue(acc, *, cfg: TuningConfig, passes, row0, start, first_new,
   return common.epilogue_passes(
       acc, chunk, passes=passes, acc_smem=acc_smem, epi=epi,
       unroll=cfg.epi_unroll, carry=() if best is None else best)
+
+
+def _chunk_update(bests, c, sc, gid):
+  """``bests`` (one running ``(score, id)`` per chunk of columns) with
+  chunk ``c``'s updated by ``(sc, gid)`` (:func:`_slot_update`: a
+  warpgroup's tiles come in increasing ids). ``c`` is traced (the epilogue
+  loops over the chunks), so every chunk's pair is updated and the others
+  keep theirs by a select: a few ops on 4 values a thread per chunk."""
+  if len(bests) == 1:
+    return (_slot_update(bests[0], sc, gid),)
+  out = []
+  for k, best in enumerate(bests):
+    new, hit = _slot_update(best, sc, gid), c == k
+    out.append(tuple(jnp.where(hit, x, y) for x, y in zip(new, best)))
+  return tuple(out)
 
 
 def _slot_update(best, sc, gid):
@@ -269,11 +284,11 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   warpgroup before reuse. ``cfg.mma_in_flight`` wgmmas stay in flight
   across steps.
 
-  ``per_warpgroup`` (one chunk of columns, ``N == C``, the default
-  epilogue): each compute warpgroup keeps its best per row over its tiles
-  and writes one column at the end, ``[C, 2 * num_ctas]``: no store per
-  tile, and stage 2 reduces 2 candidates per CTA instead of one per tile
-  (docs/performance.md, "Small batches").
+  ``per_warpgroup`` (up to ``RUNNING_CHUNKS`` chunks of columns, the
+  default epilogue): each compute warpgroup keeps its best per row over its
+  tiles and writes one column at the end, ``[N, 2 * num_ctas]``: no store
+  per tile, and stage 2 reduces 2 candidates per CTA instead of one per
+  tile (docs/performance.md, "Small batches").
 
   With ``epi_passes == 1`` the two warpgroups share one SMEM copy of the
   accumulator ``[N / C, Vt, C]`` (the whole of it: the epilogue then holds
@@ -314,12 +329,14 @@ def _kernel_pingpong(off_ref, rowdata_ref, h_ref, w_ref, *refs,
                           **({"best": carry} if per_warpgroup else {}))
       return out if per_warpgroup else carry
 
-    init = _no_candidate(epi) if per_warpgroup else ()
+    init = tuple(_no_candidate(epi) for _ in range(n_chunks)) if per_warpgroup else ()
     best = tile_loop(epilogue, init, prologue if scale == "row" else None)
     if per_warpgroup:
       column = lax.axis_index("sm") * 2 + wg
-      for x, ref in zip(best, out_refs):
-        common.store_column(x, ref.at[:, pl.ds(column, 1)], interpret=interpret)
+      for k, chunk_best in enumerate(best):
+        for x, ref in zip(chunk_best, out_refs):
+          common.store_column(x, ref.at[pl.ds(k * epi, epi), pl.ds(column, 1)],
+                              interpret=interpret)
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
@@ -532,12 +549,20 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
   return tuple(o.reshape(nb * n, n_out) for o in outs)
 
 
+# Chunks of epilogue columns a launch keeps a running best for: each holds
+# 8 registers a thread through the tile loop, so only the small batch sides
+# (the heuristic's launches of up to 48 rows: 3 chunks of 16).
+RUNNING_CHUNKS = 3
+
+
 def per_warpgroup(cfg: TuningConfig, n: int) -> bool:
   """Whether a plain launch of batch side ``n`` keeps one candidate per
   compute warpgroup (a running best over its tiles) instead of one per
-  tile: the vocabulary-major ping-pong schedule with one chunk of columns
-  (``n == epi_cols``: up to 16 rows)."""
-  return cfg.schedule is Schedule.PINGPONG_VOCAB_M and n == cfg.epi_cols
+  tile: the vocabulary-major ping-pong schedule with at most
+  ``RUNNING_CHUNKS`` chunks of columns (the heuristic's launches of up to
+  48 rows)."""
+  return (cfg.schedule is Schedule.PINGPONG_VOCAB_M
+          and n // cfg.epi_cols <= RUNNING_CHUNKS)
 
 
 _KERNELS = {

@@ -376,10 +376,11 @@ def test_heuristic_configs_lower_for_cuda(layout, dtype, buckets):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("b", [1, 9])
+@pytest.mark.parametrize("b", [1, 9, 33])
 def test_running_best_per_warpgroup_in_interpret_mode(b):
-  # Up to 16 rows each compute warpgroup keeps a running best over its
-  # tiles (24 tiles over interpret mode's 4 CTAs: 3 a warpgroup) and writes
+  # Up to 48 rows each compute warpgroup keeps a running best over its
+  # tiles (24 tiles over interpret mode's 4 CTAs: 3 a warpgroup), one per
+  # chunk of 16 columns (B = 33: three, the last with one real row), and writes
   # one candidate: scores and ids equal the xla backend's, with a greedy row
   # of equal logits (zero hidden: the lowest id), a NaN row and a cut
   # vocabulary.
@@ -394,16 +395,18 @@ def test_running_best_per_warpgroup_in_interpret_mode(b):
   assert int(got[1][0]) == 0
 
 
-def test_per_warpgroup_candidates_up_to_16_rows():
-  # The heuristic's launches of 1-16 rows keep one candidate per warpgroup
-  # (one chunk of columns); wider ones one per tile or per warpgroup of
-  # the batch-major schedule.
+def test_per_warpgroup_candidates_up_to_48_rows():
+  # The heuristic's vocabulary-major launches of 1-48 rows (up to three
+  # chunks of columns) keep one candidate per warpgroup; wider ones are
+  # batch-major (one candidate per warpgroup by construction).
   for b, d, v in ((1, 4096, 151936), (8, 2880, 201088), (16, 4096, 151936),
-                  (16, 2048, 151936)):
+                  (16, 2048, 151936), (17, 4096, 151936), (48, 8192, 128256)):
     (_, _, cfg, n), = sm90_sampler.launches(b, d, v, 2)
     assert sm90_sampler.per_warpgroup(cfg, n), (b, cfg)
-  (_, _, cfg, n), = sm90_sampler.launches(17, 4096, 151936, 2)
+    assert n // cfg.epi_cols <= sm90_sampler.RUNNING_CHUNKS
+  (_, _, cfg, n), = sm90_sampler.launches(49, 4096, 151936, 2)
   assert not sm90_sampler.per_warpgroup(cfg, n)
+  assert cfg.schedule.batch_major
 
 
 def test_kernel_noise_lowers_and_matches_in_interpret_mode():

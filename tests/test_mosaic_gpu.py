@@ -282,10 +282,10 @@ def test_repeated_runs_identical(b, runs):
     np.testing.assert_array_equal(again[1], first[1])
 
 
-@pytest.mark.parametrize("b", [1, 5, 8, 9, 16])
+@pytest.mark.parametrize("b", [1, 5, 8, 9, 16, 17, 33, 48])
 def test_running_best_per_warpgroup_equals_xla_scores(b):
-  # Up to 16 rows each compute warpgroup keeps its best over its tiles
-  # (sm90_sampler.per_warpgroup): scores and ids bit for bit against the
+  # Up to 48 rows (three chunks of columns) each compute warpgroup keeps its
+  # best over its tiles (sm90_sampler.per_warpgroup): scores and ids bit for bit against the
   # xla backend, with greedy rows, a NaN row, a row of equal logits (zero
   # hidden, greedy: the tie rule's lowest id) and a cut vocabulary.
   p = inputs.edge_rows_problem(b, 1024, 3001, seed=20 + b)

@@ -27,7 +27,8 @@ kernels ran at or below it). Variants (``base``: the heuristic's config):
   batch side of 8 became its own (``sm90_config``'s first table row).
 * ``per_tile``: one candidate per tile for XLA's reduction (1187 a row on
   S), as before each compute warpgroup kept a running best over its tiles
-  (one candidate per warpgroup, 264 a row; ``sm90_sampler.per_warpgroup``).
+  (one candidate per warpgroup, 264 a row; ``sm90_sampler.per_warpgroup``,
+  up to 48 rows).
 * The launch's last warpgroup reducing every warpgroup's candidate itself
   (an atomic count on a word of the row block, then its reads), so that a
   call is the per-row data's fusion and one kernel: ran at commit 2e62ddd
@@ -163,7 +164,7 @@ def main():
   fp8 = args.weight_dtype == "fp8"
   print(json.dumps(dict(gpu=device_name(), jax=jax.__version__, weight_dtype=args.weight_dtype,
                         exact_tokens={b: exact_check(variants, b, fp8=fp8)
-                                      for b in (1, 16, 64)})),
+                                      for b in sorted({1, 16, 64, *args.batches})})),
         flush=True)
   gbs = read_bandwidth(4.0)
   key = jax.random.key(0)
