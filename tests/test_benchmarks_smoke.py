@@ -304,3 +304,23 @@ def test_small_b_kernel_variants_trace_their_own_programs():
   for v, n_out in (("base", 8), ("per_tile", 12)):
     assert f"-> tensor<8x{n_out}xf32>" in texts[v], v
   assert "-> tensor<8x12xf32>" not in texts["base"]
+
+
+def test_large_b_noise_ablations_run_their_own_kernels():
+  # exp_large_b_noise in interpret mode: the base variant samples the
+  # reference's tokens, and each ablation (no logs, no noise) runs a kernel
+  # of its own: traced with the base's stand-in for the noise, it would
+  # sample the base's tokens and the A/B would time one program twice.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from benchmarks import shapes  # pylint: disable=import-outside-toplevel
+  from benchmarks.experiments import exp_large_b_noise as e
+  from flashsample_jax import reference  # pylint: disable=import-outside-toplevel
+  w = shapes.random_weight(256, 1024, 1.3)
+  h = jax.random.normal(jax.random.key(1), (16, 256), jnp.bfloat16)
+  key = jax.random.key(0)
+  toks = {v: e.compiled(v, h, w, key, interpret=True)(h, w, key)
+          for v in ("base", "no_logs", "no_noise")}
+  assert bool(jnp.all(toks["base"] == reference.sample(h, w, key, temperature=0.7)))
+  for v in ("no_logs", "no_noise"):
+    assert float(jnp.mean(toks[v] == toks["base"])) < 0.5, v

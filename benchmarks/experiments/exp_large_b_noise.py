@@ -1,0 +1,117 @@
+"""What the Gumbel noise costs the mosaic kernel at large B (#41).
+
+  python3 -m benchmarks.experiments.exp_large_b_noise [--heads S L]
+      [--batches 256 512] [--rounds 2] [--variants base no_logs no_noise]
+
+From B = 256 the plain kernel runs at the GPU's power cap
+(docs/performance.md, "Large batches: what bounds the kernel"), where what
+pays is energy per call. Variants (``base``: the shipped kernel):
+
+* ``no_logs``: the noise's two logarithms left out (``g = u``): the
+  threefry bits stay. Wrong tokens; it measures what the logs cost.
+* ``no_noise``: no noise at all (``g = 0``; the threefry work is then dead
+  code). Wrong tokens; the kernel's matmul, transform and argmax alone.
+
+Variants are timed in alternating rounds (docs/performance.md, "Measuring at
+the power cap"): per round each variant's wall time per call (blocks of 20),
+then its kernel's own time from a profiler trace. The cuBLAS dot alone and
+XLA's dot + categorical are timed once per point beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import jax
+import jax.numpy as jnp
+
+import flashsample_jax as fs
+from benchmarks import shapes
+from benchmarks._timing import device_name, median_us, trace_events
+from flashsample_jax.backends.mosaic import MosaicBackend
+from pallas_kernels import threefry
+
+ABLATIONS = {
+    "no_logs": lambda k0, k1, hi, lo, log=None: threefry.uniform_from_bits(
+        threefry.random_bits(k0, k1, hi, lo)),
+    "no_noise": lambda k0, k1, hi, lo, log=None: jnp.zeros(jnp.broadcast_shapes(
+        jnp.shape(k0), jnp.shape(hi), jnp.shape(lo)), jnp.float32),
+}
+
+
+@contextlib.contextmanager
+def tracing(variant: str):
+  """While an ablation traces, the kernels' ``threefry.gumbel`` is its stand-in."""
+  keep = threefry.gumbel
+  threefry.gumbel = ABLATIONS.get(variant, keep)
+  try:
+    yield
+  finally:
+    threefry.gumbel = keep
+
+
+def backend(variant: str, interpret: bool = False) -> MosaicBackend:
+  """A mosaic backend of a class of its own per variant: ``fs.sample``'s inner
+  jit keys its traces on the backend, and equal backends would share one."""
+  kind = type(f"{variant.title().replace('_', '')}Backend", (MosaicBackend,), {})
+  return kind(interpret=True if interpret else None)
+
+
+def compiled(variant: str, h, w, key, *, interpret: bool = False):
+  """Plain sampling at temperature 0.7 on ``variant``'s kernel, compiled."""
+  be = backend(variant, interpret)
+  f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend=be))
+  with tracing(variant):
+    jax.block_until_ready(f(h, w, key))
+  return f
+
+
+def kernel_us(f, *args, calls: int = 10) -> float:
+  """The sampling kernels' own time per call."""
+  device, _ = trace_events(f, *args, calls=calls)
+  return sum(d for _, d, n, _ in device if "mosaic" in n) / calls / 1e3
+
+
+def xla_ways(h, w, key):
+  """``{"dot": ..., "xla": ...}``: the cuBLAS dot alone and XLA's dot +
+  ``jax.random.categorical``, compiled."""
+  dot = jax.jit(lambda h, w, k: jnp.dot(h, w.T, preferred_element_type=jnp.float32))
+  xla = jax.jit(lambda h, w, k: jax.random.categorical(
+      k, jnp.dot(h, w.T, preferred_element_type=jnp.float32) / 0.7))
+  return {"dot": dot, "xla": xla}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(shapes.HEADS))
+  ap.add_argument("--batches", type=int, nargs="+", default=[256, 512])
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--variants", nargs="+", default=["base", "no_logs", "no_noise"])
+  args = ap.parse_args()
+  print(json.dumps(dict(gpu=device_name(), jax=jax.__version__)), flush=True)
+  key = jax.random.key(0)
+  for head in args.heads:
+    d, v = shapes.HEADS[head]
+    w = shapes.random_head(head, 1.3)
+    for b in args.batches:
+      h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
+      fns = {name: compiled(name, h, w, key) for name in args.variants}
+      toks = {name: f(h, w, key) for name, f in fns.items()}
+      first = args.variants[0]
+      rec = dict(head=head, B=b, tokens_equal_first={
+          n: float(jnp.mean(toks[first] == t)) for n, t in toks.items()})
+      for name, f in xla_ways(h, w, key).items():
+        rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
+      print(json.dumps(rec), flush=True)
+      for r in range(args.rounds):
+        rec = dict(head=head, B=b, round=r)
+        for name, f in fns.items():
+          rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
+          rec[f"{name}_kernel"] = round(kernel_us(f, h, w, key), 1)
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+  main()
