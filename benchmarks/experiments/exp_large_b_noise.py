@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 import flashsample_jax as fs
 from benchmarks import shapes
-from benchmarks._timing import device_name, median_us, trace_events
+from benchmarks._timing import device_name, median_us
+from benchmarks.experiments.exp_small_b_kernel import kernel_us
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels import threefry
 
@@ -68,12 +69,6 @@ def compiled(variant: str, h, w, key, *, interpret: bool = False):
   return f
 
 
-def kernel_us(f, *args, calls: int = 10) -> float:
-  """The sampling kernels' own time per call."""
-  device, _ = trace_events(f, *args, calls=calls)
-  return sum(d for _, d, n, _ in device if "mosaic" in n) / calls / 1e3
-
-
 def xla_ways(h, w, key):
   """``{"dot": ..., "xla": ...}``: the cuBLAS dot alone and XLA's dot +
   ``jax.random.categorical``, compiled."""
@@ -109,7 +104,7 @@ def main():
         rec = dict(head=head, B=b, round=r)
         for name, f in fns.items():
           rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
-          rec[f"{name}_kernel"] = round(kernel_us(f, h, w, key), 1)
+          rec[f"{name}_kernel"] = round(kernel_us(f, h, w, key, calls=10), 1)
         print(json.dumps(rec), flush=True)
 
 
