@@ -324,3 +324,29 @@ def test_large_b_noise_ablations_run_their_own_kernels():
   assert bool(jnp.all(toks["base"] == reference.sample(h, w, key, temperature=0.7)))
   for v in ("no_logs", "no_noise"):
     assert float(jnp.mean(toks[v] == toks["base"])) < 0.5, v
+
+
+def test_large_b_noise_ablations_on_a_named_config():
+  # "ablation@config": the blocked config exp_blocks names (Dt = 64, a wgmma
+  # in flight) runs for every launch, the base on it still samples the
+  # reference's tokens and the ablation on it its own kernel; a config that
+  # does not apply to the problem is skipped (None), an unknown ablation is
+  # an error.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import pytest  # pylint: disable=import-outside-toplevel
+  from benchmarks import shapes  # pylint: disable=import-outside-toplevel
+  from benchmarks.experiments import exp_large_b_noise as e
+  from flashsample_jax import reference  # pylint: disable=import-outside-toplevel
+  w = shapes.random_weight(256, 512, 1.3)
+  h = jax.random.normal(jax.random.key(2), (8, 256), jnp.bfloat16)
+  key = jax.random.key(0)
+  assert e.split_variant("no_noise@d64_f1") == ("no_noise", "d64_f1")
+  assert e.split_variant("base") == ("base", None)
+  with pytest.raises(ValueError, match="no_nois"):
+    e.split_variant("no_nois@d64_f1")
+  assert e.compiled("base@d96", h, w, key, interpret=True) is None
+  base = e.compiled("base@d64_f1", h, w, key, interpret=True)(h, w, key)
+  assert bool(jnp.all(base == reference.sample(h, w, key, temperature=0.7)))
+  ablated = e.compiled("no_noise@d64_f1", h, w, key, interpret=True)(h, w, key)
+  assert float(jnp.mean(ablated == base)) < 0.5

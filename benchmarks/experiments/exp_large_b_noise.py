@@ -2,6 +2,7 @@
 
   python3 -m benchmarks.experiments.exp_large_b_noise [--heads S L]
       [--batches 256 512] [--rounds 2] [--variants base no_logs no_noise]
+      [--variants base no_noise no_noise@d64_p4_f1]
 
 From B = 256 the plain kernel runs at the GPU's power cap
 (docs/performance.md, "Large batches: what bounds the kernel"), where what
@@ -11,6 +12,11 @@ pays is energy per call. Variants (``base``: the shipped kernel):
   threefry bits stay. Wrong tokens; it measures what the logs cost.
 * ``no_noise``: no noise at all (``g = 0``; the threefry work is then dead
   code). Wrong tokens; the kernel's matmul, transform and argmax alone.
+
+A variant may name a blocked config after ``@`` (``exp_blocks``'
+:func:`~benchmarks.experiments.exp_blocks.variant_config` names, e.g.
+``no_noise@d64_p4_f1``): the same ablation on that schedule, so the matmul's
+time without noise is measured per ring depth and wgmma overlap.
 
 Variants are timed in alternating rounds (docs/performance.md, "Measuring at
 the power cap"): per round each variant's wall time per call (blocks of 20),
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 import flashsample_jax as fs
 from benchmarks import shapes
 from benchmarks._timing import device_name, median_us
+from benchmarks.experiments.exp_blocks import variant_config
 from benchmarks.experiments.exp_small_b_kernel import kernel_us
 from flashsample_jax.backends.mosaic import MosaicBackend
 from pallas_kernels import threefry
@@ -53,18 +60,37 @@ def tracing(variant: str):
     threefry.gumbel = keep
 
 
-def backend(variant: str, interpret: bool = False) -> MosaicBackend:
+def split_variant(name: str) -> tuple[str, str | None]:
+  """``"no_noise@d64_p4_f1"`` -> ``("no_noise", "d64_p4_f1")``; no ``@``: the
+  heuristic's config (None)."""
+  ablation, _, config = name.partition("@")
+  if ablation != "base" and ablation not in ABLATIONS:
+    raise ValueError(f"unknown ablation {ablation!r} in {name!r}")
+  return ablation, config or None
+
+
+def backend(variant: str, interpret: bool = False, *, config=None) -> MosaicBackend:
   """A mosaic backend of a class of its own per variant: ``fs.sample``'s inner
-  jit keys its traces on the backend, and equal backends would share one."""
-  kind = type(f"{variant.title().replace('_', '')}Backend", (MosaicBackend,), {})
-  return kind(interpret=True if interpret else None)
+  jit keys its traces on the backend, and equal backends would share one.
+  ``config``: a TuningConfig for every launch (None: the heuristic's)."""
+  label = "".join(c for c in variant.title() if c.isalnum())
+  kind = type(f"{label}Backend", (MosaicBackend,), {})
+  return kind(config=config, interpret=True if interpret else None)
 
 
 def compiled(variant: str, h, w, key, *, interpret: bool = False):
-  """Plain sampling at temperature 0.7 on ``variant``'s kernel, compiled."""
-  be = backend(variant, interpret)
+  """Plain sampling at temperature 0.7 on ``variant``'s kernel, compiled;
+  None where its named config does not apply to this problem."""
+  ablation, config = split_variant(variant)
+  cfg = None
+  if config is not None:
+    b, d = h.shape
+    cfg = variant_config(config, b, d, w.shape[0])
+    if cfg is None:
+      return None
+  be = backend(variant, interpret, config=cfg)
   f = jax.jit(lambda h, w, k: fs.sample(h, w, k, temperature=0.7, backend=be))
-  with tracing(variant):
+  with tracing(ablation):
     jax.block_until_ready(f(h, w, key))
   return f
 
@@ -93,8 +119,9 @@ def main():
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
       fns = {name: compiled(name, h, w, key) for name in args.variants}
+      fns = {name: f for name, f in fns.items() if f is not None}
       toks = {name: f(h, w, key) for name, f in fns.items()}
-      first = args.variants[0]
+      first = next(iter(fns))
       rec = dict(head=head, B=b, tokens_equal_first={
           n: float(jnp.mean(toks[first] == t)) for n, t in toks.items()})
       for name, f in xla_ways(h, w, key).items():
