@@ -22,13 +22,24 @@ Variants are timed in alternating rounds (docs/performance.md, "Measuring at
 the power cap"): per round each variant's wall time per call (blocks of 20),
 then its kernel's own time from a profiler trace. The cuBLAS dot alone and
 XLA's dot + categorical are timed once per point beside them.
+
+``--sustain SECONDS`` runs each variant (and the dot) back to back for that
+long instead, with ``nvidia-smi`` sampling the SM clock and the board's power
+every 100 ms: whether a variant runs at the power cap, and at what clock.
+``--once`` compiles each variant and calls it three times more, nothing
+else (for Nsight Compute: ``--launch-skip 2 --launch-count 1`` per variant).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
+import statistics
+import subprocess
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -104,12 +115,71 @@ def xla_ways(h, w, key):
   return {"dot": dot, "xla": xla}
 
 
+def _smi_samples(path: str) -> list[tuple[float, float, float]]:
+  """``(epoch seconds, SM MHz, W)`` of each line nvidia-smi wrote to ``path``
+  (its timestamps are local time)."""
+  out = []
+  with open(path) as f:
+    for line in f:
+      parts = [p.strip() for p in line.split(",")]
+      try:
+        t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+        out.append((t.timestamp(), float(parts[1]), float(parts[2])))
+      except (ValueError, IndexError):
+        continue
+  return out
+
+
+def sustained(fns: dict, h, w, key, seconds: float) -> list[dict]:
+  """Each of ``fns`` called back to back for ``seconds`` (after 0.5 s of
+  warm-up), one after the other with a second's pause: its us per call and
+  the median SM clock and power nvidia-smi read meanwhile."""
+  with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as log:
+    path = log.name
+  smi = subprocess.Popen(
+      ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+       "--format=csv,noheader,nounits", "-lms", "100"],
+      stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+  windows = []
+  try:
+    for name, f in fns.items():
+      jax.block_until_ready(f(h, w, key))
+      t_warm = time.time() + 0.5
+      while time.time() < t_warm:
+        jax.block_until_ready(f(h, w, key))
+      t0, n = time.time(), 0
+      while time.time() - t0 < seconds:
+        for _ in range(20):
+          out = f(h, w, key)
+        jax.block_until_ready(out)
+        n += 20
+      t1 = time.time()
+      windows.append((name, t0, t1, (t1 - t0) / n * 1e6))
+      time.sleep(1.0)
+  finally:
+    smi.terminate()
+    smi.wait()
+  samples = _smi_samples(path)
+  recs = []
+  for name, t0, t1, us in windows:
+    inside = [(mhz, watts) for t, mhz, watts in samples if t0 <= t <= t1]
+    recs.append(dict(variant=name, us_per_call=round(us, 1), samples=len(inside),
+                     sm_mhz=statistics.median(m for m, _ in inside) if inside else None,
+                     watts=round(statistics.median(p for _, p in inside), 1)
+                     if inside else None))
+  return recs
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--heads", nargs="+", default=["S", "L"], choices=sorted(shapes.HEADS))
   ap.add_argument("--batches", type=int, nargs="+", default=[256, 512])
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--variants", nargs="+", default=["base", "no_logs", "no_noise"])
+  ap.add_argument("--sustain", type=float, default=None,
+                  help="seconds of back-to-back calls per variant, with power and clocks")
+  ap.add_argument("--once", action="store_true",
+                  help="only compile and call each variant three times (Nsight Compute)")
   args = ap.parse_args()
   print(json.dumps(dict(gpu=device_name(), jax=jax.__version__)), flush=True)
   key = jax.random.key(0)
@@ -118,6 +188,13 @@ def main():
     w = shapes.random_head(head, 1.3)
     for b in args.batches:
       h = jax.random.normal(jax.random.key(b), (b, d), jnp.bfloat16)
+      if args.once:
+        for name in args.variants:
+          f = compiled(name, h, w, key)
+          for _ in range(3):
+            jax.block_until_ready(f(h, w, key))
+          print(json.dumps(dict(head=head, B=b, ran=name)), flush=True)
+        continue
       fns = {name: compiled(name, h, w, key) for name in args.variants}
       fns = {name: f for name, f in fns.items() if f is not None}
       toks = {name: f(h, w, key) for name, f in fns.items()}
@@ -127,6 +204,11 @@ def main():
       for name, f in xla_ways(h, w, key).items():
         rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
       print(json.dumps(rec), flush=True)
+      if args.sustain:
+        fns["dot"] = xla_ways(h, w, key)["dot"]
+        for rec in sustained(fns, h, w, key, args.sustain):
+          print(json.dumps(dict(head=head, B=b, sustain_s=args.sustain, **rec)), flush=True)
+        continue
       for r in range(args.rounds):
         rec = dict(head=head, B=b, round=r)
         for name, f in fns.items():
