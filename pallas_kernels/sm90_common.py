@@ -883,51 +883,31 @@ def tile_start(tile, vt: int, rows: int):
   return jnp.minimum(tile * vt, rows - vt)
 
 
-# A tile's steps unrolled by the ring's slots where their count divides the
-# steps: each step's slot is then a constant, and so are its SMEM operand
-# addresses and barriers, instead of being computed per step beside the
-# wgmma issue (docs/performance.md, "Large batches: what bounds the kernel").
-STATIC_SLOTS = True
-
-
 def consume_tile(acc_ref, *, i, wg, k_steps: int, S: int, full, empty,
                  operands, in_flight: int):
   """A compute warpgroup's wgmma over the ``k_steps`` slots of its local
   tile ``i`` (ping-pong kernels). With ``in_flight=1`` one wgmma stays in
   flight: a slot is released once the next step's wgmma is issued and the
   previous finished; with 0 each slot is released as soon as its wgmma
-  is done. Where ``S`` divides ``k_steps`` (and :data:`STATIC_SLOTS`), step
-  ``k`` of every tile uses slot ``k % S``, and the loop runs ``S`` steps an
-  iteration with those slots as constants."""
+  is done."""
 
-  def step(slot, prev, first):
-    """One step on ``slot``; ``prev``: the slot before it, released here
-    with a wgmma in flight unless ``first`` (a bool, maybe traced)."""
+  def step(k, _):
+    s = i * k_steps + k
+    slot = lax.rem(s, S)
     plgpu.barrier_wait(full.at[wg * S + slot])
     plgpu.wgmma(acc_ref, *operands(slot))
     plgpu.wgmma_wait(in_flight)
-    if not in_flight:
+    if in_flight:
+      @pl.when(k > 0)
+      def _():
+        plgpu.barrier_arrive(empty.at[lax.rem(s - 1 + S, S)])
+    else:
       plgpu.barrier_arrive(empty.at[slot])
-    elif first is False:
-      plgpu.barrier_arrive(empty.at[prev])
-    elif first is not True:
-      pl.when(jnp.logical_not(first))(
-          lambda: plgpu.barrier_arrive(empty.at[prev]))
 
-  if STATIC_SLOTS and k_steps % S == 0:
-    def group(g, _):
-      for j in range(S):
-        step(j, (j - 1) % S, (g == 0) if j == 0 else False)
-      return ()
+    return ()
 
-    lax.fori_loop(0, k_steps // S, group, ())
-  else:
-    def dynamic(k, _):
-      s = i * k_steps + k
-      step(lax.rem(s, S), lax.rem(s - 1 + S, S), k == 0)
-      return ()
-
-    lax.fori_loop(0, k_steps, dynamic, ())
+  lax.fori_loop(0, k_steps, step, ())
   if in_flight:
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(empty.at[lax.rem(i * k_steps + k_steps - 1, S)])
+

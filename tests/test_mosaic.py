@@ -289,32 +289,6 @@ def test_batch_blocks_share_one_launch(blocks, passes, in_flight, b):
     _assert_same_candidates(got, _xla_candidates(p), p)
 
 
-@pytest.mark.parametrize("schedule,slots,in_flight,static,v", [
-    (Schedule.PINGPONG_BATCH_M, 2, 1, True, 700),
-    (Schedule.PINGPONG_BATCH_M, 4, 0, True, 701),
-    (Schedule.PINGPONG_BATCH_M, 3, 1, True, 702),
-    (Schedule.PINGPONG_BATCH_M, 2, 1, False, 703),
-    (Schedule.PINGPONG_VOCAB_M, 4, 1, True, 704),
-])
-def test_ring_slots_static_or_per_step(schedule, slots, in_flight, static, v,
-                                       monkeypatch):
-  # D = 256 in 4 steps of 64 over 11 tiles, so the ring wraps within and across
-  # each warpgroup's tiles: 2 and 4 slots divide the steps (each step's slot a
-  # constant, S steps an iteration), 3 do not (the slot computed per step),
-  # and with STATIC_SLOTS off it is computed per step everywhere. A wgmma in
-  # flight releases each slot a step late; the candidates are XLA's either way.
-  from pallas_kernels import sm90_common
-  monkeypatch.setattr(sm90_common, "STATIC_SLOTS", static)
-  b, d = 24, 256
-  h, w = inputs.exact_inputs(b, d, v, seed=9)
-  t = jnp.asarray(np.r_[0.0, np.linspace(0.3, 3.0, b - 1)], jnp.float32)
-  cfg = TuningConfig(schedule=schedule, tile_v=64, tile_d=64,
-                     max_concurrent_steps=slots, epi_cols=8, mma_in_flight=in_flight)
-  p = problem.prepare(h, w, jax.random.key(9), temperature=t, vocab_size=v - 5)
-  got = _interpret_candidates(p, config=cfg)
-  _assert_same_candidates(got, _xla_candidates(p), p)
-
-
 @pytest.mark.parametrize("passes,steps,in_flight", [(1, 4, 0), (4, 6, 1)])
 def test_batch_blocks_lower_for_cuda(passes, steps, in_flight):
   cfg = TuningConfig(schedule=Schedule.PINGPONG_BATCH_M, tile_v=128, tile_d=64,

@@ -13,10 +13,6 @@ pays is energy per call. Variants (``base``: the shipped kernel):
 * ``no_noise``: no noise at all (``g = 0``; the threefry work is then dead
   code). Wrong tokens; the kernel's matmul, transform and argmax alone.
 
-* ``dyn_slots``: the shipped noise, with each step's ring slot computed
-  per step as before :data:`~pallas_kernels.sm90_common.STATIC_SLOTS`
-  (tokens equal to ``base``).
-
 A variant may name a blocked config after ``@`` (``exp_blocks``'
 :func:`~benchmarks.experiments.exp_blocks.variant_config` names, e.g.
 ``no_noise@d64_p4_f1``): the same ablation on that schedule, so the matmul's
@@ -54,7 +50,7 @@ from benchmarks._timing import device_name, median_us
 from benchmarks.experiments.exp_blocks import variant_config
 from benchmarks.experiments.exp_small_b_kernel import kernel_us
 from flashsample_jax.backends.mosaic import MosaicBackend
-from pallas_kernels import sm90_common, threefry
+from pallas_kernels import threefry
 
 ABLATIONS = {
     "no_logs": lambda k0, k1, hi, lo, log=None: threefry.uniform_from_bits(
@@ -64,33 +60,22 @@ ABLATIONS = {
 }
 
 
-# Variants that trace the shipped noise with a module switch changed.
-SWITCHES = {"dyn_slots": (sm90_common, "STATIC_SLOTS", False)}
-
-
 @contextlib.contextmanager
 def tracing(variant: str):
-  """While an ablation traces, the kernels' ``threefry.gumbel`` is its
-  stand-in (and a switch of :data:`SWITCHES` has its variant's value)."""
+  """While an ablation traces, the kernels' ``threefry.gumbel`` is its stand-in."""
   keep = threefry.gumbel
   threefry.gumbel = ABLATIONS.get(variant, keep)
-  module, name, value = SWITCHES.get(variant, (None, None, None))
-  kept = getattr(module, name) if module else None
-  if module:
-    setattr(module, name, value)
   try:
     yield
   finally:
     threefry.gumbel = keep
-    if module:
-      setattr(module, name, kept)
 
 
 def split_variant(name: str) -> tuple[str, str | None]:
   """``"no_noise@d64_p4_f1"`` -> ``("no_noise", "d64_p4_f1")``; no ``@``: the
   heuristic's config (None)."""
   ablation, _, config = name.partition("@")
-  if ablation != "base" and ablation not in ABLATIONS and ablation not in SWITCHES:
+  if ablation != "base" and ablation not in ABLATIONS:
     raise ValueError(f"unknown ablation {ablation!r} in {name!r}")
   return ablation, config or None
 
