@@ -771,6 +771,117 @@ def pingpong_frame(compute, *, cfg: TuningConfig, layout: str, n: int,
     pl.when(active)(frame)
 
 
+def split_frame(store_acc, epilogue_wg, *, cfg: TuningConfig, layout: str, n: int,
+                dim: int, rows: int, n_tiles: int, num_ctas: int, w_ref, h_ref,
+                rowdata_ref, rowdata_smem, acc_smem, cta=None):
+  """The batch-major frame with epilogue warpgroups (``cfg.epilogue_wgs``):
+  warpgroup 0 runs every local tile's wgmma over the ring and hands each
+  accumulator to warpgroups 1 and 2 through ``acc_smem``; warpgroup 3
+  streams the tiles (:func:`stream_steps`). With two warps a scheduler
+  drawing noise, a tile's epilogue takes about half the issue time it takes
+  on one (docs/performance.md, "Large batches: what bounds the kernel").
+
+  ``store_acc(acc, acc_smem)`` copies an accumulator [n, Vt] into the
+  buffer once the epilogues of the tile before have read it all;
+  ``epilogue_wg(e, tile_loop, rowdata_smem, acc_smem)`` runs on epilogue
+  warpgroup ``e`` (0 or 1) once the per-row data is in SMEM, where
+  ``tile_loop(epilogue, carry) -> carry`` calls ``epilogue(acc_smem, tile,
+  start, first_new, carry)`` for each local tile once its accumulator is in
+  the buffer. A bf16/f16 weight only (``WeightPath.DIRECT``).
+  """
+  vt, dt, S = cfg.tile_v, cfg.tile_d, cfg.max_concurrent_steps
+  if weight_path(cfg.schedule, layout, jnp.dtype(w_ref.dtype).itemsize) is not WeightPath.DIRECT:
+    raise ValueError(f"epilogue warpgroups need a bf16/f16 weight, got {w_ref.dtype}")
+  k_steps = step_count(dim, dt)
+  w_block = (vt, dt) if layout == "vd" else (dt, vt)
+  w_minor = math.gcd(dt, w_ref.shape[1]) if layout == "vd" else w_block[1]
+  h_transforms = tma_transforms(h_ref.dtype)
+
+  @functools.partial(
+      pl.run_scoped,
+      w_smem=plgpu.SMEM((S, *w_block), w_ref.dtype,
+                        transforms=tma_transforms(w_ref.dtype, w_minor)),
+      h_smem=plgpu.SMEM((S, n, dt), h_ref.dtype, transforms=h_transforms),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * S),
+      empty=plgpu.Barrier(num_arrivals=1, num_barriers=S),
+      rowdata_smem=rowdata_smem,
+      acc_smem=acc_smem,
+      acc_full=plgpu.Barrier(num_arrivals=1),
+      acc_empty=plgpu.Barrier(num_arrivals=2),
+      rowdata_barrier=plgpu.Barrier(num_arrivals=1),
+      collective_axes="wg")
+  def _scope(w_smem, h_smem, full, empty, rowdata_smem, acc_smem, acc_full,
+             acc_empty, rowdata_barrier):
+    wg = lax.axis_index("wg")
+    cta_ = lax.axis_index("sm") if cta is None else cta
+    n_local = (n_tiles - 1 - cta_) // num_ctas + 1
+
+    @pl.when(wg == 3)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      plgpu.copy_gmem_to_smem(rowdata_ref, rowdata_smem, rowdata_barrier)
+      with jax.named_scope("stream"):
+        stream_steps(w_ref=w_ref, h_ref=h_ref, w_smem=w_smem, h_smem=h_smem,
+                     full=full, empty=empty, layout=layout, vt=vt, dt=dt, S=S,
+                     k_steps=k_steps, rows=rows, cta=cta_, num_ctas=num_ctas,
+                     total=n_local * k_steps)
+
+    def operands(slot):  # acc[N, Vt] = H @ W_tile.T
+      w_slot = w_smem.at[slot]
+      return h_smem.at[slot], (w_slot.T if layout == "vd" else w_slot)
+
+    @pl.when(wg == 0)
+    def _mma_wg():
+      plgpu.set_max_registers(232, action="increase")
+
+      def tile(i, _):
+        def mma(acc_ref):
+          # The stream's barriers alternate by the local tile's parity.
+          consume_tile(acc_ref, i=i, wg=lax.rem(i, 2), k_steps=k_steps, S=S,
+                       full=full, empty=empty, operands=operands,
+                       in_flight=cfg.mma_in_flight)
+          return acc_ref[...]
+
+        with jax.named_scope("mma"):
+          acc = pl.run_scoped(mma, plgpu.ACC((n, vt), jnp.float32))
+
+        @pl.when(i > 0)
+        def _():
+          with jax.named_scope("acc_wait"):
+            plgpu.barrier_wait(acc_empty)
+
+        store_acc(acc, acc_smem)
+        plgpu.barrier_arrive(acc_full)
+        return ()
+
+      lax.fori_loop(0, n_local, tile, ())
+
+    @pl.when(jnp.logical_and(wg >= 1, wg <= 2))
+    def _epilogue_wgs():
+      plgpu.set_max_registers(120, action="decrease")
+      plgpu.barrier_wait(rowdata_barrier)
+
+      def tile_loop(epilogue, carry):
+        def tile(i, c):
+          plgpu.barrier_wait(acc_full)
+          t = cta_ + i * num_ctas
+          start = tile_start(t, vt, rows)
+          with jax.named_scope("epilogue"):
+            c = epilogue(acc_smem, t, start, t * vt - start, c)
+
+          # Each epilogue warpgroup arrives once it has read the buffer; none
+          # after the last tile (every phase is waited on exactly once).
+          @pl.when(i + 1 < n_local)
+          def _():
+            plgpu.barrier_arrive(acc_empty)
+
+          return c
+
+        return lax.fori_loop(0, n_local, tile, carry)
+
+      epilogue_wg(wg - 1, tile_loop, rowdata_smem, acc_smem)
+
+
 def pingpong_tile(*, i, wg, cta, num_ctas: int, vt: int, rows: int,
                   acc_shape, n_local, acc_free, consume, epilogue, prologue,
                   carry):
