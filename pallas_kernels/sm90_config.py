@@ -172,12 +172,6 @@ class TuningConfig:
       batch_blocks)``, so the CTAs of one tile's blocks run side by side and
       all but the first read its weight rows from L2: one pass over W from
       HBM for ``N * batch_blocks`` rows, work items of ``N x Vt``.
-    epilogue_wgs: ``PINGPONG_BATCH_M`` with one epilogue pass and a bf16/f16
-      weight only: 0 (each compute warpgroup runs its own tiles' epilogues,
-      ping-pong) or 2: one warpgroup runs every tile's wgmma and hands each
-      accumulator through SMEM to two warpgroups that draw the noise, each
-      over half its columns (docs/performance.md, "Large batches: what
-      bounds the kernel").
   """
 
   schedule: Schedule = Schedule.COOPERATIVE
@@ -191,14 +185,12 @@ class TuningConfig:
   epi_passes: int = 1
   mma_in_flight: int = 1
   batch_blocks: int = 1
-  epilogue_wgs: int = 0
 
   def __post_init__(self):
     if not isinstance(self.schedule, Schedule):
       raise TypeError(f"schedule={self.schedule!r} must be a Schedule")
     for name in ("tile_v", "tile_d", "max_concurrent_steps", "epi_cols",
-                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks",
-                 "epilogue_wgs"):
+                 "epi_unroll", "epi_passes", "mma_in_flight", "batch_blocks"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
@@ -240,14 +232,6 @@ class TuningConfig:
       raise ValueError(
           f"{tile_v=} must be a multiple of 64 x compute_wgs="
           f"{self.num_compute_wgs} (warpgroups sharing a tile)")
-    if self.epilogue_wgs not in (0, 2):
-      raise ValueError(f"epilogue_wgs={self.epilogue_wgs} must be 0 or 2")
-    if self.epilogue_wgs and (not self.schedule.batch_major or self.epi_passes != 1
-                              or (tile_v // epi_cols) % (2 * self.epi_unroll)):
-      raise ValueError(
-          f"epilogue_wgs={self.epilogue_wgs} needs PINGPONG_BATCH_M in one epilogue "
-          f"pass whose chunks split evenly between 2 warpgroups, got "
-          f"{self.schedule.name}, epi_passes={self.epi_passes}")
     if self.batch_blocks < 1:
       raise ValueError(f"batch_blocks={self.batch_blocks} must be >= 1")
     if self.batch_blocks > 1 and not self.schedule.batch_major:
@@ -271,11 +255,6 @@ class TuningConfig:
     if self.schedule.pingpong:
       return 2
     return self.compute_wgs or 1
-
-  @property
-  def num_warpgroups(self) -> int:
-    """Warpgroups of a CTA: the compute ones, the epilogue ones, the memory one."""
-    return (1 + self.epilogue_wgs if self.epilogue_wgs else self.num_compute_wgs) + 1
 
   @property
   def wg_share(self) -> int:

@@ -358,47 +358,6 @@ def _no_candidate(cols: int):
           plgpu.layout_cast(jnp.full((cols,), rules.INT_MAX, jnp.int32), layout))
 
 
-def _batch_major_chunks(rowdata_smem, acc_smem, *, n: int, epi: int,
-                        interpret: bool):
-  """``(row_data, chunk)`` of the batch-major epilogue: ``row_data()`` reads
-  the per-row keys, counters and temperatures from SMEM (broadcast over a
-  chunk's columns); ``chunk(slot, c, base, first_id, span, rd, best) ->
-  best`` draws the noise of column chunk ``c`` of a tile, whose logits are
-  ``acc_smem[slot]`` [n, epi], and updates the running best."""
-  rl = _ROWS
-  wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
-  row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
-  log = common.noise_log(interpret)
-  col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
-
-  def row_data():
-    # Read from SMEM in each tile's epilogue, not once before the tile
-    # loop: held across the loop, these rows stay live next to the
-    # accumulator during the wgmma (128 registers a thread at N = 128),
-    # which spilled on jax 0.12 (docs/design.md, "Mosaic GPU facts").
-    k0, k1 = row(rl.K0), row(rl.K1)
-    c_hi, c_lo = (row(i) for i in rl.ctr(0))
-    f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
-    greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
-    inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
-    return k0, k1, c_hi, c_lo, t_safe, inv_t, zero, rules.noise_scale(greedy)
-
-  def chunk(slot, c, base, first_id, span, rd, best):
-    k0, k1, c_hi, c_lo, t_safe, inv_t, zero, noise_scale = rd
-    l = plgpu.load(acc_smem.at[slot], layout=wgmma_layout)
-    gid = col + (base + c * epi)
-    valid = common.valid_id(gid, first_id, span)
-    hi, lo = threefry.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
-    g = threefry.gumbel(k0, k1, hi, lo, log=log)
-    t = common.tempered(l, t_safe, inv_t, zero, interpret=interpret)
-    sc = jnp.where(valid, t + g * noise_scale, -jnp.inf)
-    return _slot_update(best, sc, gid)
-
-  return row_data, chunk
-
-
 def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
                         cfg: TuningConfig, layout: str, n: int,
                         dim: int, rows: int, rows_valid: int, vocab_size: int,
@@ -436,62 +395,40 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
   n_chunks = vt // epi
   per_pass = n_chunks // cfg.epi_passes
   wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
   cta, h_ref, (rowdata_ref, score_ref, index_ref) = common.batch_block(
       cfg.batch_blocks, n, h_ref, rowdata_ref, score_ref, index_ref)
-  init = lambda: (
-      plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32), wgmma_layout),
-      plgpu.layout_cast(jnp.full((n, epi), rules.INT_MAX, jnp.int32), wgmma_layout))
-
-  def put_best(best, out):
-    # Reduce the column slots inside each warp (axis 1: lanes of a quad
-    # and registers, no shared scratch, so trap 1 does not apply).
-    m, idx = rules.first_best(*best, 1)
-    put = functools.partial(common.store_column, interpret=interpret, axis=1)
-    put(m, score_ref.at[:, pl.ds(out, 1)])
-    put(idx, index_ref.at[:, pl.ds(out, 1)])
-
-  rowdata_smem = plgpu.SMEM((_ROWS.rows, n), jnp.uint32)
-  if cfg.epilogue_wgs:
-    if scale:
-      raise ValueError("epilogue warpgroups need a bf16/f16 weight")
-
-    def store_acc(acc, acc_smem):
-      for c in range(n_chunks):
-        acc_smem[c] = acc[:, c * epi:(c + 1) * epi]
-
-    def epilogue_wg(e, tile_loop, rowdata_smem, acc_smem):
-      row_data, chunk = _batch_major_chunks(rowdata_smem, acc_smem, n=n, epi=epi,
-                                            interpret=interpret)
-      off = off_ref[0]
-      per_wg = n_chunks // 2
-
-      def epilogue(acc_smem, tile, start, first_new, best):
-        del acc_smem, tile
-        ids = common.tile_ids(off, start, first_new, rows_valid, vocab_size)
-        rd = row_data()
-
-        # Epilogue warpgroup e takes the chunks e, e + 2, ... of the tile.
-        def body(it, best):
-          for u in range(cfg.epi_unroll):
-            slot = 2 * (it * cfg.epi_unroll + u) + e
-            best = chunk(slot, slot, *ids, rd, best)
-          return best
-
-        return lax.fori_loop(0, per_wg // cfg.epi_unroll, body, best)
-
-      put_best(tile_loop(epilogue, init()), cta * 2 + e)
-
-    common.split_frame(
-        store_acc, epilogue_wg, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
-        n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
-        rowdata_ref=rowdata_ref, cta=cta, rowdata_smem=rowdata_smem,
-        acc_smem=plgpu.SMEM((n_chunks, n, epi), jnp.float32))
-    return
 
   def compute(*, wg, tile_loop, rowdata_smem, acc_smem, **scale_refs):
-    row_data, chunk = _batch_major_chunks(rowdata_smem, acc_smem, n=n, epi=epi,
-                                          interpret=interpret)
+    rl = _ROWS
+    bcast = lambda x: lax.broadcast_in_dim(x, (n, epi), (0,))
+    row = lambda i: bcast(plgpu.load(rowdata_smem.at[i], layout=row_layout))
+    log = common.noise_log(interpret)
+    col = plgpu.broadcasted_iota(jnp.int32, (n, epi), 1, layout=wgmma_layout)
     off = off_ref[0]
+
+    def row_data():
+      # Read from SMEM in each tile's epilogue, not once before the tile
+      # loop: held across the loop, these rows stay live next to the
+      # accumulator during the wgmma (128 registers a thread at N = 128),
+      # which spilled on jax 0.12 (docs/design.md, "Mosaic GPU facts").
+      k0, k1 = row(rl.K0), row(rl.K1)
+      c_hi, c_lo = (row(i) for i in rl.ctr(0))
+      f32 = lambda i: lax.bitcast_convert_type(row(i), jnp.float32)
+      greedy, t_safe = rules.split_temperature(f32(rl.TEMPERATURE))
+      inv_t, zero = f32(rl.INV_TEMPERATURE), row(rl.zero)
+      return k0, k1, c_hi, c_lo, t_safe, inv_t, zero, rules.noise_scale(greedy)
+
+    def chunk(slot, c, base, first_id, span, rd, best):
+      k0, k1, c_hi, c_lo, t_safe, inv_t, zero, noise_scale = rd
+      l = plgpu.load(acc_smem.at[slot], layout=wgmma_layout)
+      gid = col + (base + c * epi)
+      valid = common.valid_id(gid, first_id, span)
+      hi, lo = threefry.add_u32(c_hi, c_lo, gid.astype(jnp.uint32))
+      g = threefry.gumbel(k0, k1, hi, lo, log=log)
+      t = common.tempered(l, t_safe, inv_t, zero, interpret=interpret)
+      sc = jnp.where(valid, t + g * noise_scale, -jnp.inf)
+      return _slot_update(best, sc, gid)
 
     def prologue(tile, start):
       del tile
@@ -519,14 +456,25 @@ def _kernel_batch_major(off_ref, rowdata_ref, h_ref, w_ref, *refs,
         best = lax.fori_loop(0, per_pass // cfg.epi_unroll, body, best)
       return best
 
-    best = tile_loop(epilogue, init(), prologue if scale == "row" else None)
-    put_best(best, cta * 2 + wg)
+    init = (plgpu.layout_cast(jnp.full((n, epi), -jnp.inf, jnp.float32),
+                              wgmma_layout),
+            plgpu.layout_cast(jnp.full((n, epi), rules.INT_MAX, jnp.int32),
+                              wgmma_layout))
+    best_s, best_i = tile_loop(epilogue, init,
+                               prologue if scale == "row" else None)
+    # Reduce the column slots inside each warp (axis 1: lanes of a quad
+    # and registers, no shared scratch, so trap 1 does not apply).
+    m, idx = rules.first_best(best_s, best_i, 1)
+    out = cta * 2 + wg
+    put = functools.partial(common.store_column, interpret=interpret, axis=1)
+    put(m, score_ref.at[:, pl.ds(out, 1)])
+    put(idx, index_ref.at[:, pl.ds(out, 1)])
 
   common.pingpong_frame(
       compute, cfg=cfg, layout=layout, n=n, dim=dim, rows=rows,
       n_tiles=n_tiles, num_ctas=num_ctas, w_ref=w_ref, h_ref=h_ref,
       rowdata_ref=rowdata_ref, cta=cta, interpret=interpret,
-      rowdata_smem=rowdata_smem,
+      rowdata_smem=plgpu.SMEM((_ROWS.rows, n), jnp.uint32),
       acc_smem=plgpu.SMEM((per_pass, n, epi), jnp.float32),
       **common.scale_scratch(scale, vt))
 
@@ -593,7 +541,7 @@ def _launch(offset, rowdata, h, w, scale=None, *, cfg: TuningConfig, layout: str
   out_type = tuple(jax.ShapeDtypeStruct(shape, d) for d in out_dtypes)
   f = plgpu.kernel(
       body, out_type=out_type, grid=(num_ctas * nb,), grid_names=("sm",),
-      num_threads=cfg.num_warpgroups, thread_name="wg",
+      num_threads=cfg.num_compute_wgs + 1, thread_name="wg",
       kernel_name=kernel_name,  # the name profilers show
       compiler_params=target.compiler_params(),
       interpret=target.interpret)

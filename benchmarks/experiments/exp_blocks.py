@@ -44,7 +44,7 @@ def variant_config(name, b, d, v):
   with the epilogue in one pass and no wgmma in flight (the settings of the
   sixteenth session) for ``blocks``, else with ``_``-joined settings
   ``p<epi_passes>``, ``f<mma_in_flight>``, ``e<epi_cols>``, ``u<epi_unroll>``,
-  ``x<epilogue_wgs>``, ``d<tile_d>``, ``s<slots>``
+  ``d<tile_d>``, ``s<slots>``
   (default: the most slots, up to 8, that fit the SMEM budget),
   ``b<batch_blocks>`` (the batch in that many equal blocks of a multiple of
   64 rows, e.g. ``b2`` at B = 128: two blocks of 64), e.g. ``p4_f1``.
@@ -52,7 +52,6 @@ def variant_config(name, b, d, v):
   cfg = dataclasses.replace(pick_blocked_config(b, d, v), epi_passes=1,
                             mma_in_flight=0)
   keys = {"p": "epi_passes", "f": "mma_in_flight", "e": "epi_cols", "u": "epi_unroll",
-          "x": "epilogue_wgs",
           "d": "tile_d", "s": "max_concurrent_steps", "b": "batch_blocks"}
   kw = {} if name == "blocks" else {
       keys[part[0]]: int(part[1:]) for part in name.split("_")}
