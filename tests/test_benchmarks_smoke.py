@@ -350,3 +350,20 @@ def test_large_b_noise_ablations_on_a_named_config():
   assert bool(jnp.all(base == reference.sample(h, w, key, temperature=0.7)))
   ablated = e.compiled("no_noise@d64_f1", h, w, key, interpret=True)(h, w, key)
   assert float(jnp.mean(ablated == base)) < 0.5
+
+
+def test_log_skip_bound_and_scopes():
+  # exp_log_skip: the cheap bound lies at or above the noise for every one of
+  # its 2**23 uniforms, and a quad's running best (the row's over its four
+  # threads) skips at least the iterations a thread's own best skips, since
+  # each is the exact maximum of what it has seen.
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from benchmarks.experiments import exp_log_skip as e
+  u = np.maximum(np.arange(1 << 23, dtype=np.float32) * np.float32(2.0 ** -23), e._TINY)
+  assert (e.gumbel_bound(u) >= e.gumbel(u)).all()
+  for seed in range(3):
+    fr = {scope: e.skipped_fraction(np.random.default_rng(seed), tiles=3, std=1.3,
+                                    temperature=0.7, scope=scope)
+          for scope in ("thread", "quad")}
+    assert 0.0 <= fr["thread"] <= fr["quad"] < 1.0, fr
+
