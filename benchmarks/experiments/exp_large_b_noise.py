@@ -23,7 +23,7 @@ the power cap"): per round each variant's wall time per call (blocks of 20),
 then its kernel's own time from a profiler trace. The cuBLAS dot alone and
 XLA's dot + categorical are timed once per point beside them.
 
-``--sustain SECONDS`` runs each variant (and the dot) back to back for that
+``--sustain SECONDS`` runs each variant (and the dot, and XLA's way) back to back for that
 long instead, with ``nvidia-smi`` sampling the SM clock and the board's power
 every 100 ms: whether a variant runs at the power cap, and at what clock.
 ``--once`` compiles each variant and calls it three times more, nothing
@@ -205,7 +205,7 @@ def main():
         rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
       print(json.dumps(rec), flush=True)
       if args.sustain:
-        fns["dot"] = xla_ways(h, w, key)["dot"]
+        fns.update(xla_ways(h, w, key))  # the dot alone and XLA's way, at the cap too
         for rec in sustained(fns, h, w, key, args.sustain):
           print(json.dumps(dict(head=head, B=b, sustain_s=args.sustain, **rec)), flush=True)
         continue
