@@ -23,9 +23,10 @@ the power cap"): per round each variant's wall time per call (blocks of 20),
 then its kernel's own time from a profiler trace. The cuBLAS dot alone and
 XLA's dot + categorical are timed once per point beside them.
 
-``--sustain SECONDS`` runs each variant (and the dot, and XLA's way) back to back for that
-long instead, with ``nvidia-smi`` sampling the SM clock and the board's power
-every 100 ms: whether a variant runs at the power cap, and at what clock.
+``--sustain SECONDS`` runs each variant (and the dot, and XLA's way) back to
+back for that long instead, with ``nvidia-smi`` sampling the SM clock and the
+board's power every 100 ms: whether a variant runs at the power cap, and at
+what clock.
 ``--once`` compiles each variant and calls it three times more, nothing
 else (for Nsight Compute: ``--launch-skip 2 --launch-count 1`` per variant).
 """
