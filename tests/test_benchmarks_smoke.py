@@ -366,4 +366,8 @@ def test_log_skip_bound_and_scopes():
                                     temperature=0.7, scope=scope)
           for scope in ("thread", "quad")}
     assert 0.0 <= fr["thread"] <= fr["quad"] < 1.0, fr
+  import pytest  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="scope"):
+    e.skipped_fraction(np.random.default_rng(0), tiles=1, std=1.3, temperature=0.7,
+                       scope="warp")
 

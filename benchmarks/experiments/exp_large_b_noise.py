@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -135,12 +136,11 @@ def sustained(fns: dict, h, w, key, seconds: float) -> list[dict]:
   """Each of ``fns`` called back to back for ``seconds`` (after 0.5 s of
   warm-up), one after the other with a second's pause: its us per call and
   the median SM clock and power nvidia-smi read meanwhile."""
-  with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as log:
-    path = log.name
+  log = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
   smi = subprocess.Popen(
       ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
        "--format=csv,noheader,nounits", "-lms", "100"],
-      stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+      stdout=log, stderr=subprocess.DEVNULL)
   windows = []
   try:
     for name, f in fns.items():
@@ -160,7 +160,9 @@ def sustained(fns: dict, h, w, key, seconds: float) -> list[dict]:
   finally:
     smi.terminate()
     smi.wait()
-  samples = _smi_samples(path)
+    log.close()
+  samples = _smi_samples(log.name)
+  os.remove(log.name)
   recs = []
   for name, t0, t1, us in windows:
     inside = [(mhz, watts) for t, mhz, watts in samples if t0 <= t <= t1]
@@ -192,6 +194,8 @@ def main():
       if args.once:
         for name in args.variants:
           f = compiled(name, h, w, key)
+          if f is None:  # its config does not apply here
+            continue
           for _ in range(3):
             jax.block_until_ready(f(h, w, key))
           print(json.dumps(dict(head=head, B=b, ran=name)), flush=True)
@@ -202,11 +206,12 @@ def main():
       first = next(iter(fns))
       rec = dict(head=head, B=b, tokens_equal_first={
           n: float(jnp.mean(toks[first] == t)) for n, t in toks.items()})
-      for name, f in xla_ways(h, w, key).items():
+      ways = xla_ways(h, w, key)
+      for name, f in ways.items():
         rec[f"{name}_wall"] = round(median_us(f, h, w, key, reps=7, inner=20)[0], 1)
       print(json.dumps(rec), flush=True)
       if args.sustain:
-        fns.update(xla_ways(h, w, key))  # the dot alone and XLA's way, at the cap too
+        fns.update(ways)  # the dot alone and XLA's way, at the cap too
         for rec in sustained(fns, h, w, key, args.sustain):
           print(json.dumps(dict(head=head, B=b, sustain_s=args.sustain, **rec)), flush=True)
         continue

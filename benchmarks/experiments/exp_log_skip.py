@@ -64,6 +64,8 @@ def skipped_fraction(rng, *, tiles: int, std: float, temperature: float,
                      scope: str) -> float:
   """One warp sample: the fraction of its ``tiles * TILE_V / EPI``
   iterations in which no lane's bound reaches its running best."""
+  if scope not in ("thread", "quad"):
+    raise ValueError(f"scope={scope!r} must be 'thread' or 'quad'")
   t = (rng.standard_normal((ROWS, tiles * TILE_V)).astype(np.float32) * np.float32(std)
        / np.float32(temperature))
   u = uniforms(rng, t.shape)
