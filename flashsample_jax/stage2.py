@@ -577,6 +577,32 @@ def _certify(c: controls.Controls, cand_t, lse, complete, last,
   return keep, decided, active
 
 
+def _flat_rows(p: Problem, c: controls.Controls, st: ControlsState):
+  """Rows whose every allowed ``t`` is zero, bool ``[B]``, from what stage 2
+  knows without the logits: a zero hidden row (every logit ``+-0``, or NaN
+  where a weight row or scale is not finite), transforms that keep zero
+  (no logit bias; presence and frequency penalties 0 for the row: soft-cap,
+  repetition penalty, mask and temperature map ``+-0`` to ``+-0`` or
+  ``-inf``) and a pass that saw no NaN: its best is not NaN (NaN beats
+  every score, the tie rule), nor its sum of ``exp(t - max)``, and its
+  ``lse_max`` is 0 (``-inf`` for a row that allows no id). Every truncation rule keeps all of such a row's allowed ids, which
+  tie at its top: top-k keeps the ties at its k-th value, top-p every id
+  equal to its last kept one and min-p every id with ``exp(t - max) = 1 >=
+  m`` (min-p > 1, which keeps nothing, is excluded). So its kept set is the
+  pass's whole row, though no candidate list holds it (docs/design.md,
+  "Rows of equal logits")."""
+  if p.layout == "logits" or c.logit_bias is not None:
+    return jnp.zeros((p.batch,), bool)
+  flat = (jnp.all(p.hidden == 0, axis=1) & (st.lse_max == 0) & jnp.isfinite(st.lse_sum)
+          & ~jnp.any(jnp.isnan(st.best_score), axis=1))
+  for penalty in (c.presence_penalty, c.frequency_penalty):
+    if penalty is not None:
+      flat &= penalty == 0
+  if c.min_p is not None:
+    flat &= c.min_p <= 1
+  return flat
+
+
 class _Rows(NamedTuple):
   """What :func:`finish` decides per row, step by step: ``tokens`` int32
   ``[S, B]``, their tempered logits ``t_tok [S, B]``, the kept set's
@@ -789,13 +815,18 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
   certify = functools.partial(_certify, cand_t=lists.vals, lse=(st.lse_max, st.lse_sum),
                               complete=lists.complete, last=lists.last)
   keep, decided, active = certify(c)
+  sampled = p.temperature != 0
+  # Rows whose rules keep their whole row are decided as rows with no rule
+  # on, where the pass's best is their token: where it drew noise, and for
+  # greedy rows (the argmax of x) where it did not (Controls.for_pass).
+  flat = _flat_rows(p, c, st)
+  active &= ~(flat if c.for_pass().noise else flat & ~sampled)
   # Rows with no rule on take the pass's best (``use`` below): certified.
   certified = ~active | decided
   # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
   # treat them in ways the candidates do not track; the exact path does.
   finite = ~active | jnp.isfinite(st.lse_max)
   certified &= finite
-  sampled = p.temperature != 0
   if not c.needs_kept_set:  # greedy rows ignore truncation (argmax of x)
     certified |= ~sampled
   use = active & sampled & (st.lse_max > -jnp.inf)
@@ -1285,6 +1316,7 @@ def score(p: Problem, c: controls.Controls, st: ControlsState, *, axis=None) -> 
   lists = merged_lists(p, c, st)
   keep, decided, active = _certify(c, lists.vals, (st.lse_max, st.lse_sum),
                                    lists.complete, lists.last)
+  active &= ~_flat_rows(p, c, st)      # the kept set is the whole row
   certified = ~active | (decided & jnp.isfinite(st.lse_max))
   kept_t = jnp.where(keep, lists.vals, -jnp.inf)
   listed = jnp.any(keep & (lists.vals > -jnp.inf) & (lists.ids == c.given_ids[:, None]),

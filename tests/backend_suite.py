@@ -490,6 +490,38 @@ class BackendSuite:
     assert not c.every_row_truncates and c.for_pass() is c
     self.check_controls(dict(top_k=k), key=key)
 
+  def test_zero_hidden_rows_are_decided_on_the_pass(self):
+    # A batch padded with zero hidden rows, controls per row with every rule
+    # off in row 3, so that the pass draws noise: the zero rows' logits all
+    # tie, every rule keeps their whole row, and the pass's best of each
+    # sample is their token (docs/design.md, "Rows of equal logits"), with
+    # no row on the exact path. Tokens equal the reference's, the floats
+    # score_tokens finds for them bit for bit.
+    from flashsample_jax import api, controls, problem, stage2
+    b, v = cases.B, cases.V
+    pad = np.arange(b) % 4 == 2
+    h = jnp.where(jnp.asarray(pad)[:, None], 0, cases.H).astype(cases.H.dtype)
+    off = np.arange(b) == 3
+    kw = dict(top_k=jnp.asarray(np.where(off, 0, 30), jnp.int32),
+              top_p=jnp.asarray(np.where(off, 1.0, 0.9), jnp.float32),
+              min_p=jnp.asarray(np.where(off, 0.0, 0.02), jnp.float32),
+              allowed_mask=cases.CASES["mask"]["allowed_mask"], softcap=8.0)
+    rl = dict(return_logprobs=True, return_entropy=True)
+    key, t = cases.KEYS["per_row"], cases.T
+    p = problem.prepare(h, cases.W, key, temperature=t)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, num_samples=2, **kw, **rl)
+    assert c.for_pass().noise
+    impl = fs.backends.resolve(self.backend, p, c)
+    st = stage2.per_sample(api.pass_state(p, c, impl, 0), c.samples)
+    _, _, fallback = jax.jit(stage2.finish)(p, c, st)
+    assert not np.asarray(fallback)[pad].any()
+    self.check_controls(kw, key=key, h=h, num_samples=2, **rl)
+    out = self.run(h, cases.W, key, temperature=t, **kw, **rl)
+    sc = fs.score_tokens(h, cases.W, out.tokens, temperature=t, backend=self.backend, **kw)
+    for name in ("logprob", "logprob_truncated", "entropy", "entropy_truncated"):
+      a, s = (np.asarray(getattr(o, name)) for o in (out, sc))
+      np.testing.assert_array_equal(a.view(np.uint32), s.view(np.uint32), err_msg=name)
+
   def test_traced_controls_under_jit(self):
     h, w, key, t = cases.H, cases.W, cases.KEYS["scalar"], cases.T
     f = jax.jit(lambda k, p, m, c: self.run(h, w, key, temperature=t, top_k=k,

@@ -13,6 +13,7 @@ import pytest
 import flashsample_jax as fs
 from flashsample_jax import api, controls, problem, stage2
 from flashsample_jax.backends import xla
+from tests import cases
 from tests.cases import B, CASES, H, KEYS, T, V, W
 
 _SENTINEL = -7
@@ -175,24 +176,88 @@ def test_flagged_rows_of_one_and_nested_conditionals_equal_reference(rule, rows)
   np.testing.assert_array_equal(got, want)
 
 
-def test_zero_rows_take_the_exact_path_unless_greedy():
-  # A batch padded with zero hidden rows: their logits are all equal, which
-  # no candidate list certifies, so with truncation they take the exact path
-  # on every call (README, "Backends"); at temperature 0 they are greedy,
-  # decided by the argmax, and do not. Tokens equal the reference's either way.
-  rows, pad = 12, np.array([0, 5, 11])
-  h = H[:rows].at[pad].set(0)
-  kw = dict(top_k=20, top_p=0.9)
-  finish = jax.jit(lambda p, c: stage2.finish(p, c, xla.controls_state(p, c)))
+_PAD = np.array([0, 5, 11])       # zero hidden rows of a batch of 12
+_ZERO_ROW_CASES = {
+    # A concrete rule on every row: the pass draws no noise (Controls.for_pass).
+    "every_row": (dict(top_k=20, top_p=0.9), False),
+    # A rule off for row 3: the pass draws noise, and its best is the
+    # token of a row whose rules keep every id.
+    "per_row": (dict(top_k=jnp.asarray(np.where(np.arange(12) == 3, 0, 20), jnp.int32),
+                     top_p=jnp.asarray(np.where(np.arange(12) == 3, 1.0, 0.9), jnp.float32),
+                     min_p=jnp.asarray(np.where(np.arange(12) == 3, 0.0, 0.05), jnp.float32)),
+                True),
+    "mask_penalties": (dict(top_p=jnp.asarray(np.linspace(0.3, 1.0, 12), jnp.float32),
+                            allowed_mask=cases._mask(12), softcap=5.0,
+                            repetition_penalty=2.0, presence_penalty=0.0,
+                            frequency_penalty=jnp.zeros((12,), jnp.float32),
+                            prompt_ids=cases.PENALTIES["prompt_ids"][:12],
+                            output_ids=cases.PENALTIES["output_ids"][:12]), True),
+    # A presence penalty moves the logits of the history's ids: not flat.
+    "presence": (dict(top_k=jnp.asarray(np.full(12, 20), jnp.int32), top_p=0.9,
+                      presence_penalty=0.5, output_ids=cases.PENALTIES["output_ids"][:12]),
+                 False),
+    # A bias makes the row what the bias is: not flat.
+    "bias": (dict(top_k=jnp.asarray(np.full(12, 20), jnp.int32),
+                  logit_bias=cases.CASES["bias"]["logit_bias"]), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ZERO_ROW_CASES))
+def test_zero_rows_are_decided_on_the_pass_where_it_can(case):
+  # A batch padded with zero hidden rows: every logit of such a row is 0,
+  # all tied at its top, so every truncation rule keeps the whole row and no
+  # candidate list holds it. Where the pass drew noise its best is their
+  # token, and they skip the exact path; where it drew none (a rule on for
+  # every row, given as numbers) the sampled ones still take it
+  # (docs/design.md, "Rows of equal logits"); greedy rows never do. Tokens
+  # equal the reference's, the floats score_tokens finds for them bit for bit.
+  kw, decided = _ZERO_ROW_CASES[case]
+  rows = 12
+  h = H[:rows].at[_PAD].set(0)
+  greedy = np.arange(rows) % 4 == 1                      # rows 1, 5, 9: 5 is a zero row
+  temperature = jnp.asarray(np.where(greedy, 0.0, 0.5), jnp.float32)
+  rl = dict(return_logprobs=True, return_entropy=True)
+  c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw, **rl)
+  p = problem.prepare(h, W, KEYS["scalar"], temperature=temperature)
+  st = stage2.per_sample(api.pass_state(p, c.for_pass(), xla.XlaBackend(), 0), c.samples)
+  _, _, fallback = jax.jit(stage2.finish)(p, c, st)
+  sampled_pad = _PAD[~greedy[_PAD]]
+  if decided:
+    assert not np.asarray(fallback)[_PAD].any()
+  else:
+    assert np.asarray(fallback)[sampled_pad].all()
+  got = fs.sample(h, W, KEYS["scalar"], temperature=temperature, backend="xla", **kw, **rl)
+  want = fs.reference.sample(h, W, KEYS["scalar"], temperature=temperature, **kw, **rl)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  for name in ("logprob", "logprob_truncated", "logsumexp", "entropy", "entropy_truncated"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-6,
+                               err_msg=name)
+  sc = fs.score_tokens(h, W, got.tokens, temperature=temperature, backend="xla", **kw)
+  for name in ("logprob", "logprob_truncated", "entropy", "entropy_truncated"):
+    a, b = (np.asarray(getattr(o, name)) for o in (got, sc))
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=name)
+
+
+def test_zero_rows_of_a_non_finite_weight_take_the_exact_path():
+  # A zero hidden row against a weight row holding inf has a NaN logit
+  # (0 * inf), which the pass's best and its sum of exp(t - max) show (the
+  # xla backend's max skips it): such a row is not flat and takes the exact
+  # path, as every row of NaN logits does.
+  rows = 6
+  h = H[:rows].at[_PAD[:2]].set(0)
+  w = W.at[7, 3].set(jnp.inf)
+  kw = dict(top_k=jnp.full((rows,), 20, jnp.int32).at[1].set(0))
   c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw)
-  greedy_pad = jnp.asarray(np.where(np.isin(np.arange(rows), pad), 0.0, 0.5), jnp.float32)
-  for temperature, flagged in ((0.5, pad), (greedy_pad, [])):
-    p = problem.prepare(h, W, KEYS["scalar"], temperature=temperature)
-    _, _, fallback = finish(p, c)
-    np.testing.assert_array_equal(np.flatnonzero(np.asarray(fallback)), flagged)
-    got = fs.sample(h, W, KEYS["scalar"], temperature=temperature, backend="xla", **kw)
-    want = fs.reference.sample(h, W, KEYS["scalar"], temperature=temperature, **kw)
-    np.testing.assert_array_equal(got, want)
+  p = problem.prepare(h, w, KEYS["scalar"], temperature=0.5)
+  assert c.for_pass().noise
+  st = api.pass_state(p, c, xla.XlaBackend(), 0)
+  assert np.isnan(np.asarray(st.lse_sum)[_PAD[:2]]).all()
+  assert np.isnan(np.asarray(st.best_score)[_PAD[:2]]).all()
+  _, _, fallback = jax.jit(stage2.finish)(p, c, st)
+  assert np.asarray(fallback)[_PAD[:2]].all()
+  np.testing.assert_array_equal(
+      fs.sample(h, w, KEYS["scalar"], temperature=0.5, backend="xla", **kw),
+      fs.reference.sample(h, w, KEYS["scalar"], temperature=0.5, **kw))
 
 
 def _enclosing(jaxpr):
