@@ -371,3 +371,27 @@ def test_log_skip_bound_and_scopes():
     e.skipped_fraction(np.random.default_rng(0), tiles=1, std=1.3, temperature=0.7,
                        scope="warp")
 
+
+
+def test_zero_rows_variants_and_their_exact_rows():
+  # exp_zero_rows on a tiny head: with the rules per row (noise in the
+  # pass) a zero hidden row is decided on the pass, and only with the
+  # shortcut left out (_before) or the rules as numbers (no noise) does it
+  # take the exact path; the tokens are the same either way.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from benchmarks import shapes  # pylint: disable=import-outside-toplevel
+  from benchmarks.experiments import exp_zero_rows as e
+  w = shapes.random_weight(128, 2048, 1.3)
+  h = jax.random.normal(jax.random.key(1), (4, 128), jnp.bfloat16)
+  key = jax.random.key(0)
+  inputs = e._inputs(h, 1)
+  rows = {name: e._exact_rows(w, None, key, *x, before=name.endswith("_before"))
+          for name, x in inputs.items()}
+  assert rows == dict(per_row=0, per_row_zero=0, per_row_zero_before=1,
+                      per_row_zero_greedy=0, numbers=0, numbers_zero=1)
+  want = np.asarray(e._compiled("per_row_zero_before", w, None, key,
+                                *inputs["per_row_zero_before"])(key))
+  for name in ("per_row_zero", "numbers_zero"):
+    np.testing.assert_array_equal(e._compiled(name, w, None, key, *inputs[name])(key), want)
