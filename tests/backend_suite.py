@@ -490,6 +490,8 @@ class BackendSuite:
     assert not c.every_row_truncates and c.for_pass() is c
     self.check_controls(dict(top_k=k), key=key)
 
+  # 0 * inf in interpret mode's matmul, on purpose (the last part).
+  @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
   def test_zero_hidden_rows_are_decided_on_the_pass(self):
     # A batch padded with zero hidden rows, controls per row with every rule
     # off in row 3, so that the pass draws noise: the zero rows' logits all
@@ -521,6 +523,21 @@ class BackendSuite:
     for name in ("logprob", "logprob_truncated", "entropy", "entropy_truncated"):
       a, s = (np.asarray(getattr(o, name)) for o in (out, sc))
       np.testing.assert_array_equal(a.view(np.uint32), s.view(np.uint32), err_msg=name)
+    # An infinite weight entry gives the zero rows a NaN logit (0 * inf),
+    # which the pass's best or its sum of exp(t - max) shows: they are not
+    # flat, and the sampled ones' tokens are still the reference's (no mask
+    # here, which could disallow that id; the other rows' +-inf and NaN
+    # logits are not this test's).
+    w = cases.W.at[7, 3].set(jnp.inf)
+    kw.pop("allowed_mask")
+    p = problem.prepare(h, w, key, temperature=t)
+    c = controls.prepare_controls(batch=b, vocab_size=v, rows=v, **kw)
+    st = api.pass_state(p, c, impl, 0)
+    assert not np.asarray(stage2._flat_rows(p, c, st))[pad].any()
+    sampled = pad & (np.asarray(t) != 0)
+    np.testing.assert_array_equal(
+        np.asarray(self.run(h, w, key, temperature=t, **kw))[sampled],
+        np.asarray(fs.reference.sample(h, w, key, temperature=t, **kw))[sampled])
 
   def test_traced_controls_under_jit(self):
     h, w, key, t = cases.H, cases.W, cases.KEYS["scalar"], cases.T

@@ -344,3 +344,16 @@ def test_traced_drafts_past_the_vocabulary_are_never_accepted():
                                              vocab_size=vocab, **extra))(drafts)
     np.testing.assert_array_equal(out.num_accepted, 0)
     assert int(jnp.max(out.tokens)) < vocab
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_hidden_requests_equal_reference(method):
+  # A batch padded with zero hidden states (request 3 at every position, and
+  # request 0's last), rules per request with every rule off in request 1
+  # so that the pass draws noise: stage 2 decides the zero rows on the pass
+  # (docs/design.md, "Rows of equal logits"), the residual draw included.
+  h = H.at[3].set(0).at[0, K].set(0)
+  rules = dict(top_k=jnp.asarray([30, 0, 30, 30, 30, 30], jnp.int32),
+               top_p=jnp.asarray([0.9, 1.0, 0.9, 0.95, 0.8, 0.7], jnp.float32))
+  for key in KEYS.values():
+    check("xla", method, key, "plain", h=h, **rules)
