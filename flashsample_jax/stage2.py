@@ -692,7 +692,8 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     rows = _top_n(c, st, lists, rows, exact_top if own_exact_top else None)
   then = functools.partial(_finished, p, c, st, axis=axis)
   if (c.lists or c.raw_top) and not own_exact_top:
-    return _exact_path(p, c, rows, axis, then=then)
+    return _exact_path(p, c, rows, axis, then=then,
+                       draw=None if decision is None else decision.draw)
   return then(rows)
 
 
@@ -793,12 +794,15 @@ def _kept_entropy(keep, vals):
 class _Decision(NamedTuple):
   """How :func:`_truncate` decided: ``keep [B, M]`` over the candidates,
   ``use [B]`` (rows whose token it drew among them), ``active [B]`` (a rule
-  on) and ``pick(keep)``, the draw among the kept candidates."""
+  on) and ``pick(keep)``, the draw among the kept candidates; ``draw
+  [B]``: flat rows whose token is still to be drawn (flagged; a pass
+  without noise, :func:`_flat_draws`)."""
 
   keep: jax.Array
   use: jax.Array
   active: jax.Array
   pick: object
+  draw: jax.Array
 
 
 def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: MergedLists,
@@ -817,12 +821,14 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
   keep, decided, active = certify(c)
   sampled = p.temperature != 0
   # Rows whose rules keep their whole row are decided as rows with no rule
-  # on, where the pass's best is their token: where it drew noise, and for
-  # greedy rows (the argmax of x) where it did not (Controls.for_pass).
+  # on: the pass's best is their token where it drew noise, and for greedy
+  # rows (the argmax of x) where it did not (Controls.for_pass); its sampled
+  # ones there need a draw over their row (``draw``, :func:`_flat_draws`).
   flat = _flat_rows(p, c, st)
-  active &= ~(flat if c.for_pass().noise else flat & ~sampled)
+  active &= ~flat
+  draw = flat & sampled & (not c.for_pass().noise)
   # Rows with no rule on take the pass's best (``use`` below): certified.
-  certified = ~active | decided
+  certified = (~active | decided) & ~draw
   # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
   # treat them in ways the candidates do not track; the exact path does.
   finite = ~active | jnp.isfinite(st.lse_max)
@@ -839,13 +845,14 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
     # they do not hold is not decided at any p: the readings at p -/+ width
     # would decide no row.
     tokens, t_tok, fallback = _top_p_edge(c, certify, pick, finite, tokens, t_tok,
-                                          fallback)
+                                          fallback & ~draw)
+    fallback |= draw            # their tokens are still the pass's best, not a draw
   ent_kept = rows.ent_kept
   if c.return_entropy:
     ent_kept = jnp.where(active, _kept_entropy(keep, lists.vals), rows.ent_kept)
   return (rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
                         fallback=rows.fallback | fallback, ent_kept=ent_kept),
-          _Decision(keep=keep, use=use, active=active, pick=pick))
+          _Decision(keep=keep, use=use, active=active, pick=pick, draw=draw))
 
 
 @jax.named_scope("stage2.pick_kept")
@@ -1006,10 +1013,13 @@ _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
 
 
 @jax.named_scope("stage2.exact_path")
-def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=None):
+def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=None,
+                draw=None):
   """The fallback rows redone from materialized logits (:func:`_materialized`,
   through :func:`_redo_flagged`), ``then`` applied to the rows (inside the
-  conditional)."""
+  conditional). ``draw``: None, or the fallback rows (``[B]``) that a draw
+  over their whole row decides (:func:`_flat_draws`) when no other row
+  needs the materialized logits."""
   samples = c.samples
 
   def redo(ps, cs, sub, flags):
@@ -1018,8 +1028,31 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=Non
     return _materialized(ps, cs, sub, lambda x, t, gid: perturbed(ps, x, t, gid, samples),
                          axis)
 
-  return _redo_flagged(p, c, rows.fallback | rows.relist, rows, _Rows.batch_axes(rows), redo,
-                       then=then)
+  flags = rows.fallback | rows.relist
+  cheap = None
+  if draw is not None and p.batch <= exact_group_rows(p.vocab_size):
+    cheap = (flags & ~draw, lambda ps, cs, sub: _flat_draws(ps, cs, sub, draw))
+  return _redo_flagged(p, c, flags, rows, _Rows.batch_axes(rows), redo, then=then,
+                       cheap=cheap)
+
+
+@jax.named_scope("stage2.flat_draws")
+def _flat_draws(p: Problem, c: controls.Controls, rows: _Rows, draw) -> _Rows:
+  """Rows ``draw`` (flat, :func:`_flat_rows`, and sampled by a pass without
+  noise) decided by a draw over their whole row: every allowed id has
+  ``t = 0`` (-inf elsewhere: the mask and ``vocab_size``), so each sample's
+  token is the argmax of the noise over the allowed ids, as the exact path
+  would draw it, with no logits and no sort."""
+  v = p.vocab_size
+  gid = lax.iota(jnp.int32, v)
+  # Penalties keep a flat row's zeros (_flat_rows): left out, with no history.
+  x = controls.transform(jnp.zeros((p.batch, v), jnp.float32), gid,
+                         dataclasses.replace(c, prompt_ids=None, output_ids=None), v)
+  t = tempered(p, x)
+  j, new_t = draw_kept(p, x, t, t, gid, lambda x, t, gid: perturbed(p, x, t, gid, c.samples))
+  return rows._replace(tokens=jnp.where(draw[None], j.T.astype(jnp.int32), rows.tokens),
+                       t_tok=jnp.where(draw[None], new_t.T, rows.t_tok),
+                       fallback=rows.fallback & ~draw)
 
 
 def exact_group_rows(vocab_size: int) -> int:
@@ -1028,7 +1061,8 @@ def exact_group_rows(vocab_size: int) -> int:
   return max(EXACT_ROWS, EXACT_GROUP_BYTES // (4 * vocab_size))
 
 
-def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None):
+def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None,
+                  cheap=None):
   """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
   conditional that skips it when no row needs it, and that redoes every row
   at once up to :data:`EXACT_COND_ROWS` rows; in larger batches a second
@@ -1057,7 +1091,12 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   branch, so that the conditional's result is the caller's (finish puts
   the output's assembly there): work after the conditional waited for it
   to be launched apart from the graph (docs/performance.md, "The exact
-  path's conditional")."""
+  path's conditional").
+
+  ``cheap`` (default: none): ``(needs, redo_cheap)``; where no row of
+  ``needs`` (bool ``[B]``, a subset of ``flags``) is flagged, the taken
+  branch is ``redo_cheap(p, c, state)`` (every row at once) instead, a
+  choice made inside it, so that only calls that flag a row meet it."""
 
   # The per-row arrays that need no per-row input (key words, counters,
   # controls given as one number) are made again inside the branches: as
@@ -1068,13 +1107,20 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   if then is None:
     then = lambda st: st
 
+  def or_cheap(branch):
+    if cheap is None:
+      return branch
+    needs, redo_cheap = cheap
+    return lambda: lax.cond(jnp.any(needs), branch,
+                            lambda: then(redo_cheap(p_in(), c_in(), state)))
+
   def every_row():
     return then(redo(p_in(), c_in(), state, flags))
 
   count = jnp.sum(flags, dtype=jnp.int32)
   group = exact_group_rows(p.vocab_size)
   if p.batch <= min(EXACT_COND_ROWS, group):
-    return lax.cond(count > 0, every_row, lambda: then(state))
+    return lax.cond(count > 0, or_cheap(every_row), lambda: then(state))
 
   def flagged_first(size):
     # The flagged rows' indices first (a prefix sum), padded with B (which
@@ -1103,7 +1149,7 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
 
   many = every_row if p.batch <= group else in_groups
   some_rows = lambda: lax.cond(count <= EXACT_ROWS, few_rows, many)
-  return lax.cond(count > 0, some_rows, lambda: then(state))
+  return lax.cond(count > 0, or_cheap(some_rows), lambda: then(state))
 
 
 def _take_rows(p: Problem, c: controls.Controls, idx):

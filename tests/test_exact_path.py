@@ -176,56 +176,68 @@ def test_flagged_rows_of_one_and_nested_conditionals_equal_reference(rule, rows)
   np.testing.assert_array_equal(got, want)
 
 
-_PAD = np.array([0, 5, 11])       # zero hidden rows of a batch of 12
-_ZERO_ROW_CASES = {
-    # A concrete rule on every row: the pass draws no noise (Controls.for_pass).
-    "every_row": (dict(top_k=20, top_p=0.9), False),
-    # A rule off for row 3: the pass draws noise, and its best is the
-    # token of a row whose rules keep every id.
-    "per_row": (dict(top_k=jnp.asarray(np.where(np.arange(12) == 3, 0, 20), jnp.int32),
-                     top_p=jnp.asarray(np.where(np.arange(12) == 3, 1.0, 0.9), jnp.float32),
-                     min_p=jnp.asarray(np.where(np.arange(12) == 3, 0.0, 0.05), jnp.float32)),
-                True),
-    "mask_penalties": (dict(top_p=jnp.asarray(np.linspace(0.3, 1.0, 12), jnp.float32),
-                            allowed_mask=cases._mask(12), softcap=5.0,
-                            repetition_penalty=2.0, presence_penalty=0.0,
-                            frequency_penalty=jnp.zeros((12,), jnp.float32),
-                            prompt_ids=cases.PENALTIES["prompt_ids"][:12],
-                            output_ids=cases.PENALTIES["output_ids"][:12]), True),
-    # A presence penalty moves the logits of the history's ids: not flat.
-    "presence": (dict(top_k=jnp.asarray(np.full(12, 20), jnp.int32), top_p=0.9,
-                      presence_penalty=0.5, output_ids=cases.PENALTIES["output_ids"][:12]),
-                 False),
-    # A bias makes the row what the bias is: not flat.
-    "bias": (dict(top_k=jnp.asarray(np.full(12, 20), jnp.int32),
-                  logit_bias=cases.CASES["bias"]["logit_bias"]), False),
-}
+def _pad(rows):
+  """Zero hidden rows of a batch (two in every six)."""
+  return np.flatnonzero(np.isin(np.arange(rows) % 6, (0, 5)))
 
 
-@pytest.mark.parametrize("case", sorted(_ZERO_ROW_CASES))
-def test_zero_rows_are_decided_on_the_pass_where_it_can(case):
+def _zero_row_case(case, rows):
+  """``(rules, flat)``: a case's rules for ``rows`` rows, and whether its
+  zero rows are flat (docs/design.md, "Rows of equal logits")."""
+  per_row = lambda on, off, dtype: jnp.asarray(np.where(np.arange(rows) == 3, off, on), dtype)
+  return {
+      # A concrete rule on every row: the pass draws no noise (Controls.for_pass).
+      "every_row": (dict(top_k=20, top_p=0.9), True),
+      # Every rule off for row 3: the pass draws noise.
+      "per_row": (dict(top_k=per_row(20, 0, jnp.int32), top_p=per_row(0.9, 1.0, jnp.float32),
+                       min_p=per_row(0.05, 0.0, jnp.float32)), True),
+      "mask_penalties": (dict(top_p=jnp.asarray(np.linspace(0.3, 1.0, rows), jnp.float32),
+                              allowed_mask=cases._mask(rows), softcap=5.0,
+                              repetition_penalty=2.0, presence_penalty=0.0,
+                              frequency_penalty=jnp.zeros((rows,), jnp.float32),
+                              prompt_ids=cases.PENALTIES["prompt_ids"][:rows],
+                              output_ids=cases.PENALTIES["output_ids"][:rows]), True),
+      # A presence penalty moves the logits of the history's ids: not flat.
+      "presence": (dict(top_k=20, top_p=0.9, presence_penalty=0.5,
+                        output_ids=cases.PENALTIES["output_ids"][:rows]), False),
+      # A bias makes the row what the bias is: not flat.
+      "bias": (dict(top_k=per_row(20, 0, jnp.int32),
+                    logit_bias=cases.CASES["bias"]["logit_bias"]), False),
+  }[case]
+
+
+def _zero_rows_flagged(h, kw, temperature, rl=None):
+  """finish's exact-path rows of the call (the pass as api.run runs it)."""
+  rows = h.shape[0]
+  c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw, **(rl or {}))
+  p = problem.prepare(h, W, KEYS["scalar"], temperature=temperature)
+  st = stage2.per_sample(api.pass_state(p, c.for_pass(), xla.XlaBackend(), 0), c.samples)
+  return np.asarray(jax.jit(stage2.finish)(p, c, st)[2])
+
+
+@pytest.mark.parametrize("rows", [12, 22])
+@pytest.mark.parametrize("case", ["every_row", "per_row", "mask_penalties", "presence", "bias"])
+def test_zero_rows_skip_the_materialized_path(case, rows):
   # A batch padded with zero hidden rows: every logit of such a row is 0,
   # all tied at its top, so every truncation rule keeps the whole row and no
   # candidate list holds it. Where the pass drew noise its best is their
-  # token, and they skip the exact path; where it drew none (a rule on for
-  # every row, given as numbers) the sampled ones still take it
-  # (docs/design.md, "Rows of equal logits"); greedy rows never do. Tokens
-  # equal the reference's, the floats score_tokens finds for them bit for bit.
-  kw, decided = _ZERO_ROW_CASES[case]
-  rows = 12
-  h = H[:rows].at[_PAD].set(0)
-  greedy = np.arange(rows) % 4 == 1                      # rows 1, 5, 9: 5 is a zero row
+  # token; where it drew none (a rule on for every row, given as numbers)
+  # the sampled ones are drawn over their row in the conditional's cheap
+  # branch, with no logits (docs/design.md, "Rows of equal logits"). Either
+  # way none takes the materialized path. 12 rows: one conditional; 22:
+  # the nested one. Tokens equal the reference's (several samples too), the
+  # floats score_tokens finds for them bit for bit.
+  kw, flat = _zero_row_case(case, rows)
+  pad = _pad(rows)
+  h = H[:rows].at[pad].set(0)
+  greedy = np.arange(rows) % 4 == 1                      # rows 5 and 17: zero rows
   temperature = jnp.asarray(np.where(greedy, 0.0, 0.5), jnp.float32)
   rl = dict(return_logprobs=True, return_entropy=True)
-  c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw, **rl)
-  p = problem.prepare(h, W, KEYS["scalar"], temperature=temperature)
-  st = stage2.per_sample(api.pass_state(p, c.for_pass(), xla.XlaBackend(), 0), c.samples)
-  _, _, fallback = jax.jit(stage2.finish)(p, c, st)
-  sampled_pad = _PAD[~greedy[_PAD]]
-  if decided:
-    assert not np.asarray(fallback)[_PAD].any()
+  fallback = _zero_rows_flagged(h, kw, temperature, rl)
+  if flat:
+    assert not fallback[pad].any()
   else:
-    assert np.asarray(fallback)[sampled_pad].all()
+    assert fallback[pad[~greedy[pad]]].all()
   got = fs.sample(h, W, KEYS["scalar"], temperature=temperature, backend="xla", **kw, **rl)
   want = fs.reference.sample(h, W, KEYS["scalar"], temperature=temperature, **kw, **rl)
   np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -236,6 +248,26 @@ def test_zero_rows_are_decided_on_the_pass_where_it_can(case):
   for name in ("logprob", "logprob_truncated", "entropy", "entropy_truncated"):
     a, b = (np.asarray(getattr(o, name)) for o in (got, sc))
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=name)
+  np.testing.assert_array_equal(
+      fs.sample(h, W, KEYS["per_row"][:rows], temperature=temperature, backend="xla",
+                num_samples=3, **kw),
+      fs.reference.sample(h, W, KEYS["per_row"][:rows], temperature=temperature,
+                          num_samples=3, **kw))
+
+
+@pytest.mark.parametrize("rows", [12, 22])
+def test_zero_rows_beside_a_row_on_the_materialized_path(rows):
+  # Rules as numbers (no noise in the pass) and a row the lists cannot
+  # certify (a one-hot hidden row: integer logits in -3..3, ties at the
+  # 20th value far past the lists): the taken branch then materializes,
+  # and redoes the zero rows there too. Tokens equal the reference's.
+  kw = dict(top_k=20, top_p=0.9)
+  h = H[:rows].at[_pad(rows)].set(0).at[2].set(jnp.eye(H.shape[1], dtype=H.dtype)[3])
+  fallback = _zero_rows_flagged(h, kw, 0.5)
+  assert fallback[2]
+  np.testing.assert_array_equal(
+      fs.sample(h, W, KEYS["scalar"], temperature=0.5, backend="xla", **kw),
+      fs.reference.sample(h, W, KEYS["scalar"], temperature=0.5, **kw))
 
 
 def test_zero_rows_of_a_non_finite_weight_take_the_exact_path():
@@ -244,17 +276,18 @@ def test_zero_rows_of_a_non_finite_weight_take_the_exact_path():
   # xla backend's max skips it): such a row is not flat and takes the exact
   # path, as every row of NaN logits does.
   rows = 6
-  h = H[:rows].at[_PAD[:2]].set(0)
+  pad = _pad(rows)
+  h = H[:rows].at[pad].set(0)
   w = W.at[7, 3].set(jnp.inf)
   kw = dict(top_k=jnp.full((rows,), 20, jnp.int32).at[1].set(0))
   c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw)
   p = problem.prepare(h, w, KEYS["scalar"], temperature=0.5)
   assert c.for_pass().noise
   st = api.pass_state(p, c, xla.XlaBackend(), 0)
-  assert np.isnan(np.asarray(st.lse_sum)[_PAD[:2]]).all()
-  assert np.isnan(np.asarray(st.best_score)[_PAD[:2]]).all()
+  assert np.isnan(np.asarray(st.lse_sum)[pad]).all()
+  assert np.isnan(np.asarray(st.best_score)[pad]).all()
   _, _, fallback = jax.jit(stage2.finish)(p, c, st)
-  assert np.asarray(fallback)[_PAD[:2]].all()
+  assert np.asarray(fallback)[pad].all()
   np.testing.assert_array_equal(
       fs.sample(h, w, KEYS["scalar"], temperature=0.5, backend="xla", **kw),
       fs.reference.sample(h, w, KEYS["scalar"], temperature=0.5, **kw))

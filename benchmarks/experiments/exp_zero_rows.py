@@ -4,28 +4,31 @@ path's conditional").
 
   python3 -m benchmarks.experiments.exp_zero_rows [--heads S L]
       [--batches 16 64] [--weight-dtypes bf16 fp8] [--rounds 3] [--zero N]
+      [--enqueue]
 
 A zero hidden row's logits all tie, so no candidate list holds its kept set
-(every id). Where the pass draws noise (a rule given per row, as a serving
-loop passes its requests' settings), stage 2 now reads such a row's token
-off the pass; where it draws none (top-k and top-p given as numbers) its
-sampled zero rows still take the exact path on every call. Variants, timed
-in alternating rounds in one process (``_timing.timed_rounds``), each a
+(every id), and it took the exact path on every call. Stage 2 now decides
+it without the materialized logits: where the pass draws noise (a rule
+given per row, as a serving loop passes its requests' settings) its token
+is the pass's best; where it draws none (top-k and top-p given as numbers)
+a draw over its row in the conditional's cheap branch. Variants, timed in
+alternating rounds in one process (``_timing.timed_rounds``), each a
 compiled call of ``auto`` with top-k 50 + top-p 0.9:
 
 * ``per_row``: the rules as ``[B]`` arrays (the pass draws noise), no zero row;
 * ``per_row_zero``: the same with the first ``--zero`` rows zeroed;
-* ``per_row_zero_before``: the same traced with ``stage2._flat_rows``
-  finding no row (the exact path on every call, as before it);
 * ``per_row_zero_greedy``: the zero rows at temperature 0 (greedy rows
   skip truncation; the README's advice before);
 * ``numbers``, ``numbers_zero``: the rules as numbers (no noise in the
   pass), without and with the zero rows;
+* ``..._before``: each traced as before (``stage2._flat_rows`` finding no
+  row, and no cheap branch in the conditional: the exact path on every call
+  with a zero row);
 * ``plain``: ``fs.sample`` without controls.
 
-One JSON line per (head, dtype, B) with each variant's exact-path rows
-and whether its tokens equal ``per_row_zero_before``'s (where the rules
-and temperatures are the same) on 8 keys, then one per round.
+One JSON line per (head, dtype, B) with each variant's exact-path rows and
+whether its tokens equal its ``_before``'s on 8 keys, then one per round
+(``--enqueue``: and one per round of each variant's host time per call).
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ from benchmarks.experiments._points import add_point_args, points, report
 from benchmarks.experiments.exp_dense_parts import _stage2_with
 from flashsample_jax import api, backends, controls, problem, stage2
 
-_NO_FLAT_ROWS = {"_flat_rows": lambda p, c, st: jnp.zeros((p.batch,), bool)}
+_EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
+
+# Stage 2 as before zero rows were decided without the logits.
+_BEFORE = {"_flat_rows": lambda p, c, st: jnp.zeros((p.batch,), bool),
+           "_exact_path": lambda p, c, rows, axis, *, then=None, draw=None: _EXACT_PATH(
+               p, c, rows, axis, then=then)}
 
 
 def _inputs(h, zero: int):
@@ -54,10 +62,10 @@ def _inputs(h, zero: int):
                  top_p=jnp.full((b,), TOP_P, jnp.float32))
   numbers = dict(top_k=TOP_K, top_p=TOP_P)
   one, greedy = jnp.ones((b,), jnp.float32), jnp.ones((b,), jnp.float32).at[:zero].set(0)
-  return {"per_row": (h, one, per_row), "per_row_zero": (hz, one, per_row),
-          "per_row_zero_before": (hz, one, per_row),
-          "per_row_zero_greedy": (hz, greedy, per_row),
+  base = {"per_row": (h, one, per_row), "per_row_zero": (hz, one, per_row),
           "numbers": (h, one, numbers), "numbers_zero": (hz, one, numbers)}
+  return {**base, **{f"{name}_before": x for name, x in base.items()},
+          "per_row_zero_greedy": (hz, greedy, per_row)}
 
 
 def _split(rules):
@@ -74,7 +82,7 @@ def _compiled(name, w, scale, key, hidden, temperature, rules):
   def call(h, w, k, t, arrays):
     return fs.sample(h, w, k, temperature=t, weight_scale=scale, **arrays, **numbers)
 
-  with _stage2_with(_NO_FLAT_ROWS if name.endswith("_before") else {}):
+  with _stage2_with(_BEFORE if name.endswith("_before") else {}):
     f = jax.jit(call).lower(hidden, w, key, temperature, arrays).compile()
   return lambda k: f(hidden, w, k, temperature, arrays)
 
@@ -92,7 +100,7 @@ def _exact_rows(w, scale, key, hidden, temperature, rules, before: bool) -> int:
     st = stage2.per_sample(api.pass_state(p, c.for_pass(), impl, 0), c.samples)
     return stage2.finish(p, c, st, exact_top=impl.exact_top(p, c))[2]
 
-  with _stage2_with(_NO_FLAT_ROWS if before else {}):
+  with _stage2_with(_BEFORE if before else {}):
     return int(np.asarray(jax.jit(flagged)(hidden, w, key, temperature, arrays)).sum())
 
 
@@ -107,10 +115,9 @@ def main(argv=None):
     inputs = _inputs(h, args.zero)
     calls = {name: _compiled(name, w, scale, key, *x) for name, x in inputs.items()}
     keys = jax.random.split(jax.random.key(1), 8)
-    want = [np.asarray(calls["per_row_zero_before"](k)) for k in keys]
-    same = {name: all(np.array_equal(np.asarray(calls[name](k)), t)
-                      for k, t in zip(keys, want))
-            for name in ("per_row_zero", "numbers_zero")}
+    same = {name: all(np.array_equal(np.asarray(calls[name](k)),
+                                     np.asarray(calls[f"{name}_before"](k))) for k in keys)
+            for name in inputs if f"{name}_before" in inputs}
     rows = {name: _exact_rows(w, scale, key, *x, before=name.endswith("_before"))
             for name, x in inputs.items()}
     print(json.dumps(dict(tags, exact_rows=rows, same_tokens_as_before=same)), flush=True)
