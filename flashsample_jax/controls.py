@@ -707,15 +707,20 @@ def nothing_to_sample(x, kept, greedy, allowed_mask=None, vocab_size: int | None
   return none
 
 
-def none_allowed(allowed_mask, vocab_size: int):
-  """Rows of ``allowed_mask`` that allow no id below ``vocab_size``: bool ``[B]``."""
-  words = allowed_mask.shape[1]
+def valid_bits(words: int, vocab_size: int):
+  """uint32 ``[words]``: the bits of an ``allowed_mask`` row's words that
+  stand for ids below ``vocab_size``."""
   ids_in_word = vocab_size - 32 * jnp.arange(words)          # ids of each word < V
   full = jnp.uint32(0xFFFFFFFF)
-  valid_bits = jnp.where(ids_in_word >= 32, full,
-                         (jnp.uint32(1) << jnp.clip(ids_in_word, 0, 31).astype(jnp.uint32))
-                         - jnp.uint32(1))
-  return ~jnp.any((allowed_mask & valid_bits[None, :]) != 0, axis=1)
+  return jnp.where(ids_in_word >= 32, full,
+                   (jnp.uint32(1) << jnp.clip(ids_in_word, 0, 31).astype(jnp.uint32))
+                   - jnp.uint32(1))
+
+
+def none_allowed(allowed_mask, vocab_size: int):
+  """Rows of ``allowed_mask`` that allow no id below ``vocab_size``: bool ``[B]``."""
+  bits = valid_bits(allowed_mask.shape[1], vocab_size)
+  return ~jnp.any((allowed_mask & bits[None, :]) != 0, axis=1)
 
 
 def _sort_desc(x):

@@ -583,24 +583,34 @@ def _flat_rows(p: Problem, c: controls.Controls, st: ControlsState):
   where a weight row or scale is not finite), transforms that keep zero
   (no logit bias; presence and frequency penalties 0 for the row: soft-cap,
   repetition penalty, mask and temperature map ``+-0`` to ``+-0`` or
-  ``-inf``) and a pass that saw no NaN: its best is not NaN (NaN beats
-  every score, the tie rule), nor its sum of ``exp(t - max)``, and its
-  ``lse_max`` is 0 (``-inf`` for a row that allows no id). Every truncation rule keeps all of such a row's allowed ids, which
-  tie at its top: top-k keeps the ties at its k-th value, top-p every id
-  equal to its last kept one and min-p every id with ``exp(t - max) = 1 >=
-  m`` (min-p > 1, which keeps nothing, is excluded). So its kept set is the
-  pass's whole row, though no candidate list holds it (docs/design.md,
-  "Rows of equal logits")."""
+  ``-inf``), and a pass whose max is 0 and whose sum of ``exp(t - max)``
+  is exactly the count of allowed ids (:func:`_allowed_count`): each of
+  them added ``exp(0) = 1``, so none was NaN, whether a kernel's sum
+  carries a NaN or leaves it out. Every truncation rule keeps all of such a
+  row's allowed ids, which tie at its top: top-k keeps the ties at its
+  k-th value, top-p every id equal to its last kept one and min-p every id
+  with ``exp(t - max) = 1 >= m`` (min-p > 1, which keeps nothing, is
+  excluded). So its kept set is the pass's whole row, though no candidate
+  list holds it (docs/design.md, "Rows of equal logits")."""
   if p.layout == "logits" or c.logit_bias is not None:
     return jnp.zeros((p.batch,), bool)
-  flat = (jnp.all(p.hidden == 0, axis=1) & (st.lse_max == 0) & jnp.isfinite(st.lse_sum)
-          & ~jnp.any(jnp.isnan(st.best_score), axis=1))
+  flat = (jnp.all(p.hidden == 0, axis=1) & (st.lse_max == 0)
+          & (st.lse_sum == _allowed_count(p, c).astype(jnp.float32)))
   for penalty in (c.presence_penalty, c.frequency_penalty):
     if penalty is not None:
       flat &= penalty == 0
   if c.min_p is not None:
     flat &= c.min_p <= 1
   return flat
+
+
+def _allowed_count(p: Problem, c: controls.Controls):
+  """The ids below ``vocab_size`` that ``allowed_mask`` allows, int32 ``[B]``
+  (all of them without a mask)."""
+  if c.allowed_mask is None:
+    return jnp.full((p.batch,), p.vocab_size, jnp.int32)
+  bits = c.allowed_mask & controls.valid_bits(c.allowed_mask.shape[1], p.vocab_size)[None]
+  return jnp.sum(lax.population_count(bits), axis=1, dtype=jnp.int32)
 
 
 class _Rows(NamedTuple):
@@ -692,8 +702,7 @@ def finish(p: Problem, c: controls.Controls, st: ControlsState, *,
     rows = _top_n(c, st, lists, rows, exact_top if own_exact_top else None)
   then = functools.partial(_finished, p, c, st, axis=axis)
   if (c.lists or c.raw_top) and not own_exact_top:
-    return _exact_path(p, c, rows, axis, then=then,
-                       draw=None if decision is None else decision.draw)
+    return _exact_path(p, c, rows, axis, then=then)
   return then(rows)
 
 
@@ -794,15 +803,12 @@ def _kept_entropy(keep, vals):
 class _Decision(NamedTuple):
   """How :func:`_truncate` decided: ``keep [B, M]`` over the candidates,
   ``use [B]`` (rows whose token it drew among them), ``active [B]`` (a rule
-  on) and ``pick(keep)``, the draw among the kept candidates; ``draw
-  [B]``: flat rows whose token is still to be drawn (flagged; a pass
-  without noise, :func:`_flat_draws`)."""
+  on) and ``pick(keep)``, the draw among the kept candidates."""
 
   keep: jax.Array
   use: jax.Array
   active: jax.Array
   pick: object
-  draw: jax.Array
 
 
 def _truncate(p: Problem, c: controls.Controls, st: ControlsState, lists: MergedLists,
@@ -821,14 +827,16 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
   keep, decided, active = certify(c)
   sampled = p.temperature != 0
   # Rows whose rules keep their whole row are decided as rows with no rule
-  # on: the pass's best is their token where it drew noise, and for greedy
-  # rows (the argmax of x) where it did not (Controls.for_pass); its sampled
-  # ones there need a draw over their row (``draw``, :func:`_flat_draws`).
-  flat = _flat_rows(p, c, st)
-  active &= ~flat
-  draw = flat & sampled & (not c.for_pass().noise)
+  # on, where the pass's best is their token: where it drew noise, and for
+  # greedy rows (the argmax of x) where it did not (Controls.for_pass),
+  # which need it only for their kept set (below, greedy rows are
+  # certified without one).
+  if c.for_pass().noise:
+    active &= ~_flat_rows(p, c, st)
+  elif c.needs_kept_set:
+    active &= ~(_flat_rows(p, c, st) & ~sampled)
   # Rows with no rule on take the pass's best (``use`` below): certified.
-  certified = (~active | decided) & ~draw
+  certified = ~active | decided
   # Rows with NaN or infinite logits: keep_mask's sorts and exp(t - max)
   # treat them in ways the candidates do not track; the exact path does.
   finite = ~active | jnp.isfinite(st.lse_max)
@@ -845,14 +853,13 @@ def _truncate_decision(p: Problem, c: controls.Controls, st: ControlsState,
     # they do not hold is not decided at any p: the readings at p -/+ width
     # would decide no row.
     tokens, t_tok, fallback = _top_p_edge(c, certify, pick, finite, tokens, t_tok,
-                                          fallback & ~draw)
-    fallback |= draw            # their tokens are still the pass's best, not a draw
+                                          fallback)
   ent_kept = rows.ent_kept
   if c.return_entropy:
     ent_kept = jnp.where(active, _kept_entropy(keep, lists.vals), rows.ent_kept)
   return (rows._replace(tokens=tokens, t_tok=t_tok, lse_kept=lse_kept,
                         fallback=rows.fallback | fallback, ent_kept=ent_kept),
-          _Decision(keep=keep, use=use, active=active, pick=pick, draw=draw))
+          _Decision(keep=keep, use=use, active=active, pick=pick))
 
 
 @jax.named_scope("stage2.pick_kept")
@@ -1013,13 +1020,10 @@ _ROW_FIELDS = ("top_k", "top_p", "min_p", "allowed_mask", "repetition_penalty",
 
 
 @jax.named_scope("stage2.exact_path")
-def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=None,
-                draw=None):
+def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=None):
   """The fallback rows redone from materialized logits (:func:`_materialized`,
   through :func:`_redo_flagged`), ``then`` applied to the rows (inside the
-  conditional). ``draw``: None, or the fallback rows (``[B]``) that a draw
-  over their whole row decides (:func:`_flat_draws`) when no other row
-  needs the materialized logits."""
+  conditional)."""
   samples = c.samples
 
   def redo(ps, cs, sub, flags):
@@ -1028,31 +1032,8 @@ def _exact_path(p: Problem, c: controls.Controls, rows: _Rows, axis, *, then=Non
     return _materialized(ps, cs, sub, lambda x, t, gid: perturbed(ps, x, t, gid, samples),
                          axis)
 
-  flags = rows.fallback | rows.relist
-  cheap = None
-  if draw is not None and p.batch <= exact_group_rows(p.vocab_size):
-    cheap = (flags & ~draw, lambda ps, cs, sub: _flat_draws(ps, cs, sub, draw))
-  return _redo_flagged(p, c, flags, rows, _Rows.batch_axes(rows), redo, then=then,
-                       cheap=cheap)
-
-
-@jax.named_scope("stage2.flat_draws")
-def _flat_draws(p: Problem, c: controls.Controls, rows: _Rows, draw) -> _Rows:
-  """Rows ``draw`` (flat, :func:`_flat_rows`, and sampled by a pass without
-  noise) decided by a draw over their whole row: every allowed id has
-  ``t = 0`` (-inf elsewhere: the mask and ``vocab_size``), so each sample's
-  token is the argmax of the noise over the allowed ids, as the exact path
-  would draw it, with no logits and no sort."""
-  v = p.vocab_size
-  gid = lax.iota(jnp.int32, v)
-  # Penalties keep a flat row's zeros (_flat_rows): left out, with no history.
-  x = controls.transform(jnp.zeros((p.batch, v), jnp.float32), gid,
-                         dataclasses.replace(c, prompt_ids=None, output_ids=None), v)
-  t = tempered(p, x)
-  j, new_t = draw_kept(p, x, t, t, gid, lambda x, t, gid: perturbed(p, x, t, gid, c.samples))
-  return rows._replace(tokens=jnp.where(draw[None], j.T.astype(jnp.int32), rows.tokens),
-                       t_tok=jnp.where(draw[None], new_t.T, rows.t_tok),
-                       fallback=rows.fallback & ~draw)
+  return _redo_flagged(p, c, rows.fallback | rows.relist, rows, _Rows.batch_axes(rows), redo,
+                       then=then)
 
 
 def exact_group_rows(vocab_size: int) -> int:
@@ -1061,8 +1042,7 @@ def exact_group_rows(vocab_size: int) -> int:
   return max(EXACT_ROWS, EXACT_GROUP_BYTES // (4 * vocab_size))
 
 
-def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None,
-                  cheap=None):
+def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *, then=None):
   """``redo(p, c, state, flags)`` for the rows ``flags`` marks, behind one
   conditional that skips it when no row needs it, and that redoes every row
   at once up to :data:`EXACT_COND_ROWS` rows; in larger batches a second
@@ -1091,12 +1071,7 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   branch, so that the conditional's result is the caller's (finish puts
   the output's assembly there): work after the conditional waited for it
   to be launched apart from the graph (docs/performance.md, "The exact
-  path's conditional").
-
-  ``cheap`` (default: none): ``(needs, redo_cheap)``; where no row of
-  ``needs`` (bool ``[B]``, a subset of ``flags``) is flagged, the taken
-  branch is ``redo_cheap(p, c, state)`` (every row at once) instead, a
-  choice made inside it, so that only calls that flag a row meet it."""
+  path's conditional")."""
 
   # The per-row arrays that need no per-row input (key words, counters,
   # controls given as one number) are made again inside the branches: as
@@ -1107,20 +1082,13 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
   if then is None:
     then = lambda st: st
 
-  def or_cheap(branch):
-    if cheap is None:
-      return branch
-    needs, redo_cheap = cheap
-    return lambda: lax.cond(jnp.any(needs), branch,
-                            lambda: then(redo_cheap(p_in(), c_in(), state)))
-
   def every_row():
     return then(redo(p_in(), c_in(), state, flags))
 
   count = jnp.sum(flags, dtype=jnp.int32)
   group = exact_group_rows(p.vocab_size)
   if p.batch <= min(EXACT_COND_ROWS, group):
-    return lax.cond(count > 0, or_cheap(every_row), lambda: then(state))
+    return lax.cond(count > 0, every_row, lambda: then(state))
 
   def flagged_first(size):
     # The flagged rows' indices first (a prefix sum), padded with B (which
@@ -1149,7 +1117,7 @@ def _redo_flagged(p: Problem, c: controls.Controls, flags, state, axes, redo, *,
 
   many = every_row if p.batch <= group else in_groups
   some_rows = lambda: lax.cond(count <= EXACT_ROWS, few_rows, many)
-  return lax.cond(count > 0, or_cheap(some_rows), lambda: then(state))
+  return lax.cond(count > 0, some_rows, lambda: then(state))
 
 
 def _take_rows(p: Problem, c: controls.Controls, idx):

@@ -374,10 +374,10 @@ def test_log_skip_bound_and_scopes():
 
 
 def test_zero_rows_variants_and_their_exact_rows():
-  # exp_zero_rows on a tiny head: a zero hidden row takes the exact path
-  # only as stage 2 was before (_before variants), with the rules per row
-  # (noise in the pass) or as numbers (none); the tokens are the same
-  # either way.
+  # exp_zero_rows on a tiny head: with the rules per row (noise in the
+  # pass) a zero hidden row is decided on the pass; as stage 2 was before
+  # (_before) or with the rules as numbers (no noise) it takes the exact
+  # path. The tokens are the same either way.
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -389,7 +389,7 @@ def test_zero_rows_variants_and_their_exact_rows():
   inputs = e._inputs(h, 1)
   rows = {name: e._exact_rows(w, None, key, *x, before=name.endswith("_before"))
           for name, x in inputs.items()}
-  assert rows == dict(per_row=0, per_row_zero=0, numbers=0, numbers_zero=0,
+  assert rows == dict(per_row=0, per_row_zero=0, numbers=0, numbers_zero=1,
                       per_row_before=0, per_row_zero_before=1, numbers_before=0,
                       numbers_zero_before=1, per_row_zero_greedy=0)
   for name in ("per_row_zero", "numbers_zero"):

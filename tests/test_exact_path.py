@@ -186,7 +186,8 @@ def _zero_row_case(case, rows):
   zero rows are flat (docs/design.md, "Rows of equal logits")."""
   per_row = lambda on, off, dtype: jnp.asarray(np.where(np.arange(rows) == 3, off, on), dtype)
   return {
-      # A concrete rule on every row: the pass draws no noise (Controls.for_pass).
+      # A concrete rule on every row: the pass draws no noise (Controls.for_pass),
+      # so its best is no sample of a flat row.
       "every_row": (dict(top_k=20, top_p=0.9), True),
       # Every rule off for row 3: the pass draws noise.
       "per_row": (dict(top_k=per_row(20, 0, jnp.int32), top_p=per_row(0.9, 1.0, jnp.float32),
@@ -207,37 +208,36 @@ def _zero_row_case(case, rows):
 
 
 def _zero_rows_flagged(h, kw, temperature, rl=None):
-  """finish's exact-path rows of the call (the pass as api.run runs it)."""
+  """finish's exact-path rows of the call (the pass as api.run runs it),
+  and whether that pass draws noise."""
   rows = h.shape[0]
   c = controls.prepare_controls(batch=rows, vocab_size=V, rows=V, **kw, **(rl or {}))
   p = problem.prepare(h, W, KEYS["scalar"], temperature=temperature)
   st = stage2.per_sample(api.pass_state(p, c.for_pass(), xla.XlaBackend(), 0), c.samples)
-  return np.asarray(jax.jit(stage2.finish)(p, c, st)[2])
+  return np.asarray(jax.jit(stage2.finish)(p, c, st)[2]), c.for_pass().noise
 
 
 @pytest.mark.parametrize("rows", [12, 22])
 @pytest.mark.parametrize("case", ["every_row", "per_row", "mask_penalties", "presence", "bias"])
-def test_zero_rows_skip_the_materialized_path(case, rows):
+def test_zero_rows_are_decided_on_the_pass_where_it_can(case, rows):
   # A batch padded with zero hidden rows: every logit of such a row is 0,
   # all tied at its top, so every truncation rule keeps the whole row and no
   # candidate list holds it. Where the pass drew noise its best is their
-  # token; where it drew none (a rule on for every row, given as numbers)
-  # the sampled ones are drawn over their row in the conditional's cheap
-  # branch, with no logits (docs/design.md, "Rows of equal logits"). Either
-  # way none takes the materialized path. 12 rows: one conditional; 22:
-  # the nested one. Tokens equal the reference's (several samples too), the
-  # floats score_tokens finds for them bit for bit.
+  # token, and they skip the exact path; where it drew none (a rule on for
+  # every row, given as numbers) the sampled ones still take it
+  # (docs/design.md, "Rows of equal logits"), and greedy rows never do.
+  # 12 rows: one conditional; 22: the nested one. Tokens equal the
+  # reference's (several samples too), the floats score_tokens finds for
+  # them bit for bit.
   kw, flat = _zero_row_case(case, rows)
   pad = _pad(rows)
   h = H[:rows].at[pad].set(0)
   greedy = np.arange(rows) % 4 == 1                      # rows 5 and 17: zero rows
   temperature = jnp.asarray(np.where(greedy, 0.0, 0.5), jnp.float32)
   rl = dict(return_logprobs=True, return_entropy=True)
-  fallback = _zero_rows_flagged(h, kw, temperature, rl)
-  if flat:
-    assert not fallback[pad].any()
-  else:
-    assert fallback[pad[~greedy[pad]]].all()
+  fallback, noise = _zero_rows_flagged(h, kw, temperature, rl)
+  assert (fallback[pad[greedy[pad]]] != flat).all()
+  assert (fallback[pad[~greedy[pad]]] != (flat and noise)).all()
   got = fs.sample(h, W, KEYS["scalar"], temperature=temperature, backend="xla", **kw, **rl)
   want = fs.reference.sample(h, W, KEYS["scalar"], temperature=temperature, **kw, **rl)
   np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -256,15 +256,15 @@ def test_zero_rows_skip_the_materialized_path(case, rows):
 
 
 @pytest.mark.parametrize("rows", [12, 22])
-def test_zero_rows_beside_a_row_on_the_materialized_path(rows):
-  # Rules as numbers (no noise in the pass) and a row the lists cannot
-  # certify (a one-hot hidden row: integer logits in -3..3, ties at the
-  # 20th value far past the lists): the taken branch then materializes,
-  # and redoes the zero rows there too. Tokens equal the reference's.
-  kw = dict(top_k=20, top_p=0.9)
+def test_zero_rows_beside_a_row_on_the_exact_path(rows):
+  # Rules per row (noise in the pass) and a row the lists cannot certify
+  # (a one-hot hidden row: integer logits in -3..3, ties at the 20th value
+  # far past the lists): that row alone takes the exact path, the zero
+  # rows are decided on the pass. Tokens equal the reference's.
+  kw = dict(top_k=jnp.asarray(np.where(np.arange(rows) == 3, 0, 20), jnp.int32))
   h = H[:rows].at[_pad(rows)].set(0).at[2].set(jnp.eye(H.shape[1], dtype=H.dtype)[3])
-  fallback = _zero_rows_flagged(h, kw, 0.5)
-  assert fallback[2]
+  fallback, _ = _zero_rows_flagged(h, kw, 0.5)
+  np.testing.assert_array_equal(np.flatnonzero(fallback), [2])
   np.testing.assert_array_equal(
       fs.sample(h, W, KEYS["scalar"], temperature=0.5, backend="xla", **kw),
       fs.reference.sample(h, W, KEYS["scalar"], temperature=0.5, **kw))
@@ -272,8 +272,8 @@ def test_zero_rows_beside_a_row_on_the_materialized_path(rows):
 
 def test_zero_rows_of_a_non_finite_weight_take_the_exact_path():
   # A zero hidden row against a weight row holding inf has a NaN logit
-  # (0 * inf), which the pass's best and its sum of exp(t - max) show (the
-  # xla backend's max skips it): such a row is not flat and takes the exact
+  # (0 * inf), which the pass's sum of exp(t - max) shows (the xla
+  # backend's max skips it): such a row is not flat and takes the exact
   # path, as every row of NaN logits does.
   rows = 6
   pad = _pad(rows)

@@ -4,16 +4,16 @@ path's conditional").
 
   python3 -m benchmarks.experiments.exp_zero_rows [--heads S L]
       [--batches 16 64] [--weight-dtypes bf16 fp8] [--rounds 3] [--zero N]
-      [--enqueue]
+      [--enqueue] [--variants NAME ...]
 
 A zero hidden row's logits all tie, so no candidate list holds its kept set
-(every id), and it took the exact path on every call. Stage 2 now decides
-it without the materialized logits: where the pass draws noise (a rule
-given per row, as a serving loop passes its requests' settings) its token
-is the pass's best; where it draws none (top-k and top-p given as numbers)
-a draw over its row in the conditional's cheap branch. Variants, timed in
-alternating rounds in one process (``_timing.timed_rounds``), each a
-compiled call of ``auto`` with top-k 50 + top-p 0.9:
+(every id), and it took the exact path on every call. Where the pass draws
+noise (a rule given per row, as a serving loop passes its requests'
+settings) stage 2 now takes its token off the pass; where it draws none
+(top-k and top-p given as numbers) its sampled zero rows still take the
+exact path. Variants, timed in alternating rounds in one process
+(``_timing.timed_rounds``), each a compiled call of ``auto`` with top-k 50
++ top-p 0.9:
 
 * ``per_row``: the rules as ``[B]`` arrays (the pass draws noise), no zero row;
 * ``per_row_zero``: the same with the first ``--zero`` rows zeroed;
@@ -22,8 +22,7 @@ compiled call of ``auto`` with top-k 50 + top-p 0.9:
 * ``numbers``, ``numbers_zero``: the rules as numbers (no noise in the
   pass), without and with the zero rows;
 * ``..._before``: each traced as before (``stage2._flat_rows`` finding no
-  row, and no cheap branch in the conditional: the exact path on every call
-  with a zero row);
+  row: the exact path on every call with a zero row);
 * ``plain``: ``fs.sample`` without controls.
 
 One JSON line per (head, dtype, B) with each variant's exact-path rows and
@@ -46,12 +45,8 @@ from benchmarks.experiments._points import add_point_args, points, report
 from benchmarks.experiments.exp_dense_parts import _stage2_with
 from flashsample_jax import api, backends, controls, problem, stage2
 
-_EXACT_PATH = stage2._exact_path  # pylint: disable=protected-access
-
-# Stage 2 as before zero rows were decided without the logits.
-_BEFORE = {"_flat_rows": lambda p, c, st: jnp.zeros((p.batch,), bool),
-           "_exact_path": lambda p, c, rows, axis, *, then=None, draw=None: _EXACT_PATH(
-               p, c, rows, axis, then=then)}
+# Stage 2 as before zero rows were decided on the pass.
+_BEFORE = {"_flat_rows": lambda p, c, st: jnp.zeros((p.batch,), bool)}
 
 
 def _inputs(h, zero: int):
@@ -108,11 +103,15 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_point_args(ap, heads=["S"], batches=[16, 64], weight_dtypes=["bf16", "fp8"], rounds=3)
   ap.add_argument("--zero", type=int, default=1, help="hidden rows zeroed")
+  ap.add_argument("--variants", nargs="+", default=None,
+                  help="only these (default: every variant and plain)")
   args = ap.parse_args(argv)
   key = jax.random.key(0)
   for w, scale, h, tags in points(args):
     tags = dict(tags, zero=args.zero, top_k=TOP_K, top_p=TOP_P)
     inputs = _inputs(h, args.zero)
+    if args.variants:
+      inputs = {name: x for name, x in inputs.items() if name in args.variants}
     calls = {name: _compiled(name, w, scale, key, *x) for name, x in inputs.items()}
     keys = jax.random.split(jax.random.key(1), 8)
     same = {name: all(np.array_equal(np.asarray(calls[name](k)),
@@ -122,7 +121,8 @@ def main(argv=None):
             for name, x in inputs.items()}
     print(json.dumps(dict(tags, exact_rows=rows, same_tokens_as_before=same)), flush=True)
     variants = {name: (lambda f: lambda h, w: f(key))(f) for name, f in calls.items()}
-    variants["plain"] = jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))
+    if not args.variants or "plain" in args.variants:
+      variants["plain"] = jax.jit(lambda h, w: fs.sample(h, w, key, weight_scale=scale))
     report(args, variants, h, w, tags)
 
 
