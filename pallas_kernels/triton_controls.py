@@ -184,14 +184,19 @@ def pack_control_rows(k0, k1, ctr_hi, ctr_lo, temperature, softcap=None):
 
 # XLA's f32 tanh approximation (the rational function XLA's LLVM emitter
 # uses on CPUs and, historically, GPUs; Eigen's): clamp, then p(x) / q(x)
-# in x^2 by Horner steps, and x itself where |x| < 0.0004.
+# in x^2 by Horner steps, and x itself where |x| < 0.0004. The clamp keeps
+# a NaN (tanh(NaN) is NaN, as jnp.tanh's): Triton's default min and max
+# return the other operand, which soft-capped a NaN logit to a number
+# (docs/design.md, "The exactness contract").
 _TANH_CLAMP = tl.constexpr(7.90531110763549805)
 _TANH_SMALL = tl.constexpr(0.0004)
+_NAN = tl.constexpr(tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _tanh_rational(x):
-  xc = tl.minimum(tl.maximum(x, -_TANH_CLAMP), _TANH_CLAMP)
+  xc = tl.minimum(tl.maximum(x, -_TANH_CLAMP, propagate_nan=_NAN), _TANH_CLAMP,
+                  propagate_nan=_NAN)
   x2 = xc * xc
   p = tl.fma(x2, -2.76076847742355e-16, 2.00018790482477e-13)
   p = tl.fma(x2, p, -8.60467152213735e-11)

@@ -673,6 +673,22 @@ class GpuSuite:
         total += got.size
     assert agree / total >= 0.999, f"{agree}/{total} rows agree"
 
+  @pytest.mark.parametrize("rules", ["softcap", "softcap_top_k_per_row"])
+  def test_nan_logits_with_a_softcap(self, rules):
+    # An infinite weight entry: rows whose hidden state is 0 there have a
+    # NaN logit (0 * inf), one per row, which c * tanh(x / c) keeps NaN, so
+    # it wins (the tie rule); the others' +-inf are capped to +-c. The
+    # Triton kernels' tanh clamped the NaN to a number (8 of 24 rows here
+    # sampled other ids on an H200) before its clamp kept NaN
+    # (docs/design.md, "The exactness contract").
+    h, b, v = cases.H.at[2].set(0), cases.B, cases.V
+    w = cases.W.at[7, 3].set(jnp.inf)
+    kw = dict(softcap=8.0)
+    if rules == "softcap_top_k_per_row":
+      kw["top_k"] = jnp.asarray(np.where(np.arange(b) % 2, 0, 30), jnp.int32)
+    assert np.any(np.asarray(h)[:, 3] == 0)
+    self.check_controls(kw, key=cases.KEYS["per_row"], h=h, w=w)
+
   def test_controls_benchmark_head_random(self):
     # Qwen3-8B's head with LLM-like logits (std 3): every control the
     # benchmark times, B = 100. Tokens >= 99.9% identical to the reference

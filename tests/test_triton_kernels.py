@@ -430,6 +430,22 @@ def test_quantized_controls_compile(capability, layout, wdtype, batch, tmp_path)
 
 
 @compiled_only
+def test_softcap_clamp_keeps_nan_compile():
+  """The rational tanh's clamp keeps a NaN (``min.NaN.f32`` /
+  ``max.NaN.f32``): Triton's default min and max (``min.f32``, the kernel's
+  only f32 min) return the other operand, and soft-capped a NaN logit to a
+  number where the reference's ``c * tanh(x / c)`` is NaN (an H200: 8 of 24
+  rows of 0 * inf logits sampled other ids than the reference)."""
+  from pallas_kernels import triton_controls as tc  # pylint: disable=import-outside-toplevel
+  ctl = tc.Controls(samples=1, softcap=True, lse=True, top_k=4)
+  cfg = tc.pick_controls_config(16, 4096, 151936, (9, 0), ctl, layout="vd")
+  k = tc.controls_for_inspection(cfg, ctl, layout="vd", dtype=jnp.bfloat16, batch=16,
+                                 dim=4096, rows=151936, capability=(9, 0))
+  ops = set(re.findall(r"^\s+((?:min|max)\.[\w.]+)", k.asm["ptx"], re.M))
+  assert "min.NaN.f32" in ops and "min.f32" not in ops, ops
+
+
+@compiled_only
 def test_inspection_compiles_after_jax_triton_import(monkeypatch):
   """jax_triton sets TRITON_CACHE_DIR to "" when imported (as on the GPU
   machines, where the PTX tests then failed with "Could not create or locate
