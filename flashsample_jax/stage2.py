@@ -585,8 +585,8 @@ def _flat_rows(p: Problem, c: controls.Controls, st: ControlsState):
   repetition penalty, mask and temperature map ``+-0`` to ``+-0`` or
   ``-inf``), and a pass whose max is 0 and whose sum of ``exp(t - max)``
   is exactly the count of allowed ids (:func:`_allowed_count`): each of
-  them added ``exp(0) = 1``, so none was NaN, whether a kernel's sum
-  carries a NaN or leaves it out. Every truncation rule keeps all of such a
+  them added ``exp(0) = 1``, so each was 0, whatever a backend's max, best
+  and sum do with a NaN. Every truncation rule keeps all of such a
   row's allowed ids, which tie at its top: top-k keeps the ties at its
   k-th value, top-p every id equal to its last kept one and min-p every id
   with ``exp(t - max) = 1 >= m`` (min-p > 1, which keeps nothing, is

@@ -523,12 +523,12 @@ class BackendSuite:
     for name in ("logprob", "logprob_truncated", "entropy", "entropy_truncated"):
       a, s = (np.asarray(getattr(o, name)) for o in (out, sc))
       np.testing.assert_array_equal(a.view(np.uint32), s.view(np.uint32), err_msg=name)
-    # An infinite weight entry gives the zero rows a NaN logit (0 * inf):
-    # whether the pass's sum of exp(t - max) carries it (xla) or leaves it
-    # out (the Triton kernels), the sum is not the count of allowed ids, so
-    # they are not flat, and the sampled ones' tokens are still the
-    # reference's (no mask here, which could disallow that id; the other
-    # rows' +-inf and NaN logits are not this test's).
+    # An infinite weight entry gives the zero rows a NaN logit (0 * inf),
+    # soft-capped here: the pass's sum of exp(t - max) is then not the count
+    # of allowed ids (NaN, or a number where a soft-cap made the NaN one, as
+    # the Triton kernels' did), so they are not flat, and the sampled ones'
+    # tokens are still the reference's (no mask here, which could disallow
+    # that id; the other rows' +-inf and NaN logits are not this test's).
     w = cases.W.at[7, 3].set(jnp.inf)
     kw.pop("allowed_mask")
     p = problem.prepare(h, w, key, temperature=t)
