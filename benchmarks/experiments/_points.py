@@ -6,12 +6,14 @@ rounds of wall time, or device timelines)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 
 import jax
 import jax.numpy as jnp
 
 import flashsample_jax as fs
+from flashsample_jax import api, controls, problem, stage2
 from benchmarks import shapes
 from benchmarks._timing import device_name, enqueue_us, timed_rounds, trace_events
 from benchmarks.experiments.exp_small_b_timeline import timeline
@@ -106,3 +108,24 @@ def report(args, variants, h, w, tags, traced=None) -> None:
   for name in traced or variants:
     print(json.dumps(dict(tags, variant=name, **timeline(variants[name], h, w, calls=20))),
           flush=True)
+
+
+@contextlib.contextmanager
+def stage2_with(patch):
+  """Traces stage 2 with ``patch``'s attributes (``name`` of
+  :mod:`flashsample_jax.stage2`, or ``"problem.name"`` / ``"controls.name"``),
+  for variants of a call traced in one process. The API's jit is cleared on
+  the way in and out: it would otherwise answer one trace with the other's
+  program."""
+  where = lambda name: ({"problem": problem, "controls": controls}[name.split(".")[0]]
+                        if "." in name else stage2, name.split(".")[-1])
+  saved = {name: getattr(*where(name)) for name in patch}
+  for name, value in patch.items():
+    setattr(*where(name), value)
+  api.run.clear_cache()
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      setattr(*where(name), value)
+    api.run.clear_cache()

@@ -51,7 +51,6 @@ of the whole calls instead of the rounds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -63,8 +62,8 @@ import numpy as np
 import flashsample_jax as fs
 from benchmarks._fallback import exact_path_rows
 from benchmarks.bench_controls import TOP_K, TOP_P
-from benchmarks.experiments._points import add_point_args, points, report
-from flashsample_jax import api, controls, problem, stage2
+from benchmarks.experiments._points import add_point_args, points, report, stage2_with
+from flashsample_jax import controls, problem, stage2
 from flashsample_jax.backends import xla as xla_backend
 
 DENSE = xla_backend.DenseBackend()
@@ -123,25 +122,6 @@ VARIANTS = {"no_conditional": {"_exact_path": _no_exact_path},
             "dense": {}}
 
 
-@contextlib.contextmanager
-def _stage2_with(patch):
-  """Traces stage 2 with ``patch``'s attributes. The API's jit is cleared on
-  the way in and out: it would otherwise answer one trace with the other's
-  program."""
-  where = lambda name: ({"problem": problem, "controls": controls}[name.split(".")[0]]
-                        if "." in name else stage2, name.split(".")[-1])
-  saved = {name: getattr(*where(name)) for name in patch}
-  for name, value in patch.items():
-    setattr(*where(name), value)
-  api.run.clear_cache()
-  try:
-    yield
-  finally:
-    for name, value in saved.items():
-      setattr(*where(name), value)
-    api.run.clear_cache()
-
-
 def _gemm(scale):
   """The route's GEMM alone (``problem.logits``), an 8-bit head's hidden
   states padded as ``xla._gemm_rows`` pads them on a GPU."""
@@ -177,7 +157,7 @@ def _compiled(scale, h, w, key):
   two_branches_64 up to 16 rows and past 64)."""
   out = {}
   for name, patch in VARIANTS.items():
-    with _stage2_with(patch):
+    with stage2_with(patch):
       out[name] = jax.jit(_call(scale)).lower(h, w, key).compile()
   kept, texts = {"dense": out["dense"]}, {out["dense"].as_text()}
   for name, f in out.items():

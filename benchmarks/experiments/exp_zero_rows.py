@@ -41,8 +41,7 @@ import numpy as np
 
 import flashsample_jax as fs
 from benchmarks.bench_controls import TOP_K, TOP_P
-from benchmarks.experiments._points import add_point_args, points, report
-from benchmarks.experiments.exp_dense_parts import _stage2_with
+from benchmarks.experiments._points import add_point_args, points, report, stage2_with
 from flashsample_jax import api, backends, controls, problem, stage2
 
 # Stage 2 as before zero rows were decided on the pass.
@@ -77,7 +76,7 @@ def _compiled(name, w, scale, key, hidden, temperature, rules):
   def call(h, w, k, t, arrays):
     return fs.sample(h, w, k, temperature=t, weight_scale=scale, **arrays, **numbers)
 
-  with _stage2_with(_BEFORE if name.endswith("_before") else {}):
+  with stage2_with(_BEFORE if name.endswith("_before") else {}):
     f = jax.jit(call).lower(hidden, w, key, temperature, arrays).compile()
   return lambda k: f(hidden, w, k, temperature, arrays)
 
@@ -95,7 +94,7 @@ def _exact_rows(w, scale, key, hidden, temperature, rules, before: bool) -> int:
     st = stage2.per_sample(api.pass_state(p, c.for_pass(), impl, 0), c.samples)
     return stage2.finish(p, c, st, exact_top=impl.exact_top(p, c))[2]
 
-  with _stage2_with(_BEFORE if before else {}):
+  with stage2_with(_BEFORE if before else {}):
     return int(np.asarray(jax.jit(flagged)(hidden, w, key, temperature, arrays)).sum())
 
 
